@@ -1,0 +1,153 @@
+"""Time training steps of the configured model on random tokens (no data preparation).
+
+    python bench.py model=cpu_small train.batch_size=12            # ms/iter, tokens/s, MFU, memory
+    python bench.py model=cpu_small train.batch_size=12 bench.compare=/path/to/nanoGPT
+
+With bench.compare pointing at a karpathy/nanoGPT checkout, its GPT is timed at the same shapes
+(learned positions instead of RoPE, otherwise the same block), interleaved round by round with
+ours in one process, and the ratio printed: these machines are too noisy for anything else.
+"""
+import importlib.util
+import resource
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import hydra
+import torch
+from hydra.core.config_store import ConfigStore
+from omegaconf import OmegaConf
+
+from config import Config
+from errors import UserError
+from model import GPT, GPTConfig
+from train import setup_device, train_step
+
+# peak dense bf16 FLOP/s by GPU name (vendor figures); CPU has no table: bench.peak_flops
+PEAK_FLOPS = {"A100": 312e12, "H100": 989e12, "H200": 989e12, "L4": 121e12, "A10": 125e12,
+              "4090": 165e12, "3090": 71e12, "V100": 125e12}
+
+
+@dataclass
+class BenchSettings:
+    iters: int = 30  # timed steps per round
+    warmup: int = 5  # untimed steps first (allocator, compile, caches)
+    rounds: int = 3  # interleaved rounds when comparing; the median is reported
+    vocab_size: int = 65  # used when model.vocab_size is unset (tiny shakespeare's characters)
+    compare: Optional[str] = None  # a karpathy/nanoGPT checkout to time side by side
+    peak_flops: Optional[float] = 180e9  # CPU peak for MFU (fp32 matmul ceiling of 2 cores here)
+
+
+@dataclass
+class BenchConfig(Config):
+    bench: BenchSettings = field(default_factory=BenchSettings)
+
+
+ConfigStore.instance().store(name="base_bench", node=BenchConfig)
+
+
+def peak_flops(device, cpu_peak):
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        return next((v for k, v in PEAK_FLOPS.items() if k in name), None)
+    return cpu_peak
+
+
+def load_nanogpt(path):
+    """GPT and GPTConfig from a nanoGPT checkout's model.py, imported under another name."""
+    file = Path(path) / "model.py" if Path(path).is_dir() else Path(path)
+    if not file.is_file():
+        raise UserError(f"bench.compare={path!r}: no model.py there (give a karpathy/nanoGPT checkout)")
+    spec = importlib.util.spec_from_file_location("nanogpt_model", file)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.GPT, module.GPTConfig
+
+
+def time_steps(model, optimizer, cfg, device, autocast, n, batch):
+    scaler = torch.amp.GradScaler(device.type, enabled=False)
+    batches = [batch] * cfg.train.grad_accum
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        loss = train_step(model, optimizer, batches, cfg.train.grad_accum, cfg.train.grad_clip, device, autocast, scaler)
+    loss.item()  # waits for the device
+    return (time.perf_counter() - t0) / n
+
+
+def bench(cfg) -> dict:
+    torch.manual_seed(cfg.seed)
+    device, ptdtype, autocast = setup_device(cfg.device, cfg.dtype)
+    model_dict = OmegaConf.to_container(cfg.model, resolve=True)
+    model_dict["vocab_size"] = model_dict["vocab_size"] or cfg.bench.vocab_size
+    mcfg = GPTConfig(**model_dict)
+    B, T = cfg.train.batch_size, mcfg.block_size
+    x = torch.randint(mcfg.vocab_size, (B, T), device=device)
+    batch = (x, torch.roll(x, -1, dims=1))
+
+    models = {"attnlab": GPT(mcfg).to(device)}
+    if cfg.bench.compare:
+        NanoGPT, NanoConfig = load_nanogpt(cfg.bench.compare)
+        models["nanoGPT"] = NanoGPT(NanoConfig(block_size=T, vocab_size=mcfg.vocab_size, n_layer=mcfg.n_layer,
+                                               n_head=mcfg.n_head, n_embd=mcfg.n_embd, dropout=mcfg.dropout,
+                                               bias=mcfg.bias)).to(device)
+    runners = {}
+    for name, m in models.items():
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-4, betas=(cfg.train.beta1, cfg.train.beta2),
+                                weight_decay=cfg.train.weight_decay, fused=device.type == "cuda")
+        runners[name] = (torch.compile(m) if cfg.compile else m, opt)
+        time_steps(*runners[name], cfg, device, autocast, cfg.bench.warmup, batch)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    times = {name: [] for name in runners}
+    for _ in range(cfg.bench.rounds if len(runners) > 1 else 1):
+        for name, runner in runners.items():
+            times[name].append(time_steps(*runner, cfg, device, autocast, cfg.bench.iters, batch))
+
+    peak = peak_flops(device, cfg.bench.peak_flops)
+    tokens = B * T * cfg.train.grad_accum
+    flops_per_token = models["attnlab"].flops_per_token(T)
+    result = {"device": str(device), "dtype": str(ptdtype).replace("torch.", ""), "batch_size": B,
+              "block_size": T, "params": models["attnlab"].num_params(), "flops_per_token": flops_per_token}
+    for name, ts in times.items():
+        s = statistics.median(ts)
+        result[name] = {"ms_per_iter": 1000 * s, "tokens_per_sec": tokens / s}
+    ours = result["attnlab"]
+    ours["mfu"] = flops_per_token * ours["tokens_per_sec"] / peak if peak else None
+    if device.type == "cuda":
+        result["peak_mem_mb"] = torch.cuda.max_memory_allocated(device) / 2**20
+    else:  # process peak resident set (ru_maxrss is KiB on Linux)
+        result["peak_mem_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    if "nanoGPT" in result:
+        result["speed_ratio"] = result["nanoGPT"]["ms_per_iter"] / ours["ms_per_iter"]
+    return result
+
+
+def print_result(r):
+    print(f"device {r['device']} ({r['dtype']}), batch {r['batch_size']} x block {r['block_size']}, "
+          f"{r['params'] / 1e6:.2f}M params, {r['flops_per_token'] / 1e6:.2f} MFLOP/token")
+    for name in ("attnlab", "nanoGPT"):
+        if name in r:
+            print(f"{name:8s}: {r[name]['ms_per_iter']:7.2f} ms/iter  {r[name]['tokens_per_sec']:10.0f} tokens/s")
+    if r["attnlab"]["mfu"] is not None:
+        print(f"MFU (attnlab): {100 * r['attnlab']['mfu']:.2f}%")
+    print(f"peak memory: {r['peak_mem_mb']:.0f} MiB")
+    if "speed_ratio" in r:
+        print(f"speed ratio attnlab/nanoGPT (>1 = attnlab faster): {r['speed_ratio']:.3f}")
+
+
+@hydra.main(version_base="1.3", config_path="configs", config_name="bench")
+def main(cfg):
+    try:
+        print_result(bench(cfg))
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,92 @@
+"""The one place checkpoints are written, found and read.
+
+A checkpoint is a dict of tensors and plain values (weights, model config, tokenizer, step,
+optimizer state, the run's resolved config), so it loads with `torch.load(weights_only=True)`:
+a file carrying a pickled object that would run code is refused, never executed. It is written
+to a temporary file, fsynced and renamed over the old one, so a crash at any moment leaves the
+previous checkpoint intact.
+"""
+import os
+import pickle
+from pathlib import Path
+
+import torch
+
+from errors import UserError
+from model import GPT, GPTConfig
+
+CKPT_NAME = "ckpt.pt"
+
+
+def save_checkpoint(path, state: dict) -> Path:
+    """Atomically write `state` (tensors and plain Python values only) to `path`."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    dir_fd = os.open(path.parent, os.O_RDONLY)  # make the rename itself durable
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+    return path
+
+
+def find_checkpoint(where=None, root="outputs") -> Path:
+    """A checkpoint file from a file or run-dir path; with none, the newest under `root`."""
+    if where:
+        p = Path(where).expanduser()
+        if p.is_dir():
+            p = p / CKPT_NAME
+        if not p.is_file():
+            raise UserError(f"no checkpoint at {where!r}: pass ckpt=RUN_DIR or ckpt=FILE of a finished run")
+        return p
+    found = sorted(Path(root).rglob(CKPT_NAME), key=lambda q: q.stat().st_mtime)
+    if not found:
+        raise UserError(f"no checkpoint found under {root}/: train first (python train.py) or pass ckpt=PATH")
+    return found[-1]
+
+
+def load_checkpoint(path, map_location="cpu") -> dict:
+    """Read a checkpoint without unpickling arbitrary objects; errors are one line."""
+    path = Path(path)
+    try:
+        state = torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UserError(f"refusing to load {path}: it holds objects other than tensors and plain "
+                        f"values ({first[:200]}); only load checkpoints you trust, and never with "
+                        "weights_only=False") from None
+    except (RuntimeError, EOFError, OSError) as e:
+        raise UserError(f"cannot read checkpoint {path}: {str(e).splitlines()[0][:200]} "
+                        "(truncated or not a checkpoint?)") from None
+    if not isinstance(state, dict) or "model" not in state or "model_config" not in state:
+        raise UserError(f"{path} is not an attnlab checkpoint (no model weights or model config)")
+    return state
+
+
+def model_from_checkpoint(state: dict, device="cpu") -> GPT:
+    """Rebuild the model a checkpoint was saved from and load its weights."""
+    model = GPT(GPTConfig(**state["model_config"]))
+    load_weights(model, state["model"])
+    return model.to(device)
+
+
+def load_weights(model: GPT, weights: dict):
+    """load_state_dict, with shape mismatches named in one line instead of a traceback."""
+    own = model.state_dict()
+    for name, tensor in weights.items():
+        if name in own and own[name].shape != tensor.shape:
+            raise UserError(f"checkpoint does not fit this model: {name} is {tuple(tensor.shape)} in the "
+                            f"checkpoint but {tuple(own[name].shape)} here (different n_embd/vocab/...)")
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    if missing or unexpected:
+        raise UserError(f"checkpoint does not fit this model: missing {missing[:3]}, unexpected {unexpected[:3]}")

@@ -1,0 +1,100 @@
+"""The config schema: dataclasses registered in Hydra's ConfigStore.
+
+Each YAML under configs/ names its schema first in its defaults list (`- base_model`), so a
+misspelt key or a wrong type fails at composition, before anything runs. The model schema is
+model.GPTConfig itself: one definition of the architecture's knobs.
+"""
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+from model import GPTConfig
+
+
+@dataclass
+class DataConfig:
+    name: str = "python_docs"  # preset name; also names the token cache
+    path: Optional[str] = None  # a local UTF-8 text file; wins over url and the embedded corpus
+    url: Optional[str] = None  # a text file on the web, loaded through `datasets`
+    tokenizer: str = "char"  # char: one token per distinct character of the corpus
+    val_fraction: float = 0.1  # the last fraction of the tokens is the validation split
+    cache_dir: Optional[str] = None  # where prepared token files live; default <repo>/data/cache
+
+
+@dataclass
+class TrainConfig:
+    batch_size: int = 32  # sequences per micro-batch
+    grad_accum: int = 1  # micro-batches per optimizer step
+    max_iters: int = 2000  # optimizer steps
+    lr: float = 2e-3  # peak learning rate
+    min_lr: float = 2e-4  # floor of the cosine decay
+    warmup_iters: int = 100  # linear warmup steps
+    lr_decay_iters: Optional[int] = None  # steps until min_lr; default max_iters
+    beta1: float = 0.9
+    beta2: float = 0.99
+    weight_decay: float = 0.1  # on matrices only
+    grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
+    eval_interval: int = 250  # steps between evaluations (and checkpoints)
+    eval_iters: int = 20  # fixed val (and train) batches per evaluation
+    log_interval: int = 10  # steps between training-loss lines
+    log_attn_interval: Optional[int] = None  # attention-statistics probe; default eval_interval, 0 = off
+    probe_batch_size: int = 4  # sequences in the fixed attention probe batch
+
+
+@dataclass
+class WandbConfig:
+    mode: Optional[str] = None  # offline | online | disabled; unset: WANDB_MODE, else offline
+    project: str = "attnlab"
+    entity: Optional[str] = None
+    group: Optional[str] = None  # unset: the multirun sweep directory, so a sweep is one group
+    name: Optional[str] = None  # unset: the run's command-line overrides
+    tags: List[str] = field(default_factory=list)
+
+
+@dataclass
+class LoggerConfig:
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+
+
+@dataclass
+class Config:
+    model: GPTConfig = MISSING
+    data: DataConfig = MISSING
+    train: TrainConfig = MISSING
+    logger: LoggerConfig = MISSING
+    device: str = "auto"  # auto (cuda > mps > cpu) | cpu | cuda | cuda:N | mps
+    dtype: str = "auto"  # auto (bfloat16 autocast on capable CUDA, else float32) | float32 | bfloat16 | float16
+    compile: bool = False  # torch.compile the model
+    seed: int = 1337
+    out_dir: Optional[str] = None  # run directory; train.py sets it to Hydra's run dir
+
+
+@dataclass
+class SampleConfig:
+    ckpt: Optional[str] = None  # checkpoint file or run dir; default: newest under outputs/
+    prompt: str = "\n"  # text to continue
+    max_new_tokens: int = 500
+    num_samples: int = 1  # decoded together as one batch
+    temperature: float = 0.8  # 0 = greedy
+    top_k: Optional[int] = 200  # keep the k most likely tokens; null = all
+    top_p: float = 1.0  # nucleus sampling: smallest set with this much probability
+    seed: int = 1337
+    device: str = "auto"
+    kv_cache: bool = True  # false: recompute the whole context for every token
+    stream: bool = False  # print tokens as they are produced (num_samples=1)
+    stop: Optional[str] = None  # end a sample at the first occurrence of this string
+
+
+def register_configs() -> None:
+    cs = ConfigStore.instance()
+    cs.store(name="base_config", node=Config)
+    cs.store(name="base_sample", node=SampleConfig)
+    cs.store(group="model", name="base_model", node=GPTConfig)
+    cs.store(group="data", name="base_data", node=DataConfig)
+    cs.store(group="train", name="base_train", node=TrainConfig)
+    cs.store(group="logger", name="base_logger", node=LoggerConfig)
+
+
+register_configs()

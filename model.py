@@ -1,0 +1,357 @@
+"""A decoder-only Transformer (GPT) written to be read, trained and taken apart.
+
+Architecture choices, and why:
+- Pre-LN blocks, x + attn(ln(x)) then x + mlp(ln(x)), with a final norm before the LM head:
+  the residual stream stays an identity path, so training is stable without warmup tricks
+  (Xiong et al. 2020, arXiv 2002.04745).
+- Rotary position embeddings (RoPE, Su et al. 2021, arXiv 2104.09864) rotate q and k, never v,
+  and there is no learned position table: q·k then depends only on the offset between two
+  positions, which is also what lets the KV cache slide past block_size.
+- The attention logit scale is a config value (`attn.scale`), passed explicitly to the kernel:
+  1/sqrt(d_k) by default (Vaswani et al. 2017), `none` (1.0) or `dk` (1/d_k, muP) to ablate it.
+- Optional QK-Norm (Henry et al. 2020, arXiv 2010.04245; Dehghani et al. 2023, arXiv
+  2302.05442): q and k are normalised per head *before* RoPE, so the norm (and its gain) sees
+  the raw projection and RoPE, a rotation, then keeps the norm. The scale applies after both:
+  logit = scale * <rope(norm(q)), rope(norm(k))>, so |logit| <= scale * |q_hat| * |k_hat|.
+- One attention function with two paths: the fast one (F.scaled_dot_product_attention, flash
+  on GPU) and a plain-math reference (explicit scores, -inf mask, softmax, weights @ V). Tests
+  hold them equal; attention statistics are computed from the reference scores.
+- The LM head is tied to the token embedding (Press & Wolf 2017, arXiv 1608.05859).
+"""
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from errors import UserError
+
+QK_NORM_TYPES = ("rms", "layer", "l2")
+QK_NORM_GAINS = ("none", "head", "channel")
+
+
+class ConfigError(UserError):
+    """A bad config value; the message is one line that says how to fix it."""
+
+
+# ----------------------------------------------------------------------------- config
+
+@dataclass
+class AttnConfig:
+    scale: str = "sqrt_dk"  # sqrt_dk (1/sqrt(d_k)) | none (1.0) | dk (1/d_k) | a positive number
+    qk_norm: bool = False  # normalise q and k per head before RoPE
+    qk_norm_type: str = "rms"  # rms | layer | l2 (all parameter-free unless qk_norm_gain is set)
+    qk_norm_gain: str = "none"  # none | head (one scalar per head) | channel (one per head dim)
+    impl: str = "sdpa"  # sdpa (fast path) | reference (plain math, for checking and statistics)
+
+
+@dataclass
+class GPTConfig:
+    vocab_size: Optional[int] = None  # set from the tokenizer by the data pipeline
+    block_size: int = 256  # longest context the model is trained on
+    n_layer: int = 4  # number of transformer blocks
+    n_head: int = 4  # attention heads per block
+    n_embd: int = 128  # residual stream width; head_dim = n_embd // n_head
+    dropout: float = 0.0  # on attention weights, residual branches and embeddings
+    bias: bool = False  # biases in Linear and LayerNorm (GPT-2 had them; they do not help)
+    rope_base: float = 10000.0  # RoPE frequency base theta
+    attn: AttnConfig = field(default_factory=AttnConfig)
+
+    def __post_init__(self):
+        if isinstance(self.attn, dict):
+            self.attn = AttnConfig(**self.attn)
+        if self.vocab_size is None:
+            raise ConfigError("model.vocab_size is unset: it comes from the data's tokenizer")
+        for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"model.{name}={getattr(self, name)} must be a positive integer")
+        if self.n_embd % self.n_head:
+            raise ConfigError(f"model.n_embd={self.n_embd} is not divisible by model.n_head="
+                              f"{self.n_head}: pick n_embd as a multiple of n_head")
+        self.head_dim = self.n_embd // self.n_head
+        if self.head_dim % 2:
+            raise ConfigError(f"head size n_embd/n_head={self.head_dim} is odd, but RoPE rotates "
+                              "pairs of channels: make n_embd/n_head even")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"model.dropout={self.dropout} must be in [0, 1)")
+        self.attn_scale = resolve_scale(self.attn.scale, self.head_dim)
+        if self.attn.qk_norm_type not in QK_NORM_TYPES:
+            raise ConfigError(f"model.attn.qk_norm_type={self.attn.qk_norm_type!r} is unknown: "
+                              f"use one of {', '.join(QK_NORM_TYPES)}")
+        if self.attn.qk_norm_gain not in QK_NORM_GAINS:
+            raise ConfigError(f"model.attn.qk_norm_gain={self.attn.qk_norm_gain!r} is unknown: "
+                              f"use one of {', '.join(QK_NORM_GAINS)}")
+        if self.attn.impl not in ("sdpa", "reference"):
+            raise ConfigError(f"model.attn.impl={self.attn.impl!r} is unknown: use sdpa or reference")
+
+
+def resolve_scale(scale, head_dim: int) -> float:
+    """The attention logit multiplier named by `model.attn.scale`."""
+    named = {"sqrt_dk": 1.0 / math.sqrt(head_dim), "none": 1.0, "dk": 1.0 / head_dim}
+    if str(scale) in named:
+        return named[str(scale)]
+    try:
+        value = float(scale)
+    except (TypeError, ValueError):
+        value = float("nan")
+    if not (math.isfinite(value) and value > 0):
+        raise ConfigError(f"model.attn.scale={scale} is invalid: use sqrt_dk, none, dk or a "
+                          "positive number")
+    return value
+
+
+# ----------------------------------------------------------------------------- helpers
+
+def rope_freqs(head_dim: int, length: int, base: float, device=None):
+    """e^(i * position * theta_j) for positions 0..length-1: complex64 (length, head_dim // 2)."""
+    theta = 1.0 / base ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+    angles = torch.outer(torch.arange(length, device=device, dtype=torch.float32), theta)  # (L, hs/2)
+    return torch.polar(torch.ones_like(angles), angles)
+
+
+def apply_rope(x, freqs):
+    """Rotate each channel pair (2j, 2j+1) of x (..., hs) by its position's angle: one complex
+    multiply. freqs (complex, ..., hs/2) must broadcast against x's leading dims."""
+    wide = x.to(torch.promote_types(x.dtype, torch.float32))  # rotate in at least fp32
+    pairs = torch.view_as_complex(wide.unflatten(-1, (-1, 2)))  # (..., hs/2) complex
+    return torch.view_as_real(pairs * freqs).flatten(-2).type_as(x)
+
+
+def qk_normalize(x, kind: str, eps: float = 1e-6):
+    """Parameter-free per-head norm of x (..., hs). rms and layer give |x| = sqrt(hs); l2 gives 1."""
+    if kind == "l2":
+        return F.normalize(x, dim=-1, eps=eps)
+    if kind == "layer":
+        x = x - x.mean(dim=-1, keepdim=True)
+    return x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps)
+
+
+# ----------------------------------------------------------------------------- attention
+
+def visible(Tq: int, Tk: int, window=None, device=None):
+    """Which keys each query may see, (Tq, Tk) bool. The Tq queries are the last Tq of the Tk
+    positions (a decode step, Tq=1, sees every key; a block of probed queries sees its past).
+    With a window, a query also sees only the latest `window` keys (itself included)."""
+    offset = Tk - Tq  # absolute position of query 0 among the keys
+    i = torch.arange(Tq, device=device).unsqueeze(1) + offset
+    j = torch.arange(Tk, device=device).unsqueeze(0)
+    mask = j <= i
+    if window is not None:
+        mask &= j > i - window
+    return mask
+
+
+def attention_scores(q, k, scale: float, causal: bool = True, window=None):
+    """Scaled logits q·kᵀ·scale, keys a query may not see at -inf: (B, nh, Tq, hs), (B, nh, Tk, hs) -> (B, nh, Tq, Tk)."""
+    scores = (q @ k.transpose(-2, -1)) * scale  # (B, nh, Tq, Tk)
+    if causal:
+        scores = scores.masked_fill(~visible(q.size(-2), k.size(-2), window, q.device), float("-inf"))
+    return scores
+
+
+def attention(q, k, v, scale: float, causal: bool = True, impl: str = "sdpa", dropout_p: float = 0.0, window=None):
+    """softmax(q·kᵀ·scale + M)·v for q (B, nh, Tq, hs) and k, v (B, nh, Tk, hs) -> (B, nh, Tq, hs).
+
+    M is 0 where a key is visible (causal, and within `window` if given), -inf elsewhere."""
+    if impl == "sdpa":
+        Tq, Tk = q.size(-2), k.size(-2)
+        if causal and Tq == Tk and (window is None or window >= Tk):
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, scale=scale)
+        if causal and (Tq > 1 or (window is not None and window < Tk)):  # SDPA's is_causal aligns top-left
+            mask = visible(Tq, Tk, window, q.device)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale)
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, scale=scale)
+    # reference path: the same function written out
+    scores = attention_scores(q, k, scale, causal, window)  # (B, nh, Tq, Tk)
+    weights = F.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32)).type_as(q)
+    if dropout_p > 0:
+        weights = F.dropout(weights, p=dropout_p)
+    return weights @ v
+
+
+class KVCache:
+    """Per-layer K and V (after RoPE) for generation, preallocated as a ring buffer.
+
+    With RoPE a cached key keeps its absolute position forever, and attention only sees offsets,
+    so once `length` tokens are cached the oldest slot is overwritten and the context slides.
+    """
+
+    def __init__(self, batch_size, n_head, length, head_dim, device=None, dtype=torch.float32):
+        self.k = torch.zeros(batch_size, n_head, length, head_dim, device=device, dtype=dtype)
+        self.v = torch.zeros_like(self.k)
+        self.length = length
+
+    def update(self, pos: int, k, v):
+        """Store k, v (B, nh, T, hs) for positions pos..pos+T-1; return all cached (B, nh, n, hs)."""
+        T = k.size(2)
+        if T > 1 and pos != 0:
+            raise ValueError("a KV cache takes a multi-token chunk only as the first (prefill) step")
+        if T > self.length:
+            raise ValueError(f"prefill of {T} tokens does not fit a cache of {self.length}")
+        slots = torch.arange(pos, pos + T, device=k.device) % self.length
+        self.k.index_copy_(2, slots, k)
+        self.v.index_copy_(2, slots, v)
+        n = min(pos + T, self.length)  # slots in use; order is irrelevant once no mask is needed
+        return self.k[:, :, :n], self.v[:, :, :n]
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.n_head, self.head_dim = config.n_head, config.head_dim
+        self.scale = config.attn_scale
+        self.attn_cfg = config.attn
+        self.dropout = config.dropout
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)  # q, k, v at once
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.resid_dropout = nn.Dropout(config.dropout)
+        # QK-Norm gains broadcast over (B, T, 2 (q|k), nh, hs): a scalar or a vector per head
+        gain_shape = {"none": None, "head": (config.n_head, 1), "channel": (config.n_head, config.head_dim)}
+        shape = gain_shape[config.attn.qk_norm_gain] if config.attn.qk_norm else None
+        self.q_gain = nn.Parameter(torch.ones(shape)) if shape else None
+        self.k_gain = nn.Parameter(torch.ones(shape)) if shape else None
+
+    def qkv(self, x, freqs):
+        """q, k, v of x (B, T, C), each (B, nh, T, hs); q and k normed (if enabled), then rotated."""
+        B, T, C = x.shape
+        qkv = self.c_attn(x)  # (B, T, 3C)
+        qk = qkv[..., :2 * C].view(B, T, 2, self.n_head, self.head_dim)  # q and k side by side
+        v = qkv[..., 2 * C:].view(B, T, self.n_head, self.head_dim)
+        if self.attn_cfg.qk_norm:  # before RoPE: the gain multiplies un-rotated channels
+            qk = qk_normalize(qk, self.attn_cfg.qk_norm_type)
+            if self.q_gain is not None:
+                qk = qk * torch.stack((self.q_gain, self.k_gain))  # (2, nh, 1 or hs)
+        qk = apply_rope(qk, freqs.view(T, 1, 1, -1))  # one rotation for q and k together
+        q, k = qk.unbind(2)  # (B, T, nh, hs) each
+        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, nh, T, hs)
+
+    def logit_bound(self):
+        """With QK-Norm, the largest |logit| any input can give: scale * |q_hat| * |k_hat|, where
+        |x_hat| = sqrt(hs) after rms or layer norm and 1 after l2, times the largest |gain| of q and
+        of k. None without QK-Norm (then logits grow with the inputs)."""
+        if not self.attn_cfg.qk_norm:
+            return None
+        norm_sq = 1.0 if self.attn_cfg.qk_norm_type == "l2" else float(self.head_dim)
+        gains = 1.0 if self.q_gain is None else self.q_gain.abs().max().item() * self.k_gain.abs().max().item()
+        return self.scale * norm_sq * gains
+
+    def forward(self, x, freqs, kv_cache=None, pos=0, probe=None, window=None):
+        B, T, C = x.shape
+        q, k, v = self.qkv(x, freqs)
+        if probe is not None:  # attention statistics read q, k here; None on training steps
+            probe(q, k, self.scale)
+        if kv_cache is not None:
+            k, v = kv_cache.update(pos, k, v)  # (B, nh, n_cached, hs)
+        y = attention(q, k, v, self.scale, causal=True, impl=self.attn_cfg.impl,
+                      dropout_p=self.dropout if self.training else 0.0, window=window)  # (B, nh, T, hs)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)  # re-assemble heads side by side
+        return self.resid_dropout(self.c_proj(y))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x):
+        return self.dropout(self.c_proj(F.gelu(self.c_fc(x))))
+
+
+class Block(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.mlp = MLP(config)
+
+    def forward(self, x, freqs, kv_cache=None, pos=0, probe=None, window=None):
+        x = x + self.attn(self.ln_1(x), freqs, kv_cache, pos, probe, window)
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.config = config
+        self.wte = nn.Embedding(config.vocab_size, config.n_embd)
+        self.drop = nn.Dropout(config.dropout)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        self.ln_f = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.lm_head.weight = self.wte.weight  # tied
+        freqs = rope_freqs(config.head_dim, config.block_size, config.rope_base)
+        self.register_buffer("rope", freqs, persistent=False)  # (block_size, hs/2) complex
+        self.init_weights()
+
+    def init_weights(self):
+        """GPT-2 init: every Linear and the embedding ~ N(0, 0.02); the two projections that
+        write into the residual stream (attn.c_proj, mlp.c_proj) ~ N(0, 0.02/sqrt(2*n_layer)),
+        so the stream's variance does not grow with depth; biases 0; norm weights and QK gains 1."""
+        std_resid = 0.02 / math.sqrt(2 * self.config.n_layer)
+        for name, p in self.named_parameters():
+            if name.endswith("c_proj.weight"):
+                nn.init.normal_(p, mean=0.0, std=std_resid)
+            elif p.dim() == 2:
+                nn.init.normal_(p, mean=0.0, std=0.02)
+            elif name.endswith("bias"):
+                nn.init.zeros_(p)
+            else:
+                nn.init.ones_(p)
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())  # the tied embedding counts once
+
+    def flops_per_token(self, seq_len=None) -> int:
+        """Training FLOPs per token: 6N for the weights (forward 2N, backward 4N) plus attention's
+        q·k and weights·v, 2·2·T·d per layer forward, x3 for backward (PaLM, arXiv 2204.02311)."""
+        T = seq_len or self.config.block_size
+        return 6 * self.num_params() + 12 * self.config.n_layer * T * self.config.n_embd
+
+    def rope_at(self, start: int, T: int):
+        """RoPE factors for positions start..start+T-1, grown on demand (generation past block_size)."""
+        if start + T > self.rope.size(0):
+            self.rope = rope_freqs(self.config.head_dim, 2 * (start + T), self.config.rope_base, self.rope.device)
+        return self.rope[start:start + T]
+
+    def forward(self, idx, targets=None, kv_cache=None, pos: int = 0, probe=None, window=None):
+        """idx (B, T) token ids -> logits (B, T, vocab), plus the mean next-token loss if targets.
+
+        kv_cache: a list of KVCache (one per layer); idx then holds positions pos..pos+T-1.
+        probe: optional callable(layer, q, k, scale), used only for attention statistics.
+        window: each query sees only the latest `window` positions, in every layer; this is what a
+        sliding KV cache computes past block_size, so a longer idx is allowed with it.
+        """
+        B, T = idx.shape
+        if kv_cache is None and window is None and T > self.config.block_size:
+            raise ValueError(f"sequence of {T} tokens is longer than block_size={self.config.block_size}")
+        freqs = self.rope_at(pos, T)
+        x = self.drop(self.wte(idx))  # (B, T, C)
+        for i, block in enumerate(self.blocks):
+            layer_probe = None if probe is None else (lambda q, k, s, i=i: probe(i, q, k, s))
+            x = block(x, freqs, None if kv_cache is None else kv_cache[i], pos, layer_probe, window)
+        logits = self.lm_head(self.ln_f(x))  # (B, T, vocab)
+        if targets is None:
+            return logits
+        # teacher forcing: every position predicts its successor in one pass
+        loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.reshape(-1), ignore_index=-1)
+        return logits, loss
+
+    def new_kv_cache(self, batch_size: int, length: int, device=None, dtype=None):
+        """One preallocated KVCache per layer holding up to `length` positions."""
+        p = self.wte.weight
+        return [KVCache(batch_size, self.config.n_head, length, self.config.head_dim,
+                        device or p.device, dtype or p.dtype) for _ in range(self.config.n_layer)]
+
+    def configure_optimizer(self, lr, weight_decay, betas=(0.9, 0.95), fused=False):
+        """AdamW with weight decay on matrices (Linear weights, embedding) only, not on biases,
+        norm weights or QK gains (Loshchilov & Hutter 2019)."""
+        named = list(self.named_parameters())
+        decay = [p for n, p in named if n.endswith("weight") and p.dim() == 2]
+        no_decay = [p for n, p in named if not (n.endswith("weight") and p.dim() == 2)]
+        groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=fused)

@@ -1,0 +1,134 @@
+"""Compare runs without W&B: loss curves on one axis, attention statistics, and a Markdown table.
+
+    python report.py outputs/multirun/2026-11-29_12-00-00           # every run of a sweep
+    python report.py outputs/runs/A outputs/runs/B --out report/      # any run dirs
+
+Writes val_loss.png, attn_stats.png (when the runs were probed) and report.md into --out
+(default: the sweep dir when given one, else ./report) and prints the table.
+"""
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+import yaml
+
+from plots import plt, series
+from tracking import read_metrics
+
+
+def find_runs(paths) -> list:
+    """Run dirs (those holding metrics.jsonl) among the paths and their subdirectories."""
+    runs = []
+    for p in map(Path, paths):
+        if (p / "metrics.jsonl").is_file():
+            runs.append(p)
+        elif p.is_dir():
+            runs.extend(sorted(q.parent for q in p.rglob("metrics.jsonl")))
+        else:
+            raise SystemExit(f"error: {p} is not a run dir or a sweep dir")
+    if not runs:
+        raise SystemExit(f"error: no metrics.jsonl under {' '.join(map(str, paths))}: pass run or sweep dirs")
+    return runs
+
+
+def run_label(run: Path) -> str:
+    """The run's command-line overrides (what differs between sweep jobs), else its dir name."""
+    overrides = run / ".hydra" / "overrides.yaml"
+    if overrides.is_file():
+        items = [o for o in yaml.safe_load(overrides.read_text()) or []
+                 if not o.split("=")[0].lstrip("+~").startswith(("hydra.", "logger.", "data.", "device", "out_dir"))]
+        if items:
+            return ", ".join(items)
+    return run.name
+
+
+def summarize(run: Path) -> dict:
+    metrics = read_metrics(run)
+    evals = [m for m in metrics if "val/loss" in m]
+    speeds = [m["tokens_per_sec"] for m in metrics if "tokens_per_sec" in m]
+    probes = [m for m in metrics if "attn_entropy/mean" in m]
+    last = evals[-1] if evals else {}
+    return {"run": run_label(run), "dir": str(run), "metrics": metrics, "steps": last.get("step"),
+            "train_loss": last.get("train/loss"), "val_loss": last.get("val/loss"),
+            "best_val_loss": min((m["val/loss"] for m in evals), default=None),
+            "tokens_per_sec": statistics.median(speeds) if speeds else None,
+            "attn_entropy": probes[-1]["attn_entropy/mean"] if probes else None,
+            "attn_peak": probes[-1].get("attn_peak/mean") if probes else None}
+
+
+def fmt(v, spec=".4f"):
+    return "-" if v is None else format(v, spec)
+
+
+def table(rows) -> str:
+    lines = ["| run | steps | train loss | val loss | best val loss | tokens/s | attn entropy (nats) | attn peak |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['run']} | {fmt(r['steps'], 'd')} | {fmt(r['train_loss'])} | {fmt(r['val_loss'])} | "
+                     f"{fmt(r['best_val_loss'])} | {fmt(r['tokens_per_sec'], '.0f')} | {fmt(r['attn_entropy'], '.3f')} | "
+                     f"{fmt(r['attn_peak'], '.3f')} |")
+    return "\n".join(lines)
+
+
+def plot_val_loss(rows, path):
+    fig, ax = plt.subplots(figsize=(8, 5))
+    colors = plt.cm.tab10.colors
+    for i, r in enumerate(rows):
+        steps, val = series(r["metrics"], "val/loss")
+        ax.plot(steps, val, "o-", ms=3, color=colors[i % 10], label=r["run"])
+    ax.set(xlabel="step", ylabel="val loss (nats/token)", title="validation loss")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_attn(rows, path):
+    keys = [("attn_entropy/mean", "entropy (nats)"), ("attn_entropy_norm/mean", "entropy / ln(keys)  (1 = uniform)"),
+            ("attn_peak/mean", "largest attention weight")]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    colors = plt.cm.tab10.colors
+    for ax, (key, label) in zip(axes, keys):
+        for i, r in enumerate(rows):
+            steps, values = series(r["metrics"], key)
+            ax.plot(steps, values, "o-", ms=3, color=colors[i % 10], label=r["run"])
+        ax.set(xlabel="step", ylabel=label, title=f"attention {label.split(' ')[0]} (mean over layers, heads)")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def report(paths, out=None) -> dict:
+    runs = find_runs(paths)
+    rows = [summarize(r) for r in runs]
+    if out is None:
+        out = paths[0] if len(paths) == 1 and not (Path(paths[0]) / "metrics.jsonl").is_file() else "report"
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    plot_val_loss(rows, out / "val_loss.png")
+    files = [out / "val_loss.png"]
+    if any(r["attn_entropy"] is not None for r in rows):
+        plot_attn(rows, out / "attn_stats.png")
+        files.append(out / "attn_stats.png")
+    md = table(rows)
+    (out / "report.md").write_text(md + "\n")
+    files.append(out / "report.md")
+    return {"table": md, "rows": rows, "files": files}
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("dirs", nargs="+", help="run dirs or sweep (multirun) dirs")
+    parser.add_argument("--out", default=None, help="where to write the PNGs and report.md")
+    args = parser.parse_args(argv)
+    result = report(args.dirs, args.out)
+    print(result["table"])
+    print("wrote " + ", ".join(map(str, result["files"])), file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,146 @@
+"""Sample text from a trained checkpoint. Samples go to stdout, everything else to stderr.
+
+    python sample.py                                   # newest checkpoint under outputs/
+    python sample.py ckpt=outputs/runs/X prompt="ROMEO:" max_new_tokens=500 temperature=0.8 top_k=200
+
+Generation uses a KV cache: the prompt is run once (prefill) and each later step feeds only the
+newest token, whose query attends to the cached keys and values. `kv_cache=false` recomputes the
+whole context every step instead; both give the same logits (tests hold them equal).
+"""
+import logging
+import sys
+
+import hydra
+import torch
+
+import config  # noqa: F401  (registers the config schema with Hydra)
+from checkpoint import find_checkpoint, load_checkpoint, model_from_checkpoint
+from errors import UserError
+from tokenizer import tokenizer_from_dict
+from train import pick_device
+
+log = logging.getLogger("attnlab")
+
+
+def check_sampling(max_new_tokens, temperature, top_k, top_p, num_samples=1):
+    if max_new_tokens < 0:
+        raise UserError(f"max_new_tokens={max_new_tokens} must be >= 0")
+    if temperature < 0:
+        raise UserError(f"temperature={temperature} must be >= 0 (0 = greedy)")
+    if not 0 < top_p <= 1:
+        raise UserError(f"top_p={top_p} must be in (0, 1]")
+    if top_k is not None and top_k <= 0:
+        raise UserError(f"top_k={top_k} must be a positive integer or null")
+    if num_samples <= 0:
+        raise UserError(f"num_samples={num_samples} must be a positive integer")
+
+
+def next_tokens(logits, temperature, top_k, top_p, generators):
+    """One token per row of logits (B, vocab): greedy at temperature 0, else sampled from the
+    temperature-scaled, top-k and top-p filtered distribution, row b with generators[b]."""
+    if temperature == 0:
+        return logits.argmax(dim=-1, keepdim=True)  # (B, 1)
+    logits = logits.float() / temperature
+    if top_k is not None and top_k < logits.size(-1):
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]  # (B, 1)
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if top_p < 1.0:  # keep the smallest set of most likely tokens whose mass reaches top_p
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        outside = sorted_p.cumsum(-1) - sorted_p >= top_p  # mass before this token already enough
+        probs = probs.scatter(-1, order, sorted_p.masked_fill(outside, 0.0))
+    # each row has its own generator, so sample b of a batch equals a lone sample with that seed
+    return torch.stack([torch.multinomial(probs[b], 1, generator=g) for b, g in enumerate(generators)])
+
+
+@torch.no_grad()
+def generate(model, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=1.0, kv_cache=True,
+             generators=None, on_token=None):
+    """Continue idx (B, T) by max_new_tokens tokens; returns (B, T + max_new_tokens).
+
+    on_token(tokens (B, 1)) is called after every step, e.g. to stream text; if it returns True,
+    generation stops early.
+    """
+    check_sampling(max_new_tokens, temperature, top_k, top_p)
+    model.eval()
+    B, block_size = idx.size(0), model.config.block_size
+    if generators is None:
+        generators = [torch.Generator(device=idx.device).manual_seed(1337 + b) for b in range(B)]
+    logits, cache, pos = None, None, 0
+    if kv_cache and max_new_tokens > 0:
+        prompt = idx[:, -block_size:]  # a longer prompt is cropped, as the recomputing path does
+        # the cache holds one block: past that it slides, keys keeping their absolute RoPE positions
+        cache = model.new_kv_cache(B, min(block_size, prompt.size(1) + max_new_tokens))
+        logits = model(prompt, kv_cache=cache, pos=0)[:, -1]  # prefill: (B, vocab)
+        pos = prompt.size(1)
+    for step in range(max_new_tokens):
+        if not kv_cache:
+            logits = model(idx[:, -block_size:])[:, -1]  # recompute the whole (cropped) context
+        token = next_tokens(logits, temperature, top_k, top_p, generators)  # (B, 1)
+        idx = torch.cat((idx, token), dim=1)
+        if on_token is not None and on_token(token):
+            break
+        if kv_cache and step < max_new_tokens - 1:
+            logits = model(token, kv_cache=cache, pos=pos)[:, -1]  # decode: only the new token
+            pos += 1
+    return idx
+
+
+def sample(cfg, out=None) -> list:
+    """Generate cfg.num_samples continuations of cfg.prompt from a checkpoint; returns the texts.
+    With cfg.stream, text is written to `out` (default stdout) as it is produced."""
+    check_sampling(cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.top_p, cfg.num_samples)
+    if cfg.stream and cfg.num_samples != 1:
+        raise UserError("stream=true prints one sample as it is produced: set num_samples=1")
+    device = pick_device(cfg.device)
+    path = find_checkpoint(cfg.ckpt)
+    log.info("sampling from %s", path)
+    state = load_checkpoint(path)
+    model = model_from_checkpoint(state, device)
+    tok = tokenizer_from_dict(state["tokenizer"])
+    if cfg.prompt == "":
+        raise UserError("prompt is empty: a char-level model needs at least one character to start from")
+    prompt_ids = torch.as_tensor(tok.encode(cfg.prompt), dtype=torch.long, device=device)
+    idx = prompt_ids.unsqueeze(0).repeat(cfg.num_samples, 1)  # (num_samples, T)
+    gens = [torch.Generator(device=device).manual_seed(cfg.seed + b) for b in range(cfg.num_samples)]
+    out = out or sys.stdout
+    texts = [""] * cfg.num_samples
+    done = [False] * cfg.num_samples
+
+    def on_token(token):
+        for b in range(cfg.num_samples):
+            if done[b]:
+                continue
+            piece = tok.decode(token[b].tolist())
+            texts[b] += piece
+            if cfg.stop and cfg.stop in texts[b]:
+                texts[b] = texts[b][:texts[b].index(cfg.stop)]
+                done[b] = True
+            elif cfg.stream:
+                out.write(piece)
+                out.flush()
+        return all(done)
+
+    if cfg.stream:
+        out.write(cfg.prompt)
+    generate(model, idx, cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.top_p, cfg.kv_cache, gens, on_token)
+    return [cfg.prompt + t for t in texts]
+
+
+@hydra.main(version_base="1.3", config_path="configs", config_name="sample")
+def main(cfg):
+    try:
+        texts = sample(cfg)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)
+    if cfg.stream:
+        print()
+    else:
+        for text in texts:
+            print(text)
+            print("---------------")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,93 @@
+"""Checkpoint I/O: safe loading, clear errors, atomic writes."""
+import pytest
+import torch
+
+import checkpoint as ck
+from errors import UserError
+from model import GPT, GPTConfig
+
+
+def small_state(n_embd=16):
+    import dataclasses
+    model = GPT(GPTConfig(vocab_size=20, block_size=8, n_layer=1, n_head=2, n_embd=n_embd))
+    return model, {"model": model.state_dict(), "model_config": dataclasses.asdict(model.config),
+                   "tokenizer": {"kind": "char", "chars": "abcdefghijklmnopqrst"}, "step": 3}
+
+
+class Payload:
+    """Unpickling this calls open(marker, 'w'): code that runs on load."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_pickle_payload_is_refused_and_never_runs(tmp_path):
+    marker = tmp_path / "pwned"
+    path = tmp_path / "evil.pt"
+    _, state = small_state()
+    state["extra"] = Payload(marker)
+    torch.save(state, path)
+    with pytest.raises(UserError, match="refusing to load") as e:
+        ck.load_checkpoint(path)
+    assert "\n" not in str(e.value)
+    assert not marker.exists()
+    torch.load(path, weights_only=False)  # the payload is live: an unsafe load would have run it
+    assert marker.exists()
+
+
+def test_round_trip_rebuilds_the_same_model(tmp_path):
+    model, state = small_state()
+    ck.save_checkpoint(tmp_path / "ckpt.pt", state)
+    loaded = ck.model_from_checkpoint(ck.load_checkpoint(tmp_path / "ckpt.pt"))
+    idx = torch.randint(20, (2, 8))
+    assert torch.equal(model.eval()(idx), loaded.eval()(idx))
+
+
+def test_truncated_checkpoint_is_one_line_error(tmp_path):
+    _, state = small_state()
+    path = ck.save_checkpoint(tmp_path / "ckpt.pt", state)
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    with pytest.raises(UserError, match="cannot read checkpoint") as e:
+        ck.load_checkpoint(path)
+    assert "\n" not in str(e.value)
+
+
+def test_incompatible_checkpoint_names_the_mismatch(tmp_path):
+    _, state = small_state(n_embd=32)
+    other, _ = small_state(n_embd=16)
+    with pytest.raises(UserError, match=r"wte.weight is \(20, 32\) in the checkpoint but \(20, 16\)"):
+        ck.load_weights(other, state["model"])
+
+
+def test_failed_write_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    model, state = small_state()
+    path = ck.save_checkpoint(tmp_path / "ckpt.pt", state)
+    before = path.read_bytes()
+
+    def crash_mid_write(obj, f):
+        f.write(b"half a checkpoint")
+        raise KeyboardInterrupt
+    monkeypatch.setattr(ck.torch, "save", crash_mid_write)
+    with pytest.raises(KeyboardInterrupt):
+        ck.save_checkpoint(path, {**state, "step": 4})
+    monkeypatch.undo()
+    assert path.read_bytes() == before and ck.load_checkpoint(path)["step"] == 3
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt.pt"]  # no temporary file left
+
+
+def test_find_checkpoint(tmp_path):
+    with pytest.raises(UserError, match="no checkpoint found"):
+        ck.find_checkpoint(None, root=tmp_path)
+    with pytest.raises(UserError, match="no checkpoint at"):
+        ck.find_checkpoint(tmp_path / "nope")
+    _, state = small_state()
+    old = ck.save_checkpoint(tmp_path / "a" / "ckpt.pt", state)
+    new = ck.save_checkpoint(tmp_path / "b" / "ckpt.pt", state)
+    import os
+    os.utime(old, (1, 1))
+    assert ck.find_checkpoint(None, root=tmp_path) == new
+    assert ck.find_checkpoint(tmp_path / "a") == old

@@ -1,0 +1,96 @@
+"""Data preparation: tokenization, caching, atomicity, splits, batches."""
+import json
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import SHAKESPEARE, compose_cfg, requires_shared
+from data.prepare import TokenData, prepare, python_docs_text, token_dtype
+from errors import UserError
+from tokenizer import CharTokenizer
+
+
+def data_cfg(tmp_path, *overrides):
+    return compose_cfg("config", [f"data.cache_dir={tmp_path / 'cache'}", *overrides]).data
+
+
+def test_python_docs_is_the_embedded_corpus(tmp_path):
+    from pydoc_data.topics import topics
+    text = python_docs_text()
+    assert len(text) > 300_000 and set(topics[sorted(topics)[0]]) <= set(text)
+    d = TokenData(prepare(data_cfg(tmp_path)))
+    # the stored ids decode back to the corpus: train then val, in order
+    ids = np.concatenate([d.splits["train"], d.splits["val"]])
+    assert d.tokenizer.decode(ids) == text
+    assert d.meta["source"]["location"] == sys.version.split()[0]
+    assert 80 <= d.vocab_size <= 200 and d.splits["train"].dtype == np.uint16
+    assert len(d.splits["val"]) == int(len(ids) * 0.1)
+
+
+def test_char_tokenizer_round_trip_and_unknown_characters():
+    tok = CharTokenizer.train("hello world")
+    assert tok.chars == " dehlorw"
+    assert tok.decode(tok.encode("world hello")) == "world hello"
+    assert tok.encode("hello").tolist() == [tok.stoi[c] for c in "hello"]
+    with pytest.raises(UserError, match="'xz'"):
+        tok.encode("zox")
+
+
+def test_local_file_is_prepared_once_and_reused(tmp_path, text_file):
+    cfg = data_cfg(tmp_path, "data=text", f"data.path={text_file}")
+    first = prepare(cfg)
+    stamp = (first / "train.bin").stat().st_mtime_ns
+    assert prepare(cfg) == first and (first / "train.bin").stat().st_mtime_ns == stamp  # no work
+    text_file.write_text(text_file.read_text() + "more text\n")  # new content -> new cache entry
+    assert prepare(cfg) != first
+
+
+def test_interrupted_preparation_leaves_no_complete_looking_cache(tmp_path, text_file, monkeypatch):
+    cfg = data_cfg(tmp_path, "data=text", f"data.path={text_file}")
+    import data.prepare as dp
+
+    def killed(*a, **k):
+        raise KeyboardInterrupt  # interrupted after every file was written, before the rename
+    monkeypatch.setattr(dp.os, "rename", killed)
+    with pytest.raises(KeyboardInterrupt):
+        prepare(cfg)
+    monkeypatch.undo()
+    assert not list((tmp_path / "cache").glob("*/meta.json"))
+    assert not list((tmp_path / "cache").glob(".*tmp*"))  # the temporary dir is cleaned up
+    # a SIGKILL skips the clean-up: a leftover temporary dir must not be taken for a dataset
+    leftover = tmp_path / "cache" / ".text-char-0000.tmp-1"
+    leftover.mkdir(parents=True)
+    (leftover / "meta.json").write_text("{}")
+    out = prepare(cfg)  # the next run redoes it
+    assert out.parent == leftover.parent and out != leftover
+    assert json.loads((out / "meta.json").read_text())["tokens"]["train"] > 0
+
+
+def test_batches_are_contiguous_windows_shifted_by_one(tmp_path, text_file):
+    d = TokenData(prepare(data_cfg(tmp_path, "data=text", f"data.path={text_file}")))
+    x, y = d.get_batch("train", 8, 16, torch.Generator().manual_seed(0))
+    assert x.shape == y.shape == (8, 16) and x.dtype == torch.int64
+    assert torch.equal(x[:, 1:], y[:, :-1])
+    train = torch.from_numpy(d.splits["train"].astype(np.int64))
+    for row in range(8):  # each row is a slice of the train split
+        starts = [i for i in range(len(train) - 16) if torch.equal(train[i:i + 16], x[row])]
+        assert starts and torch.equal(train[starts[0] + 1:starts[0] + 17], y[row])
+
+
+def test_token_dtype_is_chosen_by_vocab_size():
+    assert token_dtype(65) == np.uint16 and token_dtype(65536) == np.uint16
+    assert token_dtype(65537) == np.uint32 and token_dtype(100_277) == np.uint32
+
+
+def test_missing_source_is_one_line_error(tmp_path):
+    with pytest.raises(UserError, match="data.path"):
+        prepare(data_cfg(tmp_path, "data=text"))
+
+
+@requires_shared(SHAKESPEARE)
+def test_shakespeare_char_from_local_copy(tmp_path):
+    d = TokenData(prepare(data_cfg(tmp_path, "data=shakespeare_char", f"data.path={SHAKESPEARE}")))
+    assert d.vocab_size == 65  # the classic 65 characters
+    assert len(d.splits["train"]) + len(d.splits["val"]) == 1_115_394

@@ -1,0 +1,171 @@
+"""Training end to end through Hydra's compose API and the real CLI, in tmp_path."""
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from checkpoint import load_checkpoint, model_from_checkpoint
+from conftest import REPO
+from errors import UserError
+from sample import sample
+from tracking import read_metrics
+from train import lr_at, train
+
+
+def run_cli(script, *args, cwd=REPO, env=None, timeout=300):
+    full_env = {**os.environ, "WANDB_SILENT": "true", **(env or {})}
+    return subprocess.run([sys.executable, str(REPO / script), *args], cwd=cwd, capture_output=True,
+                          text=True, timeout=timeout, env=full_env)
+
+
+def test_train_then_sample_end_to_end(train_cfg, sample_cfg, tmp_path):
+    cfg = train_cfg("train.max_iters=40")
+    result = train(cfg)
+    run = tmp_path / "run"
+    # the run dir holds config, code/hardware info, metrics and the checkpoint
+    for name in ("config.yaml", "run_info.json", "metrics.jsonl", "ckpt.pt", "loss.png"):
+        assert (run / name).is_file(), name
+    info = json.loads((run / "run_info.json").read_text())
+    assert info["torch"] == torch.__version__ and info["device"] == "cpu"
+
+    metrics = read_metrics(run)
+    assert all("step" in m for m in metrics)
+    train_lines = [m for m in metrics if "lr" in m]
+    eval_lines = [m for m in metrics if "val/loss" in m]
+    assert [m["step"] for m in train_lines] == list(range(5, 41, 5))
+    assert all({"train/loss", "lr", "tokens_per_sec"} <= m.keys() for m in train_lines)
+    assert [m["step"] for m in eval_lines] == [0, 10, 20, 30, 40]
+    assert all({"train/loss", "val/loss"} <= m.keys() for m in eval_lines)
+    assert eval_lines[-1]["val/loss"] < eval_lines[0]["val/loss"]  # it learned something
+    assert result["val_loss"] == eval_lines[-1]["val/loss"]
+
+    # the checkpoint is self-contained: weights, model config, tokenizer
+    state = load_checkpoint(run / "ckpt.pt")
+    assert state["step"] == 40 and state["tokenizer"]["kind"] == "char"
+    model = model_from_checkpoint(state)
+    assert model.config.n_layer == 2
+
+    texts = sample(sample_cfg(f"ckpt={run}", "prompt=The", "max_new_tokens=25", "num_samples=2"))
+    assert len(texts) == 2 and all(t.startswith("The") and len(t) == 28 for t in texts)
+
+
+def test_eval_loss_recomputes_from_checkpoint(train_cfg, tmp_path):
+    """The logged val loss equals a recomputation on the same fixed batches from the saved weights."""
+    from data.prepare import TokenData, prepare
+    cfg = train_cfg("train.max_iters=10")
+    result = train(cfg)
+    model = model_from_checkpoint(load_checkpoint(tmp_path / "run" / "ckpt.pt")).eval()
+    data = TokenData(prepare(cfg.data))
+    gen = torch.Generator().manual_seed(cfg.seed + 1000 + 1)  # the val split's fixed stream
+    losses = []
+    with torch.no_grad():
+        for _ in range(cfg.train.eval_iters):
+            x, y = data.get_batch("val", cfg.train.batch_size, cfg.model.block_size, gen)
+            logits = model(x)
+            losses.append(torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten()).item())
+    assert result["val_loss"] == pytest.approx(sum(losses) / len(losses), rel=1e-5)
+
+
+def test_gradient_accumulation_equals_bigger_batch(train_cfg, tmp_path):
+    """grad_accum=2 with batch b takes the same steps as grad_accum=1 with batch 2b when fed the
+    same tokens: compare one optimizer step by hand."""
+    from model import GPT, GPTConfig
+    from train import train_step
+    from contextlib import nullcontext
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=30, block_size=8, n_layer=1, n_head=2, n_embd=16)
+    a, b = GPT(cfg), GPT(cfg)
+    b.load_state_dict(a.state_dict())
+    x, y = torch.randint(30, (8, 8)), torch.randint(30, (8, 8))
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    opt_a, opt_b = a.configure_optimizer(1e-2, 0.1), b.configure_optimizer(1e-2, 0.1)
+    train_step(a, opt_a, [(x, y)], 1, 1.0, torch.device("cpu"), nullcontext(), scaler)
+    train_step(b, opt_b, [(x[:4], y[:4]), (x[4:], y[4:])], 2, 1.0, torch.device("cpu"), nullcontext(), scaler)
+    for (n, p), q in zip(a.named_parameters(), b.parameters()):
+        assert torch.allclose(p, q, atol=1e-6), n
+
+
+def test_lr_schedule_warmup_cosine_floor(train_cfg):
+    t = train_cfg("train.lr=1e-3", "train.min_lr=1e-4", "train.warmup_iters=10", "train.lr_decay_iters=110").train
+    assert lr_at(0, t) == pytest.approx(1e-3 / 11)
+    assert lr_at(9, t) == pytest.approx(1e-3 * 10 / 11)
+    assert lr_at(10, t) == pytest.approx(1e-3)
+    assert lr_at(60, t) == pytest.approx(1e-4 + 0.5 * (1e-3 - 1e-4))  # half way: cos(pi/2) = 0
+    assert lr_at(110, t) == pytest.approx(1e-4) and lr_at(500, t) == pytest.approx(1e-4)
+
+
+@pytest.mark.parametrize("override,needle", [
+    ("data.path=/nonexistent/corpus.txt", "no such file"),
+    ("model.n_embd=33", "not divisible by model.n_head"),
+    ("model.n_embd=6", "odd"),  # 2 heads of 3
+    ("model.block_size=1000000", "too large for the train split"),
+    ("train.lr=-1", "train.lr"),
+    ("train.batch_size=0", "train.batch_size"),
+    ("model.attn.scale=-1", "model.attn.scale"),
+    ("device=cuda:7" if not torch.cuda.is_available() else "device=banana", "device"),
+])
+def test_bad_input_is_one_line_error_and_writes_no_checkpoint(train_cfg, tmp_path, override, needle):
+    with pytest.raises(UserError, match=needle) as e:
+        train(train_cfg(override))
+    assert "\n" not in str(e.value)
+    assert not (tmp_path / "run" / "ckpt.pt").exists()
+
+
+def test_data_errors_one_line(train_cfg, tmp_path):
+    bad = tmp_path / "latin1.txt"
+    bad.write_bytes("caf\xe9 cr\xe8me ".encode("latin-1") * 100)
+    with pytest.raises(UserError, match="not UTF-8"):
+        train(train_cfg(f"data.path={bad}"))
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    with pytest.raises(UserError, match="no text"):
+        train(train_cfg(f"data.path={empty}"))
+    assert not list((tmp_path / "cache").glob("*/meta.json"))  # no prepared dataset was left behind
+
+
+def test_cli_bad_input_prints_one_line_and_exits_nonzero(tmp_path):
+    r = run_cli("train.py", "model=debug", "model.n_embd=33", f"hydra.run.dir={tmp_path / 'r'}",
+                "logger.wandb.mode=disabled")
+    assert r.returncode != 0
+    assert "error: model.n_embd=33 is not divisible" in r.stderr
+    assert "Traceback" not in r.stderr
+    r = run_cli("train.py", "model.n_layers=3", f"hydra.run.dir={tmp_path / 'r'}")  # unknown key
+    assert r.returncode != 0 and "n_layers" in r.stderr
+    r = run_cli("train.py", "model.n_layer=three", f"hydra.run.dir={tmp_path / 'r'}")  # wrong type
+    assert r.returncode != 0 and "n_layer" in r.stderr
+
+
+def test_cfg_job_composes():
+    r = run_cli("train.py", "--cfg", "job")
+    assert r.returncode == 0, r.stderr
+    for key in ("n_layer:", "scale: sqrt_dk", "qk_norm: false", "grad_accum:", "lr_decay_iters:", "mode:"):
+        assert key in r.stdout
+
+
+def test_cli_train_and_sample_pipe(tmp_path):
+    """The README's two commands, through the real CLI: samples on stdout, logs on stderr."""
+    run = tmp_path / "run"
+    r = run_cli("train.py", "model=debug", "train.max_iters=20", "train.eval_interval=10", "train.eval_iters=2",
+                "train.batch_size=4", f"hydra.run.dir={run}", f"data.cache_dir={tmp_path / 'cache'}",
+                "logger.wandb.mode=disabled")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout == ""  # logs go to stderr
+    assert (run / ".hydra" / "config.yaml").is_file() and (run / "ckpt.pt").is_file()
+    r = run_cli("sample.py", f"ckpt={run}", "prompt=def", "max_new_tokens=20", "device=cpu", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("def") and r.stdout.count("\n") >= 2
+    assert "sampling from" in r.stderr and "sampling from" not in r.stdout
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cache", "run"]  # sample.py wrote nothing
+
+
+def test_default_run_config_fits_the_budget():
+    """The default `python train.py` must stay a few-minute CPU job: a fixed token budget."""
+    from conftest import compose_cfg
+    cfg = compose_cfg("config")
+    tokens = cfg.train.max_iters * cfg.train.batch_size * cfg.model.block_size * cfg.train.grad_accum
+    assert tokens <= 3.2e6 and cfg.data.name == "python_docs" and cfg.device == "auto"
+    assert math.isclose(cfg.train.lr, 2e-3)

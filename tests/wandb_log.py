@@ -1,0 +1,55 @@
+"""Read back what the real wandb package wrote for an offline run.
+
+wandb 0.31 keeps an offline run's data only in its transaction log (`run-<id>.wandb`; no
+files/wandb-summary.json until it is synced). That log is the LevelDB log format (32 KiB blocks,
+records with a 7-byte header: crc32, length, type) after a 7-byte ':W&B' header, each record a
+protobuf `Record` from wandb.proto. This reads the history rows back, for tests only.
+"""
+import json
+import struct
+from pathlib import Path
+
+from wandb.proto import wandb_internal_pb2 as pb
+
+BLOCK = 32 * 1024
+FULL, FIRST, MIDDLE, LAST = 1, 2, 3, 4
+
+
+def records(path):
+    data = Path(path).read_bytes()
+    assert data[:4] == b":W&B", f"{path} is not a W&B transaction log"
+    pos, pending = 7, b""
+    while pos + 7 <= len(data):
+        left = BLOCK - pos % BLOCK
+        if left < 7:  # block trailer padding
+            pos += left
+            continue
+        _crc, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        if length == 0 and kind == 0:  # zero padding to the end of the block
+            pos += left
+            continue
+        pending += data[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind in (FULL, LAST):
+            record = pb.Record()
+            record.ParseFromString(pending)
+            pending = b""
+            yield record
+
+
+def history(run_dir) -> list:
+    """The logged rows of an offline run dir (offline-run-*), as dicts of JSON values."""
+    log = next(Path(run_dir).glob("run-*.wandb"))
+    rows = []
+    for r in records(log):
+        if r.WhichOneof("record_type") == "history":
+            rows.append({item.key or ".".join(item.nested_key): json.loads(item.value_json) for item in r.history.item})
+    return rows
+
+
+def summary(run_dir) -> dict:
+    """Last value of every key, as W&B's run summary shows it."""
+    out = {}
+    for row in history(run_dir):
+        out.update(row)
+    return out

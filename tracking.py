@@ -1,0 +1,69 @@
+"""Where metrics go: `metrics.jsonl` in the run dir (always) and Weights & Biases (offline by default).
+
+W&B never prompts and never needs the network unless the user asks: the mode is the user's
+choice (`logger.wandb.mode` or WANDB_MODE), else offline. Its files go inside the run dir.
+"""
+import json
+import os
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+WANDB_MODES = ("offline", "online", "disabled")
+
+
+class Tracker:
+    def __init__(self, out_dir, cfg, name=None, group=None, enabled=True):
+        self.enabled = enabled  # False on DDP ranks > 0: nothing is written there
+        self.path = Path(out_dir) / "metrics.jsonl"
+        self.run = None
+        if not enabled:
+            return
+        self.file = open(self.path, "a")
+        wcfg = cfg.logger.wandb
+        mode = wcfg.mode
+        if mode is not None and mode not in WANDB_MODES:
+            from errors import UserError
+            raise UserError(f"logger.wandb.mode={mode!r} is unknown: use offline, online or disabled")
+        if mode is None and not os.environ.get("WANDB_MODE"):
+            mode = "offline"  # never reach for the network or a key unless asked to
+        if mode == "disabled" or (mode is None and os.environ.get("WANDB_MODE") == "disabled"):
+            return
+        os.environ.setdefault("WANDB_SILENT", "true")
+        import wandb
+
+        self.run = wandb.init(
+            project=wcfg.project, entity=wcfg.entity, group=wcfg.group or group,
+            name=wcfg.name or name, tags=list(wcfg.tags) or None, mode=mode,  # None: WANDB_MODE decides
+            dir=str(out_dir), config=OmegaConf.to_container(cfg, resolve=True),
+            reinit="finish_previous")
+        self.run.define_metric("step")
+        self.run.define_metric("*", step_metric="step")  # every key plots against the training step
+
+    def log(self, metrics: dict, step: int):
+        if not self.enabled:
+            return
+        self.file.write(json.dumps({"step": step, **metrics}) + "\n")
+        self.file.flush()
+        if self.run is not None:
+            self.run.log({"step": step, **metrics}, step=step)
+
+    def log_image(self, key: str, path, step: int):
+        if self.run is not None:
+            import wandb
+            self.run.log({key: wandb.Image(str(path))}, step=step)
+
+    def close(self):
+        if not self.enabled:
+            return
+        self.file.close()
+        if self.run is not None:
+            self.run.finish()
+            self.run = None
+
+
+def read_metrics(path) -> list:
+    """All lines of a metrics.jsonl (a run dir or the file itself)."""
+    p = Path(path)
+    p = p / "metrics.jsonl" if p.is_dir() else p
+    return [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
