@@ -24,12 +24,7 @@ from omegaconf import OmegaConf
 from config import Config
 from errors import UserError
 from model import GPT, GPTConfig
-from train import setup_device, train_step
-
-# peak dense bf16 FLOP/s by GPU name (vendor figures); CPU has no table: bench.peak_flops
-PEAK_FLOPS = {"A100": 312e12, "H100": 989e12, "H200": 989e12, "L4": 121e12, "A10": 125e12,
-              "4090": 165e12, "3090": 71e12, "V100": 125e12}
-
+from train import peak_flops, setup_device, train_step
 
 @dataclass
 class BenchSettings:
@@ -38,7 +33,7 @@ class BenchSettings:
     rounds: int = 3  # interleaved rounds when comparing; the median is reported
     vocab_size: int = 65  # used when model.vocab_size is unset (tiny shakespeare's characters)
     compare: Optional[str] = None  # a karpathy/nanoGPT checkout to time side by side
-    peak_flops: Optional[float] = 180e9  # CPU peak for MFU (fp32 matmul ceiling of 2 cores here)
+    cpu_peak_flops: float = 180e9  # CPU peak for MFU (fp32 matmul ceiling of 2 cores here); GPUs: train.peak_flops or the table
 
 
 @dataclass
@@ -47,13 +42,6 @@ class BenchConfig(Config):
 
 
 ConfigStore.instance().store(name="base_bench", node=BenchConfig)
-
-
-def peak_flops(device, cpu_peak):
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        return next((v for k, v in PEAK_FLOPS.items() if k in name), None)
-    return cpu_peak
 
 
 def load_nanogpt(path):
@@ -74,7 +62,7 @@ def time_steps(model, optimizer, cfg, device, autocast, n, batch):
         torch.cuda.synchronize()
     t0 = time.perf_counter()
     for _ in range(n):
-        loss = train_step(model, optimizer, batches, cfg.train.grad_accum, cfg.train.grad_clip, device, autocast, scaler)
+        loss, _, _ = train_step(model, optimizer, batches, cfg.train.grad_accum, cfg.train.grad_clip, device, autocast, scaler)
     loss.item()  # waits for the device
     return (time.perf_counter() - t0) / n
 
@@ -108,7 +96,7 @@ def bench(cfg) -> dict:
         for name, runner in runners.items():
             times[name].append(time_steps(*runner, cfg, device, autocast, cfg.bench.iters, batch))
 
-    peak = peak_flops(device, cfg.bench.peak_flops)
+    peak = peak_flops(device, cfg.train.peak_flops or (cfg.bench.cpu_peak_flops if device.type == "cpu" else None))
     tokens = B * T * cfg.train.grad_accum
     flops_per_token = models["attnlab"].flops_per_token(T)
     result = {"device": str(device), "dtype": str(ptdtype).replace("torch.", ""), "batch_size": B,

@@ -15,7 +15,27 @@ import torch
 from errors import UserError
 from model import GPT, GPTConfig
 
-CKPT_NAME = "ckpt.pt"
+BEST_NAME = "best.pt"  # lowest val loss so far; what sample.py loads from a run dir
+
+
+def step_name(step: int) -> str:
+    return f"ckpt_{step:07d}.pt"
+
+
+def step_checkpoints(run_dir) -> list:
+    """The run's periodic checkpoints, oldest first."""
+    return sorted(Path(run_dir).glob("ckpt_[0-9]*.pt"))
+
+
+def latest_checkpoint(run_dir):
+    found = step_checkpoints(run_dir)
+    return found[-1] if found else None
+
+
+def prune_checkpoints(run_dir, keep: int):
+    """Delete all but the newest `keep` periodic checkpoints (best.pt is separate)."""
+    for old in step_checkpoints(run_dir)[:-keep] if keep > 0 else []:
+        old.unlink()
 
 
 def save_checkpoint(path, state: dict) -> Path:
@@ -41,18 +61,20 @@ def save_checkpoint(path, state: dict) -> Path:
 
 
 def find_checkpoint(where=None, root="outputs") -> Path:
-    """A checkpoint file from a file or run-dir path; with none, the newest under `root`."""
+    """A checkpoint file: `where` itself, or in a run dir its best.pt (else its newest
+    checkpoint); with no `where`, that of the most recently written run under `root`."""
     if where:
         p = Path(where).expanduser()
         if p.is_dir():
-            p = p / CKPT_NAME
-        if not p.is_file():
-            raise UserError(f"no checkpoint at {where!r}: pass ckpt=RUN_DIR or ckpt=FILE of a finished run")
+            p = p / BEST_NAME if (p / BEST_NAME).is_file() else latest_checkpoint(p)
+        if p is None or not p.is_file():
+            raise UserError(f"no checkpoint at {where!r}: pass ckpt=RUN_DIR or ckpt=FILE of a trained run")
         return p
-    found = sorted(Path(root).rglob(CKPT_NAME), key=lambda q: q.stat().st_mtime)
+    found = sorted(Path(root).rglob("*.pt"), key=lambda q: q.stat().st_mtime)
+    found = [q for q in found if q.name == BEST_NAME or q.name.startswith("ckpt_")]
     if not found:
         raise UserError(f"no checkpoint found under {root}/: train first (python train.py) or pass ckpt=PATH")
-    return found[-1]
+    return find_checkpoint(found[-1].parent)
 
 
 def load_checkpoint(path, map_location="cpu") -> dict:

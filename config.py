@@ -41,6 +41,10 @@ class TrainConfig:
     log_interval: int = 10  # steps between training-loss lines
     log_attn_interval: Optional[int] = None  # attention-statistics probe; default eval_interval, 0 = off
     probe_batch_size: int = 4  # sequences in the fixed attention probe batch
+    ckpt_interval: Optional[int] = None  # steps between checkpoints; default eval_interval
+    keep_ckpts: int = 2  # periodic checkpoints kept (best.pt is kept besides)
+    skip_nonfinite: int = 0  # steps with NaN/Inf loss or gradients skipped before the run stops
+    peak_flops: Optional[float] = None  # FLOP/s that MFU is measured against; default: the GPU's table entry
 
 
 @dataclass
@@ -69,6 +73,7 @@ class Config:
     compile: bool = False  # torch.compile the model
     seed: int = 1337
     out_dir: Optional[str] = None  # run directory; train.py sets it to Hydra's run dir
+    resume: Optional[str] = None  # true: continue this run dir from its newest checkpoint; or a run dir / file
 
 
 @dataclass

@@ -32,24 +32,29 @@ def find_runs(paths) -> list:
     return runs
 
 
-def run_label(run: Path) -> str:
-    """The run's command-line overrides (what differs between sweep jobs), else its dir name."""
+def run_overrides(run: Path) -> list:
+    """The run's command-line overrides that change the model or training (not paths or logging)."""
     overrides = run / ".hydra" / "overrides.yaml"
-    if overrides.is_file():
-        items = [o for o in yaml.safe_load(overrides.read_text()) or []
-                 if not o.split("=")[0].lstrip("+~").startswith(("hydra.", "logger.", "data.", "device", "out_dir"))]
-        if items:
-            return ", ".join(items)
-    return run.name
+    if not overrides.is_file():
+        return []
+    return [o for o in yaml.safe_load(overrides.read_text()) or []
+            if not o.split("=")[0].lstrip("+~").startswith(("hydra.", "logger.", "data.", "device", "out_dir"))]
 
 
-def summarize(run: Path) -> dict:
+def run_labels(runs) -> list:
+    """Each run named by the overrides that set it apart (those all runs share are dropped)."""
+    overrides = [run_overrides(r) for r in runs]
+    shared = set.intersection(*map(set, overrides)) if len(runs) > 1 else set()
+    return [", ".join(o for o in ov if o not in shared) or run.name for run, ov in zip(runs, overrides)]
+
+
+def summarize(run: Path, label: str) -> dict:
     metrics = read_metrics(run)
     evals = [m for m in metrics if "val/loss" in m]
     speeds = [m["tokens_per_sec"] for m in metrics if "tokens_per_sec" in m]
     probes = [m for m in metrics if "attn_entropy/mean" in m]
     last = evals[-1] if evals else {}
-    return {"run": run_label(run), "dir": str(run), "metrics": metrics, "steps": last.get("step"),
+    return {"run": label, "dir": str(run), "metrics": metrics, "steps": last.get("step"),
             "train_loss": last.get("train/loss"), "val_loss": last.get("val/loss"),
             "best_val_loss": min((m["val/loss"] for m in evals), default=None),
             "tokens_per_sec": statistics.median(speeds) if speeds else None,
@@ -86,15 +91,16 @@ def plot_val_loss(rows, path):
 
 
 def plot_attn(rows, path):
-    keys = [("attn_entropy/mean", "entropy (nats)"), ("attn_entropy_norm/mean", "entropy / ln(keys)  (1 = uniform)"),
-            ("attn_peak/mean", "largest attention weight")]
+    keys = [("attn_entropy/mean", "entropy (nats)", "attention entropy"),
+            ("attn_entropy_norm/mean", "entropy / ln(keys)  (1 = uniform, 0 = one-hot)", "normalised entropy"),
+            ("attn_peak/mean", "largest attention weight of a row", "peak attention weight")]
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
     colors = plt.cm.tab10.colors
-    for ax, (key, label) in zip(axes, keys):
+    for ax, (key, label, title) in zip(axes, keys):
         for i, r in enumerate(rows):
             steps, values = series(r["metrics"], key)
             ax.plot(steps, values, "o-", ms=3, color=colors[i % 10], label=r["run"])
-        ax.set(xlabel="step", ylabel=label, title=f"attention {label.split(' ')[0]} (mean over layers, heads)")
+        ax.set(xlabel="step", ylabel=label, title=f"{title} (mean over layers and heads)")
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
     fig.tight_layout()
@@ -104,7 +110,7 @@ def plot_attn(rows, path):
 
 def report(paths, out=None) -> dict:
     runs = find_runs(paths)
-    rows = [summarize(r) for r in runs]
+    rows = [summarize(r, label) for r, label in zip(runs, run_labels(runs))]
     if out is None:
         out = paths[0] if len(paths) == 1 and not (Path(paths[0]) / "metrics.jsonl").is_file() else "report"
     out = Path(out)

@@ -13,7 +13,7 @@ WANDB_MODES = ("offline", "online", "disabled")
 
 
 class Tracker:
-    def __init__(self, out_dir, cfg, name=None, group=None, enabled=True):
+    def __init__(self, out_dir, cfg, name=None, group=None, enabled=True, run_id=None):
         self.enabled = enabled  # False on DDP ranks > 0: nothing is written there
         self.path = Path(out_dir) / "metrics.jsonl"
         self.run = None
@@ -36,7 +36,7 @@ class Tracker:
             project=wcfg.project, entity=wcfg.entity, group=wcfg.group or group,
             name=wcfg.name or name, tags=list(wcfg.tags) or None, mode=mode,  # None: WANDB_MODE decides
             dir=str(out_dir), config=OmegaConf.to_container(cfg, resolve=True),
-            reinit="finish_previous")
+            reinit="finish_previous", id=run_id, resume="allow" if run_id else None)  # a resumed run keeps its W&B run
         self.run.define_metric("step")
         self.run.define_metric("*", step_metric="step")  # every key plots against the training step
 

@@ -171,13 +171,21 @@ class TokenData:
                 raise UserError(f"model.block_size={block_size} is too large for the {split} split "
                                 f"({len(arr)} tokens): lower model.block_size or give more data")
 
-    def get_batch(self, split: str, batch_size: int, block_size: int, generator: torch.Generator):
-        """Random contiguous windows: x = tokens[i : i+T], y = tokens[i+1 : i+T+1], each (B, T) int64."""
+    def sample_starts(self, split: str, shape, block_size: int, generator: torch.Generator):
+        """Random window starts of the given shape, e.g. (grad_accum, batch_size). Every DDP rank
+        draws the same starts from the same generator and reads only its own share, so the
+        global batch does not depend on the number of processes."""
+        return torch.randint(len(self.splits[split]) - block_size - 1, shape, generator=generator)
+
+    def batch(self, split: str, starts, block_size: int):
+        """Windows at `starts` (B,): x = tokens[i : i+T], y = tokens[i+1 : i+T+1], each (B, T) int64."""
         data = self.splits[split]
-        starts = torch.randint(len(data) - block_size - 1, (batch_size,), generator=generator).tolist()
-        window = np.stack([data[i:i + block_size + 1] for i in starts]).astype(np.int64)  # (B, T+1)
+        window = np.stack([data[i:i + block_size + 1] for i in starts.tolist()]).astype(np.int64)  # (B, T+1)
         window = torch.from_numpy(window)
         return window[:, :-1], window[:, 1:]
+
+    def get_batch(self, split: str, batch_size: int, block_size: int, generator: torch.Generator):
+        return self.batch(split, self.sample_starts(split, (batch_size,), block_size, generator), block_size)
 
 
 def main():

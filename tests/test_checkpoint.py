@@ -79,15 +79,20 @@ def test_failed_write_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
     assert [p.name for p in tmp_path.iterdir()] == ["ckpt.pt"]  # no temporary file left
 
 
-def test_find_checkpoint(tmp_path):
+def test_find_checkpoint_prefers_best_then_newest(tmp_path):
     with pytest.raises(UserError, match="no checkpoint found"):
         ck.find_checkpoint(None, root=tmp_path)
     with pytest.raises(UserError, match="no checkpoint at"):
         ck.find_checkpoint(tmp_path / "nope")
     _, state = small_state()
-    old = ck.save_checkpoint(tmp_path / "a" / "ckpt.pt", state)
-    new = ck.save_checkpoint(tmp_path / "b" / "ckpt.pt", state)
+    old = ck.save_checkpoint(tmp_path / "a" / ck.step_name(10), state)
+    new = ck.save_checkpoint(tmp_path / "b" / ck.step_name(10), state)
+    newer = ck.save_checkpoint(tmp_path / "b" / ck.step_name(20), state)
     import os
     os.utime(old, (1, 1))
-    assert ck.find_checkpoint(None, root=tmp_path) == new
+    assert ck.find_checkpoint(None, root=tmp_path) == newer  # newest run, its newest checkpoint
     assert ck.find_checkpoint(tmp_path / "a") == old
+    best = ck.save_checkpoint(tmp_path / "b" / ck.BEST_NAME, state)
+    assert ck.find_checkpoint(tmp_path / "b") == best and ck.find_checkpoint(new) == new
+    ck.prune_checkpoints(tmp_path / "b", keep=1)
+    assert sorted(p.name for p in (tmp_path / "b").iterdir()) == [ck.BEST_NAME, ck.step_name(20)]

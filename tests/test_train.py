@@ -27,7 +27,8 @@ def test_train_then_sample_end_to_end(train_cfg, sample_cfg, tmp_path):
     result = train(cfg)
     run = tmp_path / "run"
     # the run dir holds config, code/hardware info, metrics and the checkpoint
-    for name in ("config.yaml", "run_info.json", "metrics.jsonl", "ckpt.pt", "loss.png"):
+    for name in ("config.yaml", "run_info.json", "metrics.jsonl", "ckpt_0000040.pt", "ckpt_0000030.pt", "best.pt",
+                 "loss.png"):
         assert (run / name).is_file(), name
     info = json.loads((run / "run_info.json").read_text())
     assert info["torch"] == torch.__version__ and info["device"] == "cpu"
@@ -44,7 +45,8 @@ def test_train_then_sample_end_to_end(train_cfg, sample_cfg, tmp_path):
     assert result["val_loss"] == eval_lines[-1]["val/loss"]
 
     # the checkpoint is self-contained: weights, model config, tokenizer
-    state = load_checkpoint(run / "ckpt.pt")
+    assert not (run / "ckpt_0000020.pt").exists()  # keep_ckpts=2
+    state = load_checkpoint(run / "ckpt_0000040.pt")
     assert state["step"] == 40 and state["tokenizer"]["kind"] == "char"
     model = model_from_checkpoint(state)
     assert model.config.n_layer == 2
@@ -58,7 +60,7 @@ def test_eval_loss_recomputes_from_checkpoint(train_cfg, tmp_path):
     from data.prepare import TokenData, prepare
     cfg = train_cfg("train.max_iters=10")
     result = train(cfg)
-    model = model_from_checkpoint(load_checkpoint(tmp_path / "run" / "ckpt.pt")).eval()
+    model = model_from_checkpoint(load_checkpoint(tmp_path / "run" / "ckpt_0000010.pt")).eval()
     data = TokenData(prepare(cfg.data))
     gen = torch.Generator().manual_seed(cfg.seed + 1000 + 1)  # the val split's fixed stream
     losses = []
@@ -112,7 +114,7 @@ def test_bad_input_is_one_line_error_and_writes_no_checkpoint(train_cfg, tmp_pat
     with pytest.raises(UserError, match=needle) as e:
         train(train_cfg(override))
     assert "\n" not in str(e.value)
-    assert not (tmp_path / "run" / "ckpt.pt").exists()
+    assert not list((tmp_path / "run").glob("*.pt"))
 
 
 def test_data_errors_one_line(train_cfg, tmp_path):
@@ -154,7 +156,7 @@ def test_cli_train_and_sample_pipe(tmp_path):
                 "logger.wandb.mode=disabled")
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout == ""  # logs go to stderr
-    assert (run / ".hydra" / "config.yaml").is_file() and (run / "ckpt.pt").is_file()
+    assert (run / ".hydra" / "config.yaml").is_file() and (run / "best.pt").is_file()
     r = run_cli("sample.py", f"ckpt={run}", "prompt=def", "max_new_tokens=20", "device=cpu", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("def") and r.stdout.count("\n") >= 2

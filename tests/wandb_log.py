@@ -53,3 +53,12 @@ def summary(run_dir) -> dict:
     for row in history(run_dir):
         out.update(row)
     return out
+
+
+def run_record(run_dir) -> dict:
+    """The run's identity as W&B stored it: id, display name, group."""
+    log = next(Path(run_dir).glob("run-*.wandb"))
+    for r in records(log):
+        if r.WhichOneof("record_type") == "run":
+            return {"id": r.run.run_id, "name": r.run.display_name, "group": r.run.run_group}
+    raise AssertionError(f"no run record in {log}")

@@ -1,0 +1,150 @@
+"""Never lose a run: exact resume after SIGKILL, SIGTERM checkpoints, the NaN guard."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import model as model_module
+from checkpoint import BEST_NAME, load_checkpoint, step_name
+from conftest import REPO
+from errors import UserError
+from train import train
+
+TIMING = ("tokens_per_sec", "ms_per_iter", "mfu")  # wall-clock figures differ between any two runs
+
+
+def cli_args(run_dir, cache):
+    # dropout on, so the resumed run must also restore the RNG that draws the dropout masks
+    return ["model=debug", "model.n_embd=64", "model.block_size=64", "model.dropout=0.1", "train.batch_size=16",
+            "train.max_iters=60", "train.eval_interval=10", "train.eval_iters=2", "train.log_interval=1",
+            "train.ckpt_interval=10", "train.keep_ckpts=10", "device=cpu", "logger.wandb.mode=disabled",
+            f"data.cache_dir={cache}", f"hydra.run.dir={run_dir}"]
+
+
+def metrics_without_timing(run_dir):
+    lines = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in m.items() if k not in TIMING} for m in lines]
+
+
+def popen(args):
+    env = {**os.environ, "WANDB_SILENT": "true"}
+    return subprocess.Popen([sys.executable, str(REPO / "train.py"), *args], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+@pytest.mark.slow
+def test_sigkill_then_resume_is_bitwise_identical(tmp_path):
+    cache = tmp_path / "cache"
+    a, b = tmp_path / "a", tmp_path / "b"
+    r = subprocess.run([sys.executable, str(REPO / "train.py"), *cli_args(a, cache)], cwd=REPO,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+
+    proc = popen(cli_args(b, cache))
+    deadline = time.time() + 120
+    while not (b / step_name(30)).exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.001)
+    proc.send_signal(signal.SIGKILL)  # no clean-up of any kind
+    proc.communicate(timeout=60)
+    assert proc.returncode == -signal.SIGKILL, "run B finished before it could be killed"
+    assert not (b / step_name(60)).exists()
+    resumed_from = max(int(p.stem.split("_")[1]) for p in b.glob("ckpt_*.pt"))
+    assert 30 <= resumed_from < 60
+
+    r = subprocess.run([sys.executable, str(REPO / "train.py"), *cli_args(b, cache), "resume=true"], cwd=REPO,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert f"resuming from {b / step_name(resumed_from)} at step {resumed_from}" in r.stderr
+    # every metric line, before and after the resume point, equals the uninterrupted run's
+    assert metrics_without_timing(b) == metrics_without_timing(a)
+    wa, wb = load_checkpoint(a / step_name(60)), load_checkpoint(b / step_name(60))
+    for name, tensor in wa["model"].items():
+        assert torch.equal(tensor, wb["model"][name]), name
+    assert wa["optimizer"]["state"][0]["exp_avg"].equal(wb["optimizer"]["state"][0]["exp_avg"])
+
+
+@pytest.mark.slow
+def test_sigterm_checkpoints_the_current_step_and_exits_zero(tmp_path):
+    run = tmp_path / "run"
+    args = cli_args(run, tmp_path / "cache")
+    args[args.index("train.max_iters=60")] = "train.max_iters=100000"
+    args[args.index("train.ckpt_interval=10")] = "train.ckpt_interval=100000"
+    proc = popen(args)
+    deadline = time.time() + 120
+    while not (run / "metrics.jsonl").exists() or (run / "metrics.jsonl").read_text().count('"lr"') < 15:
+        assert proc.poll() is None and time.time() < deadline
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-2000:]
+    ckpts = list(run.glob("ckpt_*.pt"))
+    assert len(ckpts) == 1  # the only checkpoint is the one SIGTERM asked for
+    step = load_checkpoint(ckpts[0])["step"]
+    assert step >= 15 and f"stopped by SIGTERM at step {step}" in err and "resume=true" in err
+    last_logged = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])["step"]
+    assert last_logged == step
+
+
+def test_resume_continues_in_process_and_keeps_the_wandb_run(train_cfg, tmp_path):
+    import wandb_log
+    first = train(train_cfg("train.max_iters=20", "logger.wandb.mode=offline"))
+    assert first["steps"] == 20
+    again = train(train_cfg("train.max_iters=30", "logger.wandb.mode=offline", "resume=true"))
+    assert again["steps"] == 30
+    steps = [json.loads(l)["step"] for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == sorted(steps) and steps[-1] == 30
+    ids = {wandb_log.run_record(d)["id"] for d in (tmp_path / "run" / "wandb").glob("offline-run-*")}
+    assert len(ids) == 1  # one W&B run, resumed
+
+
+def test_resume_errors_are_one_line(train_cfg, tmp_path):
+    with pytest.raises(UserError, match="resume=true but .* has no checkpoint"):
+        train(train_cfg("resume=true"))
+    with pytest.raises(UserError, match="no checkpoint there"):
+        train(train_cfg(f"resume={tmp_path / 'nowhere'}"))
+    train(train_cfg("train.max_iters=10"))
+    with pytest.raises(UserError, match=r"cannot resume: model.n_embd is 64 here but 32 in the checkpoint"):
+        train(train_cfg("resume=true", "model.n_embd=64"))
+
+
+def test_nan_loss_stops_naming_the_step_and_keeps_finite_checkpoints(train_cfg, tmp_path, monkeypatch):
+    real_forward = model_module.GPT.forward
+    calls = {"n": 0}
+
+    def poisoned(self, idx, targets=None, **kw):
+        out = real_forward(self, idx, targets, **kw)
+        if targets is not None and self.training:
+            calls["n"] += 1
+            if calls["n"] == 14:  # the training step from 13 to 14
+                return out[0], out[1] * float("nan")
+        return out
+    monkeypatch.setattr(model_module.GPT, "forward", poisoned)
+    with pytest.raises(UserError, match=r"non-finite loss or gradients at step 13 .*last good checkpoint: .*ckpt_0000010.pt"):
+        train(train_cfg("train.max_iters=40"))
+    run = tmp_path / "run"
+    assert sorted(p.name for p in run.glob("*.pt")) == [BEST_NAME, step_name(10)]
+    for t in load_checkpoint(run / step_name(10))["model"].values():
+        assert torch.isfinite(t).all()
+
+
+def test_skip_nonfinite_skips_bad_steps_and_goes_on(train_cfg, tmp_path, monkeypatch):
+    real_forward = model_module.GPT.forward
+    calls = {"n": 0}
+
+    def poisoned(self, idx, targets=None, **kw):
+        out = real_forward(self, idx, targets, **kw)
+        if targets is not None and self.training:
+            calls["n"] += 1
+            if calls["n"] in (5, 9):
+                return out[0], out[1] * float("inf")
+        return out
+    monkeypatch.setattr(model_module.GPT, "forward", poisoned)
+    result = train(train_cfg("train.max_iters=20", "train.skip_nonfinite=2"))
+    assert result["steps"] == 20
+    for t in load_checkpoint(tmp_path / "run" / step_name(20))["model"].values():
+        assert torch.isfinite(t).all()
