@@ -190,9 +190,9 @@ class KVCache:
             raise ValueError("a KV cache takes a multi-token chunk only as the first (prefill) step")
         if T > self.length:
             raise ValueError(f"prefill of {T} tokens does not fit a cache of {self.length}")
-        slots = torch.arange(pos, pos + T, device=k.device) % self.length
-        self.k.index_copy_(2, slots, k)
-        self.v.index_copy_(2, slots, v)
+        slot = pos % self.length  # a prefill starts at 0 and fits, a decode step writes one slot: no wrap
+        self.k[:, :, slot:slot + T] = k
+        self.v[:, :, slot:slot + T] = v
         n = min(pos + T, self.length)  # slots in use; order is irrelevant once no mask is needed
         return self.k[:, :, :n], self.v[:, :, :n]
 

@@ -53,7 +53,7 @@ def next_tokens(logits, temperature, top_k, top_p, generators):
     return torch.stack([torch.multinomial(probs[b], 1, generator=g) for b, g in enumerate(generators)])
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def generate(model, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=1.0, kv_cache=True,
              generators=None, on_token=None):
     """Continue idx (B, T) by max_new_tokens tokens; returns (B, T + max_new_tokens).
