@@ -16,10 +16,19 @@ from model import GPTConfig
 @dataclass
 class DataConfig:
     name: str = "python_docs"  # preset name; also names the token cache
-    path: Optional[str] = None  # a local UTF-8 text file; wins over url and the embedded corpus
+    path: Optional[str] = None  # local UTF-8 text file(s), a glob allowed; wins over url and hub
     url: Optional[str] = None  # a text file on the web, loaded through `datasets`
-    tokenizer: str = "char"  # char: one token per distinct character of the corpus
-    val_fraction: float = 0.1  # the last fraction of the tokens is the validation split
+    hub: Optional[str] = None  # a Hugging Face Hub dataset name, loaded through `datasets`
+    hub_config: Optional[str] = None  # the Hub dataset's configuration (subset) name
+    text_column: str = "text"  # the column that holds the documents
+    val_split: Optional[str] = None  # the source's own validation split; unset: carve one off
+    val_fraction: float = 0.1  # carved off: the text's tail (one document) or a seeded draw of documents
+    split_seed: int = 1337  # seed of that draw
+    tokenizer: str = "char"  # char | bpe (trained here) | a tiktoken encoding: r50k_base (GPT-2), cl100k_base
+    vocab_size: Optional[int] = None  # tokens in all, for tokenizer=bpe
+    streaming: bool = False  # stream a Hub dataset instead of downloading it whole (needs max_tokens)
+    max_tokens: Optional[float] = None  # cap on training tokens, e.g. 1e9
+    num_proc: int = 1  # processes for tokenization (Dataset.map)
     cache_dir: Optional[str] = None  # where prepared token files live; default <repo>/data/cache
 
 
@@ -70,7 +79,7 @@ class Config:
     logger: LoggerConfig = MISSING
     device: str = "auto"  # auto (cuda > mps > cpu) | cpu | cuda | cuda:N | mps
     dtype: str = "auto"  # auto (bfloat16 autocast on capable CUDA, else float32) | float32 | bfloat16 | float16
-    compile: bool = False  # torch.compile the model
+    compile: Optional[bool] = None  # torch.compile the model; unset: on for CUDA, off elsewhere
     seed: int = 1337
     out_dir: Optional[str] = None  # run directory; train.py sets it to Hydra's run dir
     resume: Optional[str] = None  # true: continue this run dir from its newest checkpoint; or a run dir / file

@@ -105,18 +105,27 @@ def resolve_scale(scale, head_dim: int) -> float:
 # ----------------------------------------------------------------------------- helpers
 
 def rope_freqs(head_dim: int, length: int, base: float, device=None):
-    """e^(i * position * theta_j) for positions 0..length-1: complex64 (length, head_dim // 2)."""
+    """cos and sin of position * theta_j for positions 0..length-1: (length, head_dim // 2, 2)."""
     theta = 1.0 / base ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
     angles = torch.outer(torch.arange(length, device=device, dtype=torch.float32), theta)  # (L, hs/2)
-    return torch.polar(torch.ones_like(angles), angles)
+    return torch.stack((angles.cos(), angles.sin()), dim=-1)
 
 
-def apply_rope(x, freqs):
-    """Rotate each channel pair (2j, 2j+1) of x (..., hs) by its position's angle: one complex
-    multiply. freqs (complex, ..., hs/2) must broadcast against x's leading dims."""
-    wide = x.to(torch.promote_types(x.dtype, torch.float32))  # rotate in at least fp32
-    pairs = torch.view_as_complex(wide.unflatten(-1, (-1, 2)))  # (..., hs/2) complex
-    return torch.view_as_real(pairs * freqs).flatten(-2).type_as(x)
+def apply_rope(x, freqs, real=None):
+    """Rotate each channel pair (2j, 2j+1) of x (..., hs) by its position's angle; freqs
+    (..., hs/2, 2) holds that angle's cos and sin and must broadcast against x's leading dims.
+
+    Eagerly this is one complex multiply (fewest kernels); under torch.compile (real=True) the
+    same rotation is written in real arithmetic, which inductor fuses (it has no complex dtype)."""
+    real = torch.compiler.is_compiling() if real is None else real
+    pairs = x.to(torch.promote_types(x.dtype, torch.float32)).unflatten(-1, (-1, 2))  # (..., hs/2, 2), >= fp32
+    if real:
+        x0, x1 = pairs.unbind(-1)
+        cos, sin = freqs.unbind(-1)
+        out = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
+    else:
+        out = torch.view_as_real(torch.view_as_complex(pairs) * torch.view_as_complex(freqs))
+    return out.flatten(-2).type_as(x)
 
 
 def qk_normalize(x, kind: str, eps: float = 1e-6):
@@ -223,7 +232,7 @@ class CausalSelfAttention(nn.Module):
             qk = qk_normalize(qk, self.attn_cfg.qk_norm_type)
             if self.q_gain is not None:
                 qk = qk * torch.stack((self.q_gain, self.k_gain))  # (2, nh, 1 or hs)
-        qk = apply_rope(qk, freqs.view(T, 1, 1, -1))  # one rotation for q and k together
+        qk = apply_rope(qk, freqs.view(T, 1, 1, -1, 2))  # one rotation for q and k together
         q, k = qk.unbind(2)  # (B, T, nh, hs) each
         return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, nh, T, hs)
 
@@ -285,7 +294,7 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.lm_head.weight = self.wte.weight  # tied
         freqs = rope_freqs(config.head_dim, config.block_size, config.rope_base)
-        self.register_buffer("rope", freqs, persistent=False)  # (block_size, hs/2) complex
+        self.register_buffer("rope", freqs, persistent=False)  # (block_size, hs/2, 2): cos, sin
         self.init_weights()
 
     def init_weights(self):

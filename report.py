@@ -57,6 +57,7 @@ def summarize(run: Path, label: str) -> dict:
     return {"run": label, "dir": str(run), "metrics": metrics, "steps": last.get("step"),
             "train_loss": last.get("train/loss"), "val_loss": last.get("val/loss"),
             "best_val_loss": min((m["val/loss"] for m in evals), default=None),
+            "val_bpc": last.get("val/bpc"),
             "tokens_per_sec": statistics.median(speeds) if speeds else None,
             "attn_entropy": probes[-1]["attn_entropy/mean"] if probes else None,
             "attn_peak": probes[-1].get("attn_peak/mean") if probes else None}
@@ -67,11 +68,11 @@ def fmt(v, spec=".4f"):
 
 
 def table(rows) -> str:
-    lines = ["| run | steps | train loss | val loss | best val loss | tokens/s | attn entropy (nats) | attn peak |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| run | steps | train loss | val loss | best val loss | val bits/char | tokens/s | attn entropy (nats) | attn peak |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['run']} | {fmt(r['steps'], 'd')} | {fmt(r['train_loss'])} | {fmt(r['val_loss'])} | "
-                     f"{fmt(r['best_val_loss'])} | {fmt(r['tokens_per_sec'], '.0f')} | {fmt(r['attn_entropy'], '.3f')} | "
+                     f"{fmt(r['best_val_loss'])} | {fmt(r['val_bpc'])} | {fmt(r['tokens_per_sec'], '.0f')} | {fmt(r['attn_entropy'], '.3f')} | "
                      f"{fmt(r['attn_peak'], '.3f')} |")
     return "\n".join(lines)
 

@@ -98,32 +98,48 @@ def sample(cfg, out=None) -> list:
     state = load_checkpoint(path)
     model = model_from_checkpoint(state, device)
     tok = tokenizer_from_dict(state["tokenizer"])
-    if cfg.prompt == "":
+    if cfg.prompt == "" and tok.eot is None:
         raise UserError("prompt is empty: a char-level model needs at least one character to start from")
-    prompt_ids = torch.as_tensor(tok.encode(cfg.prompt), dtype=torch.long, device=device)
+    # a BPE model may start from nothing: <|endoftext|> is where every document begins
+    ids = tok.encode(cfg.prompt) if cfg.prompt else [tok.eot]
+    prompt_ids = torch.as_tensor(ids, dtype=torch.long, device=device)
     idx = prompt_ids.unsqueeze(0).repeat(cfg.num_samples, 1)  # (num_samples, T)
     gens = [torch.Generator(device=device).manual_seed(cfg.seed + b) for b in range(cfg.num_samples)]
     out = out or sys.stdout
+    new_ids = [[] for _ in range(cfg.num_samples)]
     texts = [""] * cfg.num_samples
     done = [False] * cfg.num_samples
+    printed = 0
 
     def on_token(token):
+        nonlocal printed
         for b in range(cfg.num_samples):
             if done[b]:
                 continue
-            piece = tok.decode(token[b].tolist())
-            texts[b] += piece
+            if token[b].item() == tok.eot:  # a BPE model ended its document
+                done[b] = True
+            else:
+                new_ids[b].append(token[b].item())
+            # decode the whole continuation: a BPE token can end in the middle of a UTF-8 character
+            texts[b] = tok.decode(new_ids[b])
             if cfg.stop and cfg.stop in texts[b]:
                 texts[b] = texts[b][:texts[b].index(cfg.stop)]
                 done[b] = True
-            elif cfg.stream:
-                out.write(piece)
+            if cfg.stream:
+                ready = texts[b]
+                if not done[b]:  # hold back a partial character, and what may yet become the stop string
+                    ready = ready.rstrip("\ufffd")
+                    ready = ready[:len(ready) - len(cfg.stop) + 1] if cfg.stop else ready
+                out.write(ready[printed:])
                 out.flush()
+                printed = max(printed, len(ready))
         return all(done)
 
     if cfg.stream:
         out.write(cfg.prompt)
     generate(model, idx, cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.top_p, cfg.kv_cache, gens, on_token)
+    if cfg.stream:
+        out.write(texts[0][printed:])  # what was held back
     return [cfg.prompt + t for t in texts]
 
 

@@ -1,14 +1,28 @@
-"""Tokenizers: text <-> token ids. Each one round-trips through a plain dict (`to_dict`), which
-is stored beside the prepared data and inside every checkpoint, so sampling needs nothing else."""
+"""Tokenizers: text <-> token ids. Each one round-trips through a plain dict (`to_dict`) of
+strings and numbers, stored beside the prepared data and inside every checkpoint, so sampling
+needs nothing else (and checkpoints still load with weights_only=True).
+
+- `char`: one token per distinct character of the corpus.
+- a tiktoken encoding by name (`r50k_base` is the GPT-2 BPE, `cl100k_base`, ...).
+- `bpe`: a byte-level BPE trained on the training split with rustbpe, then run through
+  `tiktoken.Encoding` for fast encoding and decoding (the nanochat pattern).
+BPE tokenizers end every document with `<|endoftext|>`.
+"""
+import base64
+from functools import lru_cache
+
 import numpy as np
 
 from errors import UserError
+
+EOT = "<|endoftext|>"
 
 
 class CharTokenizer:
     """One token per distinct character of the training corpus, ids in code-point order."""
 
     kind = "char"
+    eot = None  # char-level corpora are one stream of text
 
     def __init__(self, chars: str):
         self.chars = chars
@@ -17,8 +31,8 @@ class CharTokenizer:
         self._codepoints = np.array([ord(c) for c in chars], dtype=np.uint32)  # sorted
 
     @classmethod
-    def train(cls, text: str) -> "CharTokenizer":
-        return cls("".join(sorted(set(text))))
+    def train(cls, texts) -> "CharTokenizer":
+        return cls("".join(sorted(set().union(*map(set, texts)))))
 
     def encode(self, text: str) -> np.ndarray:
         unknown = sorted(set(text) - self.stoi.keys())
@@ -36,14 +50,88 @@ class CharTokenizer:
         return {"kind": self.kind, "chars": self.chars}
 
 
+class TiktokenTokenizer:
+    """A tiktoken.Encoding: a named one, or one built from trained ranks (kind `bpe`)."""
+
+    def __init__(self, encoding, spec: dict):
+        self.enc = encoding
+        self.spec = spec
+        self.kind = spec["kind"]
+        self.eot = encoding.eot_token
+        self.vocab_size = encoding.n_vocab
+
+    @classmethod
+    def named(cls, name: str) -> "TiktokenTokenizer":
+        import tiktoken
+        try:
+            enc = tiktoken.get_encoding(name)
+        except ValueError:
+            raise UserError(f"data.tokenizer={name!r} is unknown: use char, bpe or a tiktoken encoding "
+                            f"({', '.join(tiktoken.list_encoding_names())})") from None
+        except Exception as e:  # no network and no cached file
+            raise UserError(f"cannot load the tiktoken encoding {name!r} ({type(e).__name__}): offline? point "
+                            "TIKTOKEN_CACHE_DIR at a cache that holds it (e.g. ../shared/data/tiktoken "
+                            "for r50k_base, the GPT-2 BPE)") from None
+        return cls(enc, {"kind": "tiktoken", "name": name})
+
+    @classmethod
+    def from_ranks(cls, ranks: list, pattern: str) -> "TiktokenTokenizer":
+        """ranks: token byte strings in rank order (the 256 single bytes first, then merges)."""
+        import tiktoken
+        enc = tiktoken.Encoding(f"attnlab-bpe-{len(ranks)}", pat_str=pattern,
+                                mergeable_ranks={tok: i for i, tok in enumerate(ranks)},
+                                special_tokens={EOT: len(ranks)})
+        spec = {"kind": "bpe", "pattern": pattern, "ranks": [base64.b64encode(t).decode() for t in ranks]}
+        return cls(enc, spec)
+
+    @classmethod
+    def train(cls, texts, vocab_size: int) -> "TiktokenTokenizer":
+        """Byte-level BPE with vocab_size tokens in all: 256 bytes, merges, and <|endoftext|>."""
+        import rustbpe
+        if vocab_size < 257:
+            raise UserError(f"data.vocab_size={vocab_size} is too small for a byte-level BPE: use >= 257")
+        trainer = rustbpe.Tokenizer()
+        trainer.train_from_iterator(iter(texts), vocab_size - 1)
+        ranks = [bytes(tok) for tok, _ in sorted(trainer.get_mergeable_ranks(), key=lambda kv: kv[1])]
+        return cls.from_ranks(ranks, trainer.get_pattern())
+
+    def encode(self, text: str) -> np.ndarray:
+        return np.asarray(self.enc.encode_ordinary(text), dtype=np.int64)
+
+    def encode_batch(self, texts) -> list:
+        return self.enc.encode_ordinary_batch(list(texts))
+
+    def decode(self, ids) -> str:
+        return self.enc.decode([int(i) for i in ids])
+
+    def to_dict(self) -> dict:
+        return dict(self.spec)
+
+
 def tokenizer_from_dict(d: dict):
-    if d.get("kind") == "char":
+    kind = d.get("kind")
+    if kind == "char":
         return CharTokenizer(d["chars"])
-    raise UserError(f"unknown tokenizer kind {d.get('kind')!r} in checkpoint or data cache")
+    if kind == "tiktoken":
+        return TiktokenTokenizer.named(d["name"])
+    if kind == "bpe":
+        return TiktokenTokenizer.from_ranks([base64.b64decode(t) for t in d["ranks"]], d["pattern"])
+    raise UserError(f"unknown tokenizer kind {kind!r} in checkpoint or data cache")
 
 
-def train_tokenizer(name: str, text: str):
-    """The tokenizer `data.tokenizer=name`, fitted on `text` where it learns from data."""
+@lru_cache(maxsize=4)
+def cached_tokenizer(spec_key: str):
+    """A tokenizer rebuilt from its dict's JSON, once per process (for datasets' worker processes)."""
+    import json
+    return tokenizer_from_dict(json.loads(spec_key))
+
+
+def train_tokenizer(name: str, texts, vocab_size=None):
+    """The tokenizer `data.tokenizer=name`, fitted on the training texts where it learns from data."""
     if name == "char":
-        return CharTokenizer.train(text)
-    raise UserError(f"data.tokenizer={name!r} is unknown: use char")
+        return CharTokenizer.train(texts)
+    if name == "bpe":
+        if not vocab_size:
+            raise UserError("data.tokenizer=bpe needs data.vocab_size=N (e.g. 1024)")
+        return TiktokenTokenizer.train(texts, vocab_size)
+    return TiktokenTokenizer.named(name)

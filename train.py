@@ -294,6 +294,9 @@ def train(cfg, run_name=None, run_group=None) -> dict:
     source = resume_source(cfg.resume, out_dir)
     if source is not None:
         out_dir = source.parent  # a resumed run continues in its own directory
+    elif master and ((out_dir / "metrics.jsonl").exists() or latest_checkpoint(out_dir) is not None):
+        raise UserError(f"{out_dir} already holds a run: continue it with resume=true, or give a new "
+                        "hydra.run.dir (nothing was overwritten)")
     out_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.seed)
     device, ptdtype, autocast = setup_device(ddp_device or cfg.device, cfg.dtype)
@@ -326,7 +329,8 @@ def train(cfg, run_name=None, run_group=None) -> dict:
     log.info("model: %.2fM parameters, %d layers x %d heads x %d head dim, block %d, vocab %d, scale %s%s",
              model.num_params() / 1e6, mcfg.n_layer, mcfg.n_head, mcfg.head_dim, mcfg.block_size,
              mcfg.vocab_size, mcfg.attn.scale, f", qk_norm={mcfg.attn.qk_norm_type}" if mcfg.attn.qk_norm else "")
-    fwd_model = torch.compile(model) if cfg.compile else model
+    use_compile = cfg.compile if cfg.compile is not None else device.type == "cuda"
+    fwd_model = torch.compile(model) if use_compile else model
     if world > 1:
         fwd_model = DDP(fwd_model, device_ids=[device.index] if device.type == "cuda" else None)
 
@@ -344,6 +348,8 @@ def train(cfg, run_name=None, run_group=None) -> dict:
         px, _ = data.get_batch("val", tcfg.probe_batch_size, mcfg.block_size, torch.Generator().manual_seed(cfg.seed + 7))
         probe = AttentionProbe(px.to(device))
     ckpt_every = tcfg.ckpt_interval or tcfg.eval_interval
+    # nats/token -> bits/character: what compares runs with different tokenizers
+    bpc_factor = len(data.splits["val"]) / data.meta["val_characters"] / math.log(2)
     peak = peak_flops(device, tcfg.peak_flops)
     flops_per_token = model.flops_per_token()
 
@@ -363,7 +369,7 @@ def train(cfg, run_name=None, run_group=None) -> dict:
 
     tokens_per_step = tcfg.batch_size * tcfg.grad_accum * mcfg.block_size
     result = {"out_dir": str(out_dir), "best_val_loss": best_val, "tokens_per_sec": None, "stopped": None}
-    attn_history, skipped = [], 0
+    attn_history, skipped, probe_time = [], 0, 0.0
     start_step, saved_at = step, step if state is not None else None
     stop = StopRequest()
     t_window, steps_window, t_start, train_time = time.perf_counter(), 0, time.perf_counter(), 0.0
@@ -375,7 +381,8 @@ def train(cfg, run_name=None, run_group=None) -> dict:
             if not (state is not None and step == start_step):
                 if step % tcfg.eval_interval == 0 or last:
                     losses = estimate_loss(fwd_model, data, tcfg, mcfg.block_size, device, cfg.seed, autocast)
-                    tracker.log({"train/loss": losses["train"], "val/loss": losses["val"]}, step)
+                    tracker.log({"train/loss": losses["train"], "val/loss": losses["val"],
+                                 "val/bpc": losses["val"] * bpc_factor}, step)
                     result.update({"train_loss": losses["train"], "val_loss": losses["val"]})
                     log.info("eval step %d: train loss %.4f, val loss %.4f", step, losses["train"], losses["val"])
                     if losses["val"] < best_val and master:
@@ -384,7 +391,9 @@ def train(cfg, run_name=None, run_group=None) -> dict:
                                         "model_config": dataclasses.asdict(mcfg), "tokenizer": data.tokenizer.to_dict(),
                                         "step": step, "val_loss": best_val, "config": resolved})
                 if probe is not None and (step % probe_every == 0 or last):
+                    t_probe = time.perf_counter()
                     stats = probe.run(model)
+                    probe_time += time.perf_counter() - t_probe
                     tracker.log(stats, step)
                     attn_history.append({"step": step, **stats})
                 if master and ((step % ckpt_every == 0 and step > 0) or last):
@@ -450,10 +459,14 @@ def train(cfg, run_name=None, run_group=None) -> dict:
     finally:
         stop.restore()
         tracker.close()
+        if world > 1 and dist.is_initialized():
+            dist.destroy_process_group()
     result.update({"steps": step, "ckpt": str(latest_checkpoint(out_dir)), "best_val_loss": best_val,
-                   "wall_s": time.perf_counter() - t_start, "train_s": train_time, "attn": attn_history})
-    log.info("done: val loss %.4f (best %.4f) after %d steps; run dir %s", result.get("val_loss", float("nan")),
-             best_val, step, out_dir)
+                   "wall_s": time.perf_counter() - t_start, "train_s": train_time, "probe_s": probe_time,
+                   "attn": attn_history})
+    log.info("done: val loss %.4f (best %.4f) after %d steps; run dir %s; attention probes took %.2f s "
+             "(%.2f%% of training time)", result.get("val_loss", float("nan")), best_val, step, out_dir,
+             probe_time, 100 * probe_time / max(train_time, 1e-9))
     return result
 
 

@@ -1,6 +1,12 @@
 """Text -> token ids on disk, once; then random windows of them for training.
 
     python data/prepare.py data=shakespeare_char data.path=input.txt   # ahead of training
+    python data/prepare.py data=tinystories data.num_proc=8            # a Hub dataset (needs the network)
+
+Every source goes through `datasets.load_dataset`: local files and globs and URLs with the
+`text` loader, Hub datasets by name (optionally streamed, with a token budget). Documents are
+tokenized with `Dataset.map(batched=True, num_proc=...)` and written to the token files shard
+by shard.
 
 A prepared dataset is a directory of `train.bin` and `val.bin` (flat token ids, uint16 when the
 vocabulary fits, else uint32) and `meta.json` (the tokenizer, dtype, counts). Its name holds a
@@ -8,12 +14,14 @@ hash of everything that decides its content, so a second run with the same setti
 it is written under a temporary name and renamed into place, so an interrupted preparation never
 leaves a directory that looks complete.
 """
+import glob
 import hashlib
 import json
 import logging
 import os
 import shutil
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -23,13 +31,12 @@ if __name__ == "__main__":  # run as a script: make the repo's modules importabl
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from errors import UserError
-from tokenizer import tokenizer_from_dict, train_tokenizer
+from tokenizer import cached_tokenizer, tokenizer_from_dict, train_tokenizer
 
 log = logging.getLogger(__name__)
 REPO = Path(__file__).resolve().parents[1]
-FORMAT_VERSION = 1  # bump when the on-disk layout or tokenization changes
-SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
-PRESET_URLS = {"shakespeare_char": SHAKESPEARE_URL}
+FORMAT_VERSION = 2  # bump when the on-disk layout or tokenization changes
+CHUNK_CHARS = 1 << 16  # a long document is tokenized in pieces of about this size, in parallel
 
 
 # ----------------------------------------------------------------------------- sources
@@ -41,77 +48,209 @@ def python_docs_text() -> str:
     return "\n".join(topics[k] for k in sorted(topics))
 
 
-def load_text_file(path_or_url: str) -> str:
-    """The whole text of a local file or URL, read by `datasets`' text loader."""
+def source_of(data_cfg):
+    """(kind, location) of the corpus: local file(s), a URL, a Hub dataset or the embedded docs."""
+    if data_cfg.path:
+        return "file", str(Path(data_cfg.path).expanduser())
+    if data_cfg.url:
+        return "url", data_cfg.url
+    if data_cfg.hub:
+        return "hub", data_cfg.hub
+    if data_cfg.name == "python_docs":
+        return "python_docs", sys.version.split()[0]
+    raise UserError(f"data={data_cfg.name!r} has no source: set data.path=FILE, data.url=URL or data.hub=NAME")
+
+
+def local_files(pattern: str) -> list:
+    files = sorted(p for p in glob.glob(pattern, recursive=True) if Path(p).is_file())
+    if not files:
+        raise UserError(f"data.path={pattern!r}: no such file (give a UTF-8 text file or a glob)")
+    return files
+
+
+def _load(data_cfg, kind, location, split):
+    """One split of the source through datasets.load_dataset, errors as one line."""
     import datasets
     from datasets import load_dataset
 
     datasets.disable_progress_bars()
-    is_url = "://" in path_or_url
-    if not is_url and not Path(path_or_url).is_file():
-        raise UserError(f"data.path={path_or_url!r}: no such file (give a UTF-8 text file)")
     try:
-        ds = load_dataset("text", data_files=path_or_url, sample_by="document", split="train",
-                          keep_in_memory=True)
+        if kind in ("file", "url"):
+            files = local_files(location) if kind == "file" else location
+            return load_dataset("text", data_files=files, sample_by="document", split=split)
+        return load_dataset(location, data_cfg.hub_config, split=split, streaming=data_cfg.streaming)
+    except UserError:
+        raise
     except Exception as e:
         chain, cause = [], e
         while cause is not None:
             chain.append(cause)
             cause = cause.__cause__ or cause.__context__
         if any(isinstance(c, UnicodeDecodeError) for c in chain):
-            raise UserError(f"data.path={path_or_url!r} is not UTF-8 text: convert it "
-                            "(e.g. iconv -t UTF-8) or pick another file") from None
-        if is_url:
-            raise UserError(f"could not load {path_or_url} ({type(e).__name__}): offline? download "
-                            "it elsewhere and pass data.path=FILE") from None
-        raise
-    text = "".join(ds["text"])
-    if not text.strip():
-        raise UserError(f"data.path={path_or_url!r} holds no text: give a non-empty UTF-8 file")
-    return text
+            raise UserError(f"data.path={location!r} is not UTF-8 text: convert it (e.g. iconv -t UTF-8) "
+                            "or pick another file") from None
+        if kind == "file":
+            raise
+        offline = " (HF_HUB_OFFLINE is set)" if os.environ.get("HF_HUB_OFFLINE") in ("1", "true") else ""
+        raise UserError(f"could not load {location} split {split!r}{offline}: {type(e).__name__}; data={data_cfg.name} "
+                        "needs the network: download it where you have one, or pass data.path=FILE") from None
 
 
-def source_of(data_cfg):
-    """(kind, location) of the corpus: a local file, a URL, or the embedded Python docs."""
-    if data_cfg.path:
-        return "file", str(Path(data_cfg.path).expanduser())
-    if data_cfg.url:
-        return "url", data_cfg.url
-    if data_cfg.name in PRESET_URLS:
-        return "url", PRESET_URLS[data_cfg.name]
-    if data_cfg.name == "python_docs":
-        return "python_docs", sys.version.split()[0]
-    raise UserError(f"data={data_cfg.name!r} has no source: set data.path=FILE or data.url=URL")
+def load_texts(data_cfg, kind, location):
+    """(train, val) datasets with a `text` column; val is None when it is to be carved from train."""
+    if kind == "python_docs":
+        from datasets import Dataset
+        return Dataset.from_dict({"text": [python_docs_text()]}), None
+    train = _load(data_cfg, kind, location, "train")
+    val = _load(data_cfg, kind, location, data_cfg.val_split) if data_cfg.val_split else None
+    if data_cfg.text_column != "text":
+        train = train.rename_column(data_cfg.text_column, "text")
+        val = val.rename_column(data_cfg.text_column, "text") if val is not None else None
+    return train, val
 
 
 def cache_key(data_cfg, kind: str, location: str) -> str:
+    """A hash of everything that decides the prepared tokens: settings, and for local files
+    their content (an edited file is prepared again), for the embedded corpus its text."""
     if kind == "file":
-        if not Path(location).is_file():
-            raise UserError(f"data.path={location!r}: no such file (give a UTF-8 text file)")
         h = hashlib.sha256()
-        with open(location, "rb") as f:
-            for chunk in iter(lambda: f.read(1 << 20), b""):
-                h.update(chunk)
-        identity = h.hexdigest()  # the content, not the path: an edited file is re-prepared
+        for file in local_files(location):
+            with open(file, "rb") as f:
+                for chunk in iter(lambda: f.read(1 << 20), b""):
+                    h.update(chunk)
+        identity = h.hexdigest()
     elif kind == "python_docs":
         identity = hashlib.sha256(python_docs_text().encode()).hexdigest()
     else:
         identity = location
-    settings = {"v": FORMAT_VERSION, "source": identity, "tokenizer": data_cfg.tokenizer,
-                "val_fraction": data_cfg.val_fraction}
-    return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
+    settings = {k: v for k, v in dict(data_cfg).items() if k not in ("cache_dir", "num_proc", "path", "name")}
+    settings.update(v=FORMAT_VERSION, source=identity)
+    return hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-# ----------------------------------------------------------------------------- prepare
+# ----------------------------------------------------------------------------- tokenize and write
 
 def token_dtype(vocab_size: int):
     return np.uint16 if vocab_size <= 2**16 else np.uint32
+
+
+def split_points(text: str, size: int) -> list:
+    """Cut points in a long text, about `size` apart, where tokenizing the pieces separately gives
+    the same tokens as the whole: before a newline that has a non-space on either side (all
+    tokenizers here end a token there, tested). Returns [0, ..., len(text)]."""
+    points, start = [0], 0
+    while start + size < len(text):
+        i = start + size
+        while i < len(text) - 1 and not (text[i] == "\n" and not text[i - 1].isspace() and not text[i + 1].isspace()):
+            i += 1
+        if i >= len(text) - 1:
+            break
+        points.append(i)
+        start = i
+    return points + [len(text)]
+
+
+def to_chunks(batch):
+    """Rows of documents -> rows of pieces; the last piece of each document has `end` True."""
+    out = {"text": [], "end": []}
+    for text in batch["text"]:
+        cuts = split_points(text, CHUNK_CHARS)
+        for a, b in zip(cuts[:-1], cuts[1:]):
+            out["text"].append(text[a:b])
+            out["end"].append(b == len(text))
+    return out
+
+
+def encode_rows(batch, spec_key):
+    """datasets.map function: token ids of each piece, <|endoftext|> after each document's last."""
+    tok = cached_tokenizer(spec_key)
+    ids = tok.encode_batch(batch["text"]) if hasattr(tok, "encode_batch") else [tok.encode(t).tolist() for t in batch["text"]]
+    if tok.eot is not None:
+        ids = [list(x) + [tok.eot] if end else x for x, end in zip(ids, batch["end"])]
+    return {"ids": ids, "len": [len(x) for x in ids]}
+
+
+def tokenize(ds, tok, num_proc, desc):
+    """A dataset of `text` rows -> one of `ids` rows (documents split into pieces for parallelism)."""
+    import datasets
+    if sys.stderr.isatty():
+        datasets.enable_progress_bars()
+    ds = ds.map(to_chunks, batched=True, batch_size=16, remove_columns=ds.column_names)
+    spec_key = json.dumps(tok.to_dict(), sort_keys=True)
+    ds = ds.map(encode_rows, batched=True, num_proc=num_proc if num_proc > 1 else None,
+                fn_kwargs={"spec_key": spec_key}, remove_columns=["text", "end"], desc=desc)
+    datasets.disable_progress_bars()
+    return ds
+
+
+class TokenWriter:
+    """Appends token arrays to a .bin file in the chosen dtype, stopping at a budget."""
+
+    def __init__(self, path: Path, dtype, budget=None):
+        self.f, self.dtype, self.budget, self.n = open(path, "wb"), dtype, budget, 0
+
+    def full(self):
+        return self.budget is not None and self.n >= self.budget
+
+    def write(self, ids):
+        if self.budget is not None:
+            ids = ids[: max(0, self.budget - self.n)]
+        self.f.write(np.asarray(ids, dtype=self.dtype).tobytes())
+        self.n += len(ids)
+
+    def close(self):
+        self.f.flush()
+        os.fsync(self.f.fileno())
+        self.f.close()
+
+
+def write_split(ds, writers, shards=64):
+    """Stream a tokenized dataset's `ids` into writers, shard by shard (bounded memory). With two
+    writers, the last `writers[1].budget` tokens go to the second one (a tail split)."""
+    total = int(sum(ds["len"]))
+    shards = max(1, min(shards, len(ds)))
+    first_budget = total - writers[1].budget if len(writers) > 1 else None
+    done = 0
+    for i in range(shards):
+        shard = ds.shard(shards, i, contiguous=True).with_format("numpy")
+        arr = np.concatenate(list(shard["ids"])) if len(shard) else np.zeros(0, np.int64)
+        if first_budget is None:
+            writers[0].write(arr)
+        else:
+            cut = max(0, min(len(arr), first_budget - done))
+            writers[0].write(arr[:cut])
+            writers[1].write(arr[cut:])
+        done += len(arr)
+        if writers[0].full() and len(writers) == 1:
+            break
+    return total
+
+
+def write_streamed(train_iter, tok, writers, val_fraction, seed, max_tokens):
+    """A streamed source: documents go to val with probability val_fraction (seeded), until the
+    train budget is reached."""
+    from tqdm import tqdm
+    rng = np.random.default_rng(seed)
+    bar = tqdm(total=max_tokens, unit="tok", desc="tokenizing (streamed)", disable=not sys.stderr.isatty())
+    for row in train_iter:
+        ids = list(tok.encode(row["text"])) + ([tok.eot] if tok.eot is not None else [])
+        if len(writers) > 1 and rng.random() < val_fraction:
+            writers[1].write(ids)
+        else:
+            before = writers[0].n
+            writers[0].write(ids)
+            bar.update(writers[0].n - before)
+        if writers[0].full():
+            break
+    bar.close()
 
 
 def prepare(data_cfg) -> Path:
     """Tokenize the configured corpus into a cached directory (reused when it exists); return it."""
     if not 0.0 < data_cfg.val_fraction < 1.0:
         raise UserError(f"data.val_fraction={data_cfg.val_fraction} must be in (0, 1)")
+    if data_cfg.streaming and not data_cfg.max_tokens:
+        raise UserError("data.streaming=true needs a token budget: set data.max_tokens (e.g. 1e9)")
     kind, location = source_of(data_cfg)
     cache_root = Path(data_cfg.cache_dir) if data_cfg.cache_dir else REPO / "data" / "cache"
     final = cache_root / f"{data_cfg.name}-{data_cfg.tokenizer}-{cache_key(data_cfg, kind, location)}"
@@ -119,30 +258,78 @@ def prepare(data_cfg) -> Path:
         log.info("using prepared data %s", final)
         return final
 
-    text = python_docs_text() if kind == "python_docs" else load_text_file(location)
-    tok = train_tokenizer(data_cfg.tokenizer, text)
-    ids = tok.encode(text)
-    n_val = int(len(ids) * data_cfg.val_fraction)
-    if n_val < 2 or len(ids) - n_val < 2:
-        raise UserError(f"the corpus has only {len(ids)} tokens: too few to split with "
-                        f"data.val_fraction={data_cfg.val_fraction}")
+    t0 = time.perf_counter()
+    train, val = load_texts(data_cfg, kind, location)
+    streamed = data_cfg.streaming and kind == "hub"
+    if not streamed and len(train) == 1 and not train[0]["text"].strip():
+        raise UserError(f"data.path={location!r} holds no text: give a non-empty UTF-8 file")
+    # a single document is split by tokens at its tail (as nanoGPT does); documents by a seeded draw
+    tail_split = val is None and not streamed and len(train) == 1
+    if val is None and not streamed and not tail_split:
+        parts = train.train_test_split(test_size=data_cfg.val_fraction, seed=data_cfg.split_seed)
+        train, val = parts["train"], parts["test"]
+    if data_cfg.tokenizer in ("char", "bpe"):  # learned from the training text
+        if streamed:
+            raise UserError(f"data.tokenizer={data_cfg.tokenizer} learns from the whole training split, "
+                            "which a streamed source does not have: use a tiktoken encoding (r50k_base)")
+        texts = list(train["text"])
+        if tail_split and data_cfg.tokenizer == "bpe":  # not the validation tail
+            texts = [texts[0][: int(len(texts[0]) * (1 - data_cfg.val_fraction))]]
+        tok = train_tokenizer(data_cfg.tokenizer, texts if data_cfg.tokenizer == "bpe" else
+                              texts + (list(val["text"]) if val is not None else []), data_cfg.vocab_size)
+    else:
+        tok = train_tokenizer(data_cfg.tokenizer, [])
     dtype = token_dtype(tok.vocab_size)
-    splits = {"train": ids[:-n_val], "val": ids[-n_val:]}  # val is the end of the text, as in nanoGPT
+    budget = int(data_cfg.max_tokens) if data_cfg.max_tokens else None
 
     cache_root.mkdir(parents=True, exist_ok=True)
     tmp = cache_root / f".{final.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
-        for split, arr in splits.items():
-            with open(tmp / f"{split}.bin", "wb") as f:
-                f.write(arr.astype(dtype).tobytes())
-                f.flush()
-                os.fsync(f.fileno())
+        if streamed:
+            writers = [TokenWriter(tmp / "train.bin", dtype, budget)]
+            if val is None:
+                writers.append(TokenWriter(tmp / "val.bin", dtype))
+                write_streamed(train, tok, writers, data_cfg.val_fraction, data_cfg.split_seed, budget)
+            else:
+                write_streamed(train, tok, writers, 0.0, data_cfg.split_seed, budget)
+                writers.append(TokenWriter(tmp / "val.bin", dtype, max(1, budget // 100)))
+                write_streamed(val, tok, writers[1:], 0.0, data_cfg.split_seed, writers[1].budget)
+        else:
+            ids = tokenize(train, tok, data_cfg.num_proc, "tokenizing train")
+            if tail_split:
+                total = int(sum(ids["len"]))
+                n_val = int(total * data_cfg.val_fraction)
+                if n_val < 2 or total - n_val < 2:
+                    raise UserError(f"the corpus has only {total} tokens: too few to split with "
+                                    f"data.val_fraction={data_cfg.val_fraction}")
+                writers = [TokenWriter(tmp / "train.bin", dtype), TokenWriter(tmp / "val.bin", dtype, n_val)]
+                write_split(ids, writers)
+                if budget is not None:  # keep the same val tail; cut the train head to the budget
+                    writers[0].close()
+                    head = np.fromfile(tmp / "train.bin", dtype=dtype)[:budget]
+                    head.tofile(tmp / "train.bin")
+                    writers[0].n = len(head)
+            else:
+                writers = [TokenWriter(tmp / "train.bin", dtype, budget), TokenWriter(tmp / "val.bin", dtype)]
+                write_split(ids, writers[:1])
+                write_split(tokenize(val, tok, data_cfg.num_proc, "tokenizing val"), writers[1:])
+        for w in writers:
+            if not w.f.closed:
+                w.close()
+        counts = {"train": writers[0].n, "val": writers[1].n}
+        if min(counts.values()) < 2:
+            raise UserError(f"the corpus gave too few tokens to train on: {counts}")
+        val_ids = np.fromfile(tmp / "val.bin", dtype=dtype)
+        if tok.eot is not None:
+            val_ids = val_ids[val_ids != tok.eot]
+        val_chars = len(tok.decode(val_ids))  # for bits per character, comparable across tokenizers
         meta = {"format_version": FORMAT_VERSION, "source": {"kind": kind, "location": location},
+                "val_characters": val_chars,
                 "tokenizer": tok.to_dict(), "vocab_size": tok.vocab_size, "dtype": np.dtype(dtype).name,
-                "tokens": {k: int(len(v)) for k, v in splits.items()}, "characters": len(text)}
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=1))  # written last: the "complete" mark
+                "tokens": counts, "seconds": round(time.perf_counter() - t0, 2)}
+        (tmp / "meta.json").write_text(json.dumps(meta))  # written last: the "complete" mark
         try:
             os.rename(tmp, final)  # atomic: readers see all of it or none of it
         except OSError:  # another process finished the same preparation first
@@ -150,7 +337,7 @@ def prepare(data_cfg) -> Path:
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    log.info("prepared %s: %s tokens (vocab %d)", final, meta["tokens"], tok.vocab_size)
+    log.info("prepared %s: %s tokens (vocab %d) in %.1f s", final, meta["tokens"], tok.vocab_size, meta["seconds"])
     return final
 
 
@@ -193,7 +380,7 @@ def main():
 
     import config  # noqa: F401  (registers the schema)
 
-    @hydra.main(version_base="1.3", config_path=str(REPO / "configs"), config_name="config")
+    @hydra.main(version_base="1.3", config_path=str(REPO / "configs"), config_name="prepare")
     def _main(cfg):
         try:
             directory = prepare(cfg.data)

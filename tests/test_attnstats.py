@@ -96,13 +96,13 @@ def test_probe_works_at_block_size_2048_on_cpu():
     assert 0 < stats["attn_entropy/mean"] < math.log(2048)
 
 
-def test_training_steps_never_build_the_attention_matrix(train_cfg, monkeypatch):
+def test_training_steps_never_build_the_attention_matrix(train_cfg, tmp_path, monkeypatch):
     calls = []
     real = model_module.attention_scores
     monkeypatch.setattr(model_module, "attention_scores", lambda *a, **k: calls.append(1) or real(*a, **k))
     train(train_cfg("train.max_iters=20", "train.log_attn_interval=10"))
     assert calls == []  # the reference path never ran; the probe has its own import
-    train(train_cfg("train.max_iters=2", "model.attn.impl=reference"))
+    train(train_cfg("train.max_iters=2", "model.attn.impl=reference", f"out_dir={tmp_path / 'reference'}"))
     assert calls  # and the counter does see the reference path when it is used
 
 

@@ -69,11 +69,12 @@ def rotate_reference(x, pos, base=10000.0):
     return out
 
 
-def test_rope_matches_rotation_matrices_and_keeps_norms():
+@pytest.mark.parametrize("real", [False, True], ids=["complex (eager)", "real (compiled)"])
+def test_rope_matches_rotation_matrices_and_keeps_norms(real):
     torch.manual_seed(3)
     hs, T = 16, 12
     x = torch.randn(T, hs)
-    rotated = apply_rope(x, rope_freqs(hs, T, 10000.0))  # position t for row t
+    rotated = apply_rope(x, rope_freqs(hs, T, 10000.0), real=real)  # position t for row t
     for t in range(T):
         want = rotate_reference(x[t], t)
         assert torch.allclose(rotated[t].double(), want, atol=1e-5), diff(rotated[t].double(), want)

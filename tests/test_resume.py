@@ -108,11 +108,16 @@ def test_resume_errors_are_one_line(train_cfg, tmp_path):
     with pytest.raises(UserError, match="no checkpoint there"):
         train(train_cfg(f"resume={tmp_path / 'nowhere'}"))
     train(train_cfg("train.max_iters=10"))
+    before = (tmp_path / "run" / "metrics.jsonl").read_text()
+    with pytest.raises(UserError, match="already holds a run: continue it with resume=true"):
+        train(train_cfg("train.max_iters=10"))  # a fresh run never overwrites an old one
+    assert (tmp_path / "run" / "metrics.jsonl").read_text() == before
     with pytest.raises(UserError, match=r"cannot resume: model.n_embd is 64 here but 32 in the checkpoint"):
         train(train_cfg("resume=true", "model.n_embd=64"))
 
 
-def test_nan_loss_stops_naming_the_step_and_keeps_finite_checkpoints(train_cfg, tmp_path, monkeypatch):
+def poison_training_loss(monkeypatch, at: dict):
+    """Multiply the loss of the n-th training forward pass by at[n] (NaN, Inf)."""
     real_forward = model_module.GPT.forward
     calls = {"n": 0}
 
@@ -120,10 +125,14 @@ def test_nan_loss_stops_naming_the_step_and_keeps_finite_checkpoints(train_cfg, 
         out = real_forward(self, idx, targets, **kw)
         if targets is not None and self.training:
             calls["n"] += 1
-            if calls["n"] == 14:  # the training step from 13 to 14
-                return out[0], out[1] * float("nan")
+            if calls["n"] in at:
+                return out[0], out[1] * at[calls["n"]]
         return out
     monkeypatch.setattr(model_module.GPT, "forward", poisoned)
+
+
+def test_nan_loss_stops_naming_the_step_and_keeps_finite_checkpoints(train_cfg, tmp_path, monkeypatch):
+    poison_training_loss(monkeypatch, {14: float("nan")})  # the 14th training step: step 13 -> 14
     with pytest.raises(UserError, match=r"non-finite loss or gradients at step 13 .*last good checkpoint: .*ckpt_0000010.pt"):
         train(train_cfg("train.max_iters=40"))
     run = tmp_path / "run"
@@ -133,17 +142,7 @@ def test_nan_loss_stops_naming_the_step_and_keeps_finite_checkpoints(train_cfg, 
 
 
 def test_skip_nonfinite_skips_bad_steps_and_goes_on(train_cfg, tmp_path, monkeypatch):
-    real_forward = model_module.GPT.forward
-    calls = {"n": 0}
-
-    def poisoned(self, idx, targets=None, **kw):
-        out = real_forward(self, idx, targets, **kw)
-        if targets is not None and self.training:
-            calls["n"] += 1
-            if calls["n"] in (5, 9):
-                return out[0], out[1] * float("inf")
-        return out
-    monkeypatch.setattr(model_module.GPT, "forward", poisoned)
+    poison_training_loss(monkeypatch, {5: float("inf"), 9: float("inf")})
     result = train(train_cfg("train.max_iters=20", "train.skip_nonfinite=2"))
     assert result["steps"] == 20
     for t in load_checkpoint(tmp_path / "run" / step_name(20))["model"].values():
