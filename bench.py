@@ -30,7 +30,7 @@ from train import peak_flops, setup_device, train_step
 class BenchSettings:
     iters: int = 30  # timed steps per round
     warmup: int = 5  # untimed steps first (allocator, compile, caches)
-    rounds: int = 3  # interleaved rounds when comparing; the median is reported
+    rounds: int = 6  # interleaved rounds when comparing (order alternating); the median is reported
     vocab_size: int = 65  # used when model.vocab_size is unset (tiny shakespeare's characters)
     compare: Optional[str] = None  # a karpathy/nanoGPT checkout to time side by side
     cpu_peak_flops: float = 180e9  # CPU peak for MFU (fp32 matmul ceiling of 2 cores here); GPUs: train.peak_flops or the table
@@ -100,9 +100,10 @@ def bench(cfg) -> dict:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     times = {name: [] for name in runners}
-    for _ in range(cfg.bench.rounds if len(runners) > 1 else 1):
-        for name, runner in runners.items():
-            times[name].append(time_steps(*runner, cfg, device, autocast, cfg.bench.iters, batch))
+    for r in range(cfg.bench.rounds if len(runners) > 1 else 1):
+        order = list(runners) if r % 2 == 0 else list(reversed(runners))  # no model always goes first
+        for name in order:
+            times[name].append(time_steps(*runners[name], cfg, device, autocast, cfg.bench.iters, batch))
 
     peak = peak_flops(device, cfg.train.peak_flops or (cfg.bench.cpu_peak_flops if device.type == "cpu" else None))
     tokens = B * T * cfg.train.grad_accum

@@ -349,7 +349,7 @@ def train(cfg, run_name=None, run_group=None) -> dict:
         probe = AttentionProbe(px.to(device))
     ckpt_every = tcfg.ckpt_interval or tcfg.eval_interval
     # nats/token -> bits/character: what compares runs with different tokenizers
-    bpc_factor = len(data.splits["val"]) / data.meta["val_characters"] / math.log(2)
+    bpc_factor = len(data.splits["val"]) / data.meta["val_characters"] / math.log(2) if data.meta.get("val_characters") else None
     peak = peak_flops(device, tcfg.peak_flops)
     flops_per_token = model.flops_per_token()
 
@@ -382,7 +382,7 @@ def train(cfg, run_name=None, run_group=None) -> dict:
                 if step % tcfg.eval_interval == 0 or last:
                     losses = estimate_loss(fwd_model, data, tcfg, mcfg.block_size, device, cfg.seed, autocast)
                     tracker.log({"train/loss": losses["train"], "val/loss": losses["val"],
-                                 "val/bpc": losses["val"] * bpc_factor}, step)
+                                 **({"val/bpc": losses["val"] * bpc_factor} if bpc_factor else {})}, step)
                     result.update({"train_loss": losses["train"], "val_loss": losses["val"]})
                     log.info("eval step %d: train loss %.4f, val loss %.4f", step, losses["train"], losses["val"])
                     if losses["val"] < best_val and master:

@@ -35,7 +35,7 @@ from tokenizer import cached_tokenizer, tokenizer_from_dict, train_tokenizer
 
 log = logging.getLogger(__name__)
 REPO = Path(__file__).resolve().parents[1]
-FORMAT_VERSION = 2  # bump when the on-disk layout or tokenization changes
+FORMAT_VERSION = 3  # bump when the on-disk layout or tokenization changes
 CHUNK_CHARS = 1 << 16  # a long document is tokenized in pieces of about this size, in parallel
 
 
