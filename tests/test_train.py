@@ -73,8 +73,8 @@ def test_eval_loss_recomputes_from_checkpoint(train_cfg, tmp_path):
 
 
 def test_gradient_accumulation_equals_bigger_batch(train_cfg, tmp_path):
-    """grad_accum=2 with batch b takes the same steps as grad_accum=1 with batch 2b when fed the
-    same tokens: compare one optimizer step by hand."""
+    """grad_accum=4 with batch b takes the same step as grad_accum=1 with batch 4b when fed the
+    same tokens (clipping included)."""
     from model import GPT, GPTConfig
     from train import train_step
     from contextlib import nullcontext
@@ -84,9 +84,13 @@ def test_gradient_accumulation_equals_bigger_batch(train_cfg, tmp_path):
     b.load_state_dict(a.state_dict())
     x, y = torch.randint(30, (8, 8)), torch.randint(30, (8, 8))
     scaler = torch.amp.GradScaler("cpu", enabled=False)
-    opt_a, opt_b = a.configure_optimizer(1e-2, 0.1), b.configure_optimizer(1e-2, 0.1)
-    train_step(a, opt_a, [(x, y)], 1, 1.0, torch.device("cpu"), nullcontext(), scaler)
-    train_step(b, opt_b, [(x[:4], y[:4]), (x[4:], y[4:])], 2, 1.0, torch.device("cpu"), nullcontext(), scaler)
+    # SGD: the update is the gradient itself, so a wrong 1/grad_accum weighting would show (Adam's
+    # first step, g/|g|, would hide it)
+    opt_a, opt_b = torch.optim.SGD(a.parameters(), lr=0.5), torch.optim.SGD(b.parameters(), lr=0.5)
+    _, norm_a, _ = train_step(a, opt_a, [(x, y)], 1, 0.0, torch.device("cpu"), nullcontext(), scaler)
+    _, norm_b, _ = train_step(b, opt_b, [(x[i:i + 2], y[i:i + 2]) for i in range(0, 8, 2)], 4, 0.0,
+                              torch.device("cpu"), nullcontext(), scaler)
+    assert norm_a.item() == pytest.approx(norm_b.item(), rel=1e-5) and norm_a.item() > 0.1
     for (n, p), q in zip(a.named_parameters(), b.parameters()):
         assert torch.allclose(p, q, atol=1e-6), n
 
