@@ -175,3 +175,14 @@ def test_default_run_config_fits_the_budget():
     tokens = cfg.train.max_iters * cfg.train.batch_size * cfg.model.block_size * cfg.train.grad_accum
     assert tokens <= 3.2e6 and cfg.data.name == "python_docs" and cfg.device == "auto"
     assert math.isclose(cfg.train.lr, 2e-3)
+
+
+@pytest.mark.parametrize("experiment", sorted(p.stem for p in (REPO / "configs" / "experiment").glob("*.yaml")))
+def test_every_experiment_preset_composes_and_runs(experiment, train_cfg, text_file):
+    """A smoke run of each preset, shrunk: its own settings apply, the overrides shrink it."""
+    cfg = train_cfg(f"experiment={experiment}", f"data.path={text_file}", "model.n_layer=1", "model.n_embd=32",
+                    "model.n_head=2", "model.block_size=16", "train.batch_size=2", "train.max_iters=2",
+                    "train.eval_interval=1", "train.eval_iters=1", "model.dropout=0.0")
+    assert cfg.data.name in ("shakespeare_char",)  # every preset trains on tiny shakespeare
+    result = train(cfg)
+    assert result["steps"] == 2 and math.isfinite(result["val_loss"])
