@@ -24,7 +24,7 @@ from omegaconf import OmegaConf
 from config import Config
 from errors import UserError
 from model import GPT, GPTConfig
-from train import peak_flops, setup_device, train_step
+from train import compile_wanted, peak_flops, setup_device, train_step
 
 @dataclass
 class BenchSettings:
@@ -94,8 +94,7 @@ def bench(cfg) -> dict:
     for name, m in models.items():
         opt = torch.optim.AdamW(m.parameters(), lr=1e-4, betas=(cfg.train.beta1, cfg.train.beta2),
                                 weight_decay=cfg.train.weight_decay, fused=device.type == "cuda")
-        use_compile = cfg.compile if cfg.compile is not None else device.type == "cuda"
-        runners[name] = (torch.compile(m) if use_compile else m, opt)
+        runners[name] = (torch.compile(m) if compile_wanted(cfg.compile, device) else m, opt)
         time_steps(*runners[name], cfg, device, autocast, cfg.bench.warmup, batch)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)

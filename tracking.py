@@ -9,6 +9,8 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from errors import UserError
+
 WANDB_MODES = ("offline", "online", "disabled")
 
 
@@ -19,12 +21,11 @@ class Tracker:
         self.run = None
         if not enabled:
             return
-        self.file = open(self.path, "a")
         wcfg = cfg.logger.wandb
         mode = wcfg.mode
-        if mode is not None and mode not in WANDB_MODES:
-            from errors import UserError
+        if mode is not None and mode not in WANDB_MODES:  # before anything is written
             raise UserError(f"logger.wandb.mode={mode!r} is unknown: use offline, online or disabled")
+        self.file = open(self.path, "a")
         if mode is None and not os.environ.get("WANDB_MODE"):
             mode = "offline"  # never reach for the network or a key unless asked to
         if mode == "disabled" or (mode is None and os.environ.get("WANDB_MODE") == "disabled"):

@@ -86,6 +86,11 @@ def peak_flops(device, override=None):
     return None
 
 
+def compile_wanted(flag, device) -> bool:
+    """`compile`: true/false as given; unset means on for CUDA (it pays), off elsewhere."""
+    return flag if flag is not None else device.type == "cuda"
+
+
 def setup_device(device_name: str, dtype_name: str):
     """(device, autocast dtype, autocast context); TF32 matmuls on CUDA (free speed, fp32 range)."""
     device = pick_device(device_name)
@@ -329,7 +334,7 @@ def train(cfg, run_name=None, run_group=None) -> dict:
     log.info("model: %.2fM parameters, %d layers x %d heads x %d head dim, block %d, vocab %d, scale %s%s",
              model.num_params() / 1e6, mcfg.n_layer, mcfg.n_head, mcfg.head_dim, mcfg.block_size,
              mcfg.vocab_size, mcfg.attn.scale, f", qk_norm={mcfg.attn.qk_norm_type}" if mcfg.attn.qk_norm else "")
-    use_compile = cfg.compile if cfg.compile is not None else device.type == "cuda"
+    use_compile = compile_wanted(cfg.compile, device)
     fwd_model = torch.compile(model) if use_compile else model
     if world > 1:
         fwd_model = DDP(fwd_model, device_ids=[device.index] if device.type == "cuda" else None)
@@ -368,7 +373,8 @@ def train(cfg, run_name=None, run_group=None) -> dict:
         return path
 
     tokens_per_step = tcfg.batch_size * tcfg.grad_accum * mcfg.block_size
-    result = {"out_dir": str(out_dir), "best_val_loss": best_val, "tokens_per_sec": None, "stopped": None}
+    result = {"out_dir": str(out_dir), "best_val_loss": best_val, "tokens_per_sec": None, "stopped": None,
+              "compiled": use_compile}
     attn_history, skipped, probe_time = [], 0, 0.0
     start_step, saved_at = step, step if state is not None else None
     stop = StopRequest()

@@ -89,8 +89,9 @@ def _load(data_cfg, kind, location, split):
         if any(isinstance(c, UnicodeDecodeError) for c in chain):
             raise UserError(f"data.path={location!r} is not UTF-8 text: convert it (e.g. iconv -t UTF-8) "
                             "or pick another file") from None
-        if kind == "file":
-            raise
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        if kind == "file" or (isinstance(e, ValueError) and "split" in str(e).lower()):
+            raise UserError(f"could not load {location} split {split!r}: {first}") from None
         offline = " (HF_HUB_OFFLINE is set)" if os.environ.get("HF_HUB_OFFLINE") in ("1", "true") else ""
         raise UserError(f"could not load {location} split {split!r}{offline}: {type(e).__name__}; data={data_cfg.name} "
                         "needs the network: download it where you have one, or pass data.path=FILE") from None
@@ -103,6 +104,9 @@ def load_texts(data_cfg, kind, location):
         return Dataset.from_dict({"text": [python_docs_text()]}), None
     train = _load(data_cfg, kind, location, "train")
     val = _load(data_cfg, kind, location, data_cfg.val_split) if data_cfg.val_split else None
+    if data_cfg.text_column not in (train.column_names or [data_cfg.text_column]):
+        raise UserError(f"data.text_column={data_cfg.text_column!r} is not a column of {location}: "
+                        f"it has {', '.join(train.column_names)}")
     if data_cfg.text_column != "text":
         train = train.rename_column(data_cfg.text_column, "text")
         val = val.rename_column(data_cfg.text_column, "text") if val is not None else None

@@ -94,3 +94,12 @@ def test_shakespeare_char_from_local_copy(tmp_path):
     d = TokenData(prepare(data_cfg(tmp_path, "data=shakespeare_char", f"data.path={SHAKESPEARE}")))
     assert d.vocab_size == 65  # the classic 65 characters
     assert len(d.splits["train"]) + len(d.splits["val"]) == 1_115_394
+
+
+def test_bad_split_or_column_is_one_line_error(tmp_path, text_file):
+    with pytest.raises(UserError, match="split 'validation'") as e:
+        prepare(data_cfg(tmp_path, "data=text", f"data.path={text_file}", "data.val_split=validation"))
+    assert "\n" not in str(e.value)
+    with pytest.raises(UserError, match="data.text_column='body' is not a column"):
+        prepare(data_cfg(tmp_path, "data=text", f"data.path={text_file}", "data.text_column=body"))
+    assert not list((tmp_path / "cache").glob("*/meta.json"))
