@@ -10,8 +10,6 @@ ours in one process, and the ratio printed: these machines are too noisy for any
 import importlib.util
 import resource
 import statistics
-import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -19,12 +17,11 @@ from typing import Optional
 import hydra
 import torch
 from hydra.core.config_store import ConfigStore
-from omegaconf import OmegaConf
 
-from config import Config
-from errors import UserError
-from model import GPT, GPTConfig
-from train import compile_wanted, peak_flops, setup_device, train_step
+from common import Timer, UserError, cli, compile_wanted, peak_flops, setup_runtime
+from config import Config, model_config
+from model import GPT
+from optim import train_step
 
 @dataclass
 class BenchSettings:
@@ -61,24 +58,23 @@ def load_nanogpt(path):
     return module.GPT, module.GPTConfig
 
 
-def time_steps(model, optimizer, cfg, device, autocast, n, batch):
-    scaler = torch.amp.GradScaler(device.type, enabled=False)
-    batches = [batch] * cfg.train.grad_accum
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        loss, _, _ = train_step(model, optimizer, batches, cfg.train.grad_accum, cfg.train.grad_clip, device, autocast, scaler)
-    loss.item()  # waits for the device
-    return (time.perf_counter() - t0) / n
+def time_steps(model, optimizer, cfg, rt, n, batch):
+    """Seconds per training step, mean of n steps (GPU work included)."""
+    scaler = torch.amp.GradScaler(rt.device.type, enabled=rt.dtype == torch.float16)
+    accum = cfg.train.grad_accum or 1
+    with Timer(rt.device) as t:
+        for _ in range(n):
+            train_step(model, optimizer, [batch] * accum, accum, cfg.train.grad_clip, rt, scaler)
+    return t.seconds / n
 
 
 def bench(cfg) -> dict:
     torch.manual_seed(cfg.seed)
-    device, ptdtype, autocast = setup_device(cfg.device, cfg.dtype)
-    model_dict = OmegaConf.to_container(cfg.model, resolve=True)
-    model_dict["vocab_size"] = model_dict["vocab_size"] or cfg.bench.vocab_size
-    mcfg = GPTConfig(**model_dict)
+    if cfg.train.batch_size <= 0 or cfg.bench.iters <= 0 or cfg.bench.rounds <= 0 or cfg.bench.warmup < 0:
+        raise UserError("train.batch_size, bench.iters and bench.rounds must be positive, bench.warmup >= 0")
+    rt = setup_runtime(cfg.device, cfg.dtype)
+    device = rt.device
+    mcfg = model_config(cfg.model, cfg.bench.vocab_size)
     B, T = cfg.train.batch_size, mcfg.block_size
     x = torch.randint(mcfg.vocab_size, (B, T), device=device)
     batch = (x, torch.roll(x, -1, dims=1))
@@ -95,19 +91,19 @@ def bench(cfg) -> dict:
         opt = torch.optim.AdamW(m.parameters(), lr=1e-4, betas=(cfg.train.beta1, cfg.train.beta2),
                                 weight_decay=cfg.train.weight_decay, fused=device.type == "cuda")
         runners[name] = (torch.compile(m) if compile_wanted(cfg.compile, device) else m, opt)
-        time_steps(*runners[name], cfg, device, autocast, cfg.bench.warmup, batch)
+        time_steps(*runners[name], cfg, rt, cfg.bench.warmup, batch)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     times = {name: [] for name in runners}
     for r in range(cfg.bench.rounds if len(runners) > 1 else 1):
         order = list(runners) if r % 2 == 0 else list(reversed(runners))  # no model always goes first
         for name in order:
-            times[name].append(time_steps(*runners[name], cfg, device, autocast, cfg.bench.iters, batch))
+            times[name].append(time_steps(*runners[name], cfg, rt, cfg.bench.iters, batch))
 
-    peak = peak_flops(device, cfg.train.peak_flops or (cfg.bench.cpu_peak_flops if device.type == "cpu" else None))
-    tokens = B * T * cfg.train.grad_accum
+    peak = peak_flops(rt, cfg.train.peak_flops or (cfg.bench.cpu_peak_flops if device.type == "cpu" else None))
+    tokens = B * T * (cfg.train.grad_accum or 1)
     flops_per_token = models["attnlab"].flops_per_token(T)
-    result = {"device": str(device), "dtype": str(ptdtype).replace("torch.", ""), "batch_size": B,
+    result = {"device": str(device), "dtype": str(rt.dtype).replace("torch.", ""), "batch_size": B,
               "block_size": T, "params": models["attnlab"].num_params(), "flops_per_token": flops_per_token}
     for name, ts in times.items():
         s = statistics.median(ts)
@@ -137,12 +133,9 @@ def print_result(r):
 
 
 @hydra.main(version_base="1.3", config_path="configs", config_name="bench")
+@cli
 def main(cfg):
-    try:
-        print_result(bench(cfg))
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(1)
+    print_result(bench(cfg))
 
 
 if __name__ == "__main__":

@@ -5,48 +5,57 @@
 
 Random weights: speed does not depend on what the model learned. Greedy decoding, batch 1.
 """
-import sys
-import time
-from pathlib import Path
+from dataclasses import dataclass
 
+import hydra
 import torch
-from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
 
-import config  # noqa: F401  (registers the config schema)
+from common import Timer, UserError, cli, pick_device
+from config import model_config
 from model import GPT, GPTConfig
 from sample import generate
-from train import pick_device
 
 
-def main(argv):
-    opts = dict(a.split("=", 1) for a in argv if not a.startswith(("model", "+")) and "=" in a)
-    overrides = [a for a in argv if a.startswith("model")] or ["model=baby"]
-    tokens, device = int(opts.get("tokens", 1000)), pick_device(opts.get("device", "cpu"))
-    with initialize_config_dir(config_dir=str(Path(__file__).resolve().parent / "configs"), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=overrides)
-    mcfg = OmegaConf.to_container(cfg.model, resolve=True)
-    mcfg.update(vocab_size=int(opts.get("vocab_size", 65)), dropout=0.0)
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(**mcfg)).to(device).eval()
+@dataclass
+class BenchSampleConfig:
+    model: GPTConfig = MISSING
+    tokens: int = 1000  # new tokens per timed generation
+    device: str = "cpu"
+    vocab_size: int = 65  # tiny shakespeare's characters, when model.vocab_size is unset
+    seed: int = 0
+
+
+ConfigStore.instance().store(name="base_bench_sample", node=BenchSampleConfig)
+
+
+def bench_sample(cfg) -> dict:
+    if cfg.tokens <= 0:
+        raise UserError(f"tokens={cfg.tokens} must be a positive integer")
+    device = pick_device(cfg.device)
+    torch.manual_seed(cfg.seed)
+    mcfg = model_config({**cfg.model, "dropout": 0.0}, cfg.vocab_size)
+    model = GPT(mcfg).to(device).eval()
     prompt = torch.zeros(1, 1, dtype=torch.long, device=device)
-    print(f"{overrides[0]}: {model.num_params() / 1e6:.1f}M params, block {model.config.block_size}, "
-          f"{tokens} new tokens, device {device}, {torch.get_num_threads()} threads")
+    print(f"{model.num_params() / 1e6:.1f}M params, block {mcfg.block_size}, {cfg.tokens} new tokens, "
+          f"device {device}, {torch.get_num_threads()} threads")
     generate(model, prompt, 20, temperature=0, kv_cache=True)  # warm-up
     speed = {}
     for kv_cache in (True, False):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        out = generate(model, prompt, tokens, temperature=0, kv_cache=kv_cache)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        seconds = time.perf_counter() - t0
-        speed[kv_cache] = tokens / seconds
-        print(f"kv_cache={str(kv_cache).lower():5s}: {seconds:7.2f} s  {speed[kv_cache]:8.1f} tokens/s")
-        assert out.shape[1] == tokens + 1
+        with Timer(device) as t:
+            generate(model, prompt, cfg.tokens, temperature=0, kv_cache=kv_cache)
+        speed[kv_cache] = cfg.tokens / t.seconds
+        print(f"kv_cache={str(kv_cache).lower():5s}: {t.seconds:7.2f} s  {speed[kv_cache]:8.1f} tokens/s")
     print(f"speed-up with the cache: {speed[True] / speed[False]:.1f}x")
+    return {"cached": speed[True], "recompute": speed[False]}
+
+
+@hydra.main(version_base="1.3", config_path="configs", config_name="bench_sample")
+@cli
+def main(cfg):
+    bench_sample(cfg)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    main()

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from errors import UserError
+from common import UserError
 from model import GPT, GPTConfig
 
 BEST_NAME = "best.pt"  # lowest val loss so far; what sample.py loads from a run dir
@@ -23,8 +23,9 @@ def step_name(step: int) -> str:
 
 
 def step_checkpoints(run_dir) -> list:
-    """The run's periodic checkpoints, oldest first."""
-    return sorted(Path(run_dir).glob("ckpt_[0-9]*.pt"))
+    """The run's periodic checkpoints, oldest first (by step number: past 7 digits text order is wrong)."""
+    found = [p for p in Path(run_dir).glob("ckpt_[0-9]*.pt") if p.stem[5:].isdigit()]
+    return sorted(found, key=lambda p: int(p.stem[5:]))
 
 
 def latest_checkpoint(run_dir):

@@ -1,6 +1,6 @@
 """The config schema: dataclasses registered in Hydra's ConfigStore.
 
-Each YAML under configs/ names its schema first in its defaults list (`- base_model`), so a
+Each YAML under configs/ names its schema first in its defaults list (`- /model_schema@_here_`), so a
 misspelt key or a wrong type fails at composition, before anything runs. The model schema is
 model.GPTConfig itself: one definition of the architecture's knobs.
 """
@@ -10,6 +10,9 @@ from typing import List, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
+from omegaconf import OmegaConf
+
+from common import UserError
 from model import GPTConfig
 
 
@@ -35,7 +38,7 @@ class DataConfig:
 @dataclass
 class TrainConfig:
     batch_size: int = 32  # sequences per micro-batch
-    grad_accum: int = 1  # micro-batches per optimizer step
+    grad_accum: Optional[int] = None  # micro-batches per optimizer step, split across processes; unset: one per process
     max_iters: int = 2000  # optimizer steps
     lr: float = 2e-3  # peak learning rate
     min_lr: float = 2e-4  # floor of the cosine decay
@@ -88,7 +91,8 @@ class Config:
 @dataclass
 class SampleConfig:
     ckpt: Optional[str] = None  # checkpoint file or run dir; default: newest under outputs/
-    prompt: str = "\n"  # text to continue
+    prompt: str = "\n"  # text to continue (quote trailing spaces for Hydra: prompt="'def '")
+    prompt_file: Optional[str] = None  # read the prompt from this file instead (whitespace kept as is)
     max_new_tokens: int = 500
     num_samples: int = 1  # decoded together as one batch
     temperature: float = 0.8  # 0 = greedy
@@ -101,14 +105,27 @@ class SampleConfig:
     stop: Optional[str] = None  # end a sample at the first occurrence of this string
 
 
+def model_config(model_cfg, vocab_size=None) -> GPTConfig:
+    """The GPTConfig of a `model` config group; an unset vocab_size comes from the tokenizer."""
+    fields = OmegaConf.to_container(model_cfg, resolve=True) if OmegaConf.is_config(model_cfg) else dict(model_cfg)
+    if vocab_size is not None:
+        if fields.get("vocab_size") is not None and fields["vocab_size"] < vocab_size:
+            raise UserError(f"model.vocab_size={fields['vocab_size']} is smaller than the tokenizer's "
+                            f"{vocab_size}: leave it unset")
+        fields["vocab_size"] = fields.get("vocab_size") or vocab_size
+    return GPTConfig(**fields)
+
+
 def register_configs() -> None:
     cs = ConfigStore.instance()
     cs.store(name="base_config", node=Config)
     cs.store(name="base_sample", node=SampleConfig)
-    cs.store(group="model", name="base_model", node=GPTConfig)
-    cs.store(group="data", name="base_data", node=DataConfig)
-    cs.store(group="train", name="base_train", node=TrainConfig)
-    cs.store(group="logger", name="base_logger", node=LoggerConfig)
+    # group schemas live outside the groups (each group YAML pulls its one in with
+    # `- /model_schema@_here_`), so `--help` lists only real choices
+    cs.store(name="model_schema", node=GPTConfig)
+    cs.store(name="data_schema", node=DataConfig)
+    cs.store(name="train_schema", node=TrainConfig)
+    cs.store(name="logger_schema", node=LoggerConfig)
 
 
 register_configs()

@@ -26,7 +26,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from errors import UserError
+from common import UserError
 
 QK_NORM_TYPES = ("rms", "layer", "l2")
 QK_NORM_GAINS = ("none", "head", "channel")
@@ -207,8 +207,9 @@ class KVCache:
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, config: GPTConfig):
+    def __init__(self, config: GPTConfig, layer: int):
         super().__init__()
+        self.layer = layer  # this block's index, for the attention probe
         self.n_head, self.head_dim = config.n_head, config.head_dim
         self.scale = config.attn_scale
         self.attn_cfg = config.attn
@@ -250,7 +251,7 @@ class CausalSelfAttention(nn.Module):
         B, T, C = x.shape
         q, k, v = self.qkv(x, freqs)
         if probe is not None:  # attention statistics read q, k here; None on training steps
-            probe(q, k, self.scale)
+            probe(self.layer, q, k, self.scale)
         if kv_cache is not None:
             k, v = kv_cache.update(pos, k, v)  # (B, nh, n_cached, hs)
         y = attention(q, k, v, self.scale, causal=True, impl=self.attn_cfg.impl,
@@ -271,10 +272,10 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, config: GPTConfig):
+    def __init__(self, config: GPTConfig, layer: int):
         super().__init__()
         self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
-        self.attn = CausalSelfAttention(config)
+        self.attn = CausalSelfAttention(config, layer)
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.mlp = MLP(config)
 
@@ -289,7 +290,7 @@ class GPT(nn.Module):
         self.config = config
         self.wte = nn.Embedding(config.vocab_size, config.n_embd)
         self.drop = nn.Dropout(config.dropout)
-        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        self.blocks = nn.ModuleList(Block(config, i) for i in range(config.n_layer))
         self.ln_f = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.lm_head.weight = self.wte.weight  # tied
@@ -341,8 +342,7 @@ class GPT(nn.Module):
         freqs = self.rope_at(pos, T)
         x = self.drop(self.wte(idx))  # (B, T, C)
         for i, block in enumerate(self.blocks):
-            layer_probe = None if probe is None else (lambda q, k, s, i=i: probe(i, q, k, s))
-            x = block(x, freqs, None if kv_cache is None else kv_cache[i], pos, layer_probe, window)
+            x = block(x, freqs, None if kv_cache is None else kv_cache[i], pos, probe, window)
         logits = self.lm_head(self.ln_f(x))  # (B, T, vocab)
         if targets is None:
             return logits

@@ -10,6 +10,14 @@ from attnstats import entropy_grid  # noqa: E402
 from tracking import read_metrics  # noqa: E402
 
 
+def save_figure(fig, path):
+    """Write a figure as a PNG and free it (pyplot keeps every open figure alive)."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def series(metrics, key, require=None):
     """(steps, values) of `key` over the lines that have it (and `require`, if given)."""
     rows = [m for m in metrics if key in m and (require is None or require in m)]
@@ -31,9 +39,7 @@ def plot_run(run_dir) -> list:
     ax.set(xlabel="step", ylabel="loss (nats/token)", title=f"loss: {run_dir.name}")
     ax.grid(alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(run_dir / "loss.png", dpi=110)
-    plt.close(fig)
+    save_figure(fig, run_dir / "loss.png")
     written.append(run_dir / "loss.png")
 
     probes = [m for m in metrics if "attn_entropy/mean" in m]
@@ -60,7 +66,5 @@ def plot_attention(probes, path, title=""):
     hx.set(xlabel="head", ylabel="layer", title=f"entropy (nats) at step {probes[-1]['step']}",
            xticks=range(len(grid[0])), yticks=range(len(grid)))
     fig.colorbar(im, ax=hx)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
     return path

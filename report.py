@@ -13,7 +13,8 @@ from pathlib import Path
 
 import yaml
 
-from plots import plt, series
+from common import UserError, cli
+from plots import plt, save_figure, series
 from tracking import read_metrics
 
 
@@ -26,9 +27,9 @@ def find_runs(paths) -> list:
         elif p.is_dir():
             runs.extend(sorted(q.parent for q in p.rglob("metrics.jsonl")))
         else:
-            raise SystemExit(f"error: {p} is not a run dir or a sweep dir")
+            raise UserError(f"{p} is not a run dir or a sweep dir")
     if not runs:
-        raise SystemExit(f"error: no metrics.jsonl under {' '.join(map(str, paths))}: pass run or sweep dirs")
+        raise UserError(f"no metrics.jsonl under {' '.join(map(str, paths))}: pass run or sweep dirs")
     return runs
 
 
@@ -86,9 +87,7 @@ def plot_val_loss(rows, path):
     ax.set(xlabel="step", ylabel="val loss (nats/token)", title="validation loss")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def plot_attn(rows, path):
@@ -104,9 +103,7 @@ def plot_attn(rows, path):
         ax.set(xlabel="step", ylabel=label, title=f"{title} (mean over layers and heads)")
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def report(paths, out=None) -> dict:
@@ -127,6 +124,7 @@ def report(paths, out=None) -> dict:
     return {"table": md, "rows": rows, "files": files}
 
 
+@cli
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("dirs", nargs="+", help="run dirs or sweep (multirun) dirs")

@@ -2,6 +2,8 @@
 
     python sample.py                                   # newest checkpoint under outputs/
     python sample.py ckpt=outputs/runs/X prompt="ROMEO:" max_new_tokens=500 temperature=0.8 top_k=200
+    python sample.py prompt="'def '"                   # Hydra strips unquoted trailing spaces
+    python sample.py prompt_file=prompt.txt            # whitespace and newlines kept exactly
 
 Generation uses a KV cache: the prompt is run once (prefill) and each later step feeds only the
 newest token, whose query attends to the cached keys and values. `kv_cache=false` recomputes the
@@ -9,15 +11,15 @@ whole context every step instead; both give the same logits (tests hold them equ
 """
 import logging
 import sys
+from pathlib import Path
 
 import hydra
 import torch
 
 import config  # noqa: F401  (registers the config schema with Hydra)
 from checkpoint import find_checkpoint, load_checkpoint, model_from_checkpoint
-from errors import UserError
+from common import UserError, cli, pick_device
 from tokenizer import tokenizer_from_dict
-from train import pick_device
 
 log = logging.getLogger("attnlab")
 
@@ -86,6 +88,17 @@ def generate(model, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=1.0,
     return idx
 
 
+def read_prompt(cfg) -> str:
+    """The prompt: `prompt_file` read as is (every space and newline kept), else `prompt`."""
+    if cfg.prompt_file is None:
+        return cfg.prompt
+    try:
+        return Path(cfg.prompt_file).expanduser().read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"prompt_file={cfg.prompt_file!r} cannot be read as UTF-8 text: "
+                        f"{type(e).__name__}: {getattr(e, 'strerror', None) or e}") from None
+
+
 def sample(cfg, out=None) -> list:
     """Generate cfg.num_samples continuations of cfg.prompt from a checkpoint; returns the texts.
     With cfg.stream, text is written to `out` (default stdout) as it is produced."""
@@ -93,15 +106,16 @@ def sample(cfg, out=None) -> list:
     if cfg.stream and cfg.num_samples != 1:
         raise UserError("stream=true prints one sample as it is produced: set num_samples=1")
     device = pick_device(cfg.device)
+    prompt = read_prompt(cfg)
     path = find_checkpoint(cfg.ckpt)
     log.info("sampling from %s", path)
     state = load_checkpoint(path)
     model = model_from_checkpoint(state, device)
     tok = tokenizer_from_dict(state["tokenizer"])
-    if cfg.prompt == "" and tok.eot is None:
+    if prompt == "" and tok.eot is None:
         raise UserError("prompt is empty: a char-level model needs at least one character to start from")
     # a BPE model may start from nothing: <|endoftext|> is where every document begins
-    ids = tok.encode(cfg.prompt) if cfg.prompt else [tok.eot]
+    ids = tok.encode(prompt) if prompt else [tok.eot]
     prompt_ids = torch.as_tensor(ids, dtype=torch.long, device=device)
     idx = prompt_ids.unsqueeze(0).repeat(cfg.num_samples, 1)  # (num_samples, T)
     gens = [torch.Generator(device=device).manual_seed(cfg.seed + b) for b in range(cfg.num_samples)]
@@ -136,20 +150,17 @@ def sample(cfg, out=None) -> list:
         return all(done)
 
     if cfg.stream:
-        out.write(cfg.prompt)
+        out.write(prompt)
     generate(model, idx, cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.top_p, cfg.kv_cache, gens, on_token)
     if cfg.stream:
         out.write(texts[0][printed:])  # what was held back
-    return [cfg.prompt + t for t in texts]
+    return [prompt + t for t in texts]
 
 
 @hydra.main(version_base="1.3", config_path="configs", config_name="sample")
+@cli
 def main(cfg):
-    try:
-        texts = sample(cfg)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(1)
+    texts = sample(cfg)
     if cfg.stream:
         print()
     else:

@@ -9,11 +9,15 @@ needs nothing else (and checkpoints still load with weights_only=True).
 BPE tokenizers end every document with `<|endoftext|>`.
 """
 import base64
+import logging
+import re
+import sys
+from contextlib import contextmanager
 from functools import lru_cache
 
 import numpy as np
 
-from errors import UserError
+from common import UserError
 
 EOT = "<|endoftext|>"
 
@@ -91,7 +95,8 @@ class TiktokenTokenizer:
         if vocab_size < 257:
             raise UserError(f"data.vocab_size={vocab_size} is too small for a byte-level BPE: use >= 257")
         trainer = rustbpe.Tokenizer()
-        trainer.train_from_iterator(iter(texts), vocab_size - 1)
+        with merge_progress_bar():
+            trainer.train_from_iterator(iter(texts), vocab_size - 1)
         ranks = [bytes(tok) for tok, _ in sorted(trainer.get_mergeable_ranks(), key=lambda kv: kv[1])]
         return cls.from_ranks(ranks, trainer.get_pattern())
 
@@ -106,6 +111,33 @@ class TiktokenTokenizer:
 
     def to_dict(self) -> dict:
         return dict(self.spec)
+
+
+@contextmanager
+def merge_progress_bar():
+    """rustbpe logs each percent of its merge loop as an INFO line (about 100 of them): show one
+    progress bar instead (on a terminal), and keep its lines out of the run's log."""
+    from tqdm import tqdm
+
+    class ToBar(logging.Handler):
+        def emit(self, record):
+            m = re.search(r"\((\d+)/(\d+) merges\)", record.getMessage())
+            if m:
+                bar.total = int(m.group(2))
+                bar.update(int(m.group(1)) - bar.n)
+
+    logger = logging.getLogger("rustbpe")
+    handler, propagate, level = ToBar(), logger.propagate, logger.level
+    bar = tqdm(desc="training BPE", unit="merge", disable=not sys.stderr.isatty())
+    logger.addHandler(handler)
+    logger.propagate = False
+    logger.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.propagate, logger.level = propagate, level
+        bar.close()
 
 
 def tokenizer_from_dict(d: dict):

@@ -4,12 +4,15 @@ W&B never prompts and never needs the network unless the user asks: the mode is 
 choice (`logger.wandb.mode` or WANDB_MODE), else offline. Its files go inside the run dir.
 """
 import json
+import logging
 import os
 from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from errors import UserError
+from common import UserError
+
+log = logging.getLogger("attnlab")
 
 WANDB_MODES = ("offline", "online", "disabled")
 
@@ -64,7 +67,29 @@ class Tracker:
 
 
 def read_metrics(path) -> list:
-    """All lines of a metrics.jsonl (a run dir or the file itself)."""
+    """All lines of a metrics.jsonl (a run dir or the file itself). A torn last line, what a kill or
+    a full disk mid-write leaves, is dropped with a warning; a bad line elsewhere is an error."""
     p = Path(path)
     p = p / "metrics.jsonl" if p.is_dir() else p
-    return [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
+    lines = [line for line in p.read_text(errors="replace").splitlines() if line.strip()]
+    out = []
+    for i, line in enumerate(lines):
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            if i == len(lines) - 1:
+                log.warning("%s: dropping its torn last line (the run was killed mid-write)", p)
+                break
+            raise UserError(f"{p} line {i + 1} is not JSON: the file was edited or damaged") from None
+    return out
+
+
+def truncate_metrics(path: Path, step: int):
+    """Keep only the metric lines logged at or before `step` (a resumed run logs the rest again).
+    Written to a temporary file and renamed, so a kill mid-way loses nothing."""
+    if not path.is_file():
+        return
+    keep = [m for m in read_metrics(path) if m["step"] <= step]
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text("".join(json.dumps(m) + "\n" for m in keep))
+    os.replace(tmp, path)

@@ -4,10 +4,11 @@
     python train.py model=cpu_small data=shakespeare_char data.path=input.txt
     python train.py -m model.attn.scale=sqrt_dk,none  # a sweep: one run (and W&B run) per value
 
-`train(cfg)` does the work and returns its results, so tests call it with a composed config;
-`main` is the thin Hydra entry point.
+`train(cfg)` reads as setup -> loop -> finish and returns its results, so tests call it with a
+composed config; `main` is the thin Hydra entry point.
 """
 import dataclasses
+import fcntl
 import json
 import logging
 import math
@@ -19,8 +20,10 @@ import subprocess
 import sys
 import threading
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Optional
 
 import hydra
 import numpy as np
@@ -29,95 +32,29 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-import config  # noqa: F401  (registers the config schema with Hydra)
 from attnstats import AttentionProbe
 from checkpoint import (BEST_NAME, latest_checkpoint, load_checkpoint, load_weights, prune_checkpoints,
                         save_checkpoint, step_name)
-from data.prepare import TokenData, prepare
-from errors import UserError
+from common import (Dist, Runtime, UserError, all_ranks_agree, cli, compile_wanted, init_distributed, peak_flops,
+                    setup_runtime)
+from config import model_config
+from data.loader import TokenData
+from data.prepare import prepare
 from model import GPT, GPTConfig
-from tracking import Tracker
+from optim import lr_at, set_lr, train_step
+from tracking import Tracker, truncate_metrics
 
 log = logging.getLogger("attnlab")
 
 
-# ----------------------------------------------------------------------------- setup helpers
-
-def pick_device(name: str) -> torch.device:
-    """auto: cuda > mps > cpu. An explicit device that is not there is an error, not a fallback."""
-    if name == "auto":
-        if torch.cuda.is_available():
-            return torch.device("cuda")
-        if torch.backends.mps.is_available():
-            return torch.device("mps")
-        return torch.device("cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise UserError(f"device={name} but no CUDA GPU is visible: use device=auto or device=cpu")
-    if name == "mps" and not torch.backends.mps.is_available():
-        raise UserError("device=mps but MPS is not available: use device=auto or device=cpu")
-    if name not in ("cpu", "mps") and not name.startswith("cuda"):
-        raise UserError(f"device={name!r} is unknown: use auto, cpu, cuda, cuda:N or mps")
-    return torch.device(name)
-
-
-def pick_dtype(name: str, device: torch.device) -> torch.dtype:
-    """The autocast dtype: bfloat16 on GPUs that have it, float32 (no autocast) elsewhere."""
-    if name == "auto":
-        bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
-        return torch.bfloat16 if bf16 else torch.float32
-    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-    if name not in dtypes:
-        raise UserError(f"dtype={name!r} is unknown: use auto, float32, bfloat16 or float16")
-    return dtypes[name]
-
-
-# peak dense bf16 FLOP/s by GPU name (vendor figures), for MFU; a CPU has no entry: train.peak_flops
-PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "A100": 312e12, "A800": 312e12, "L40S": 362e12,
-              "L4": 121e12, "A10": 125e12, "4090": 165e12, "3090": 71e12, "V100": 125e12}
-
-
-def peak_flops(device, override=None):
-    """The FLOP/s MFU is measured against: the user's figure, else the GPU's table entry."""
-    if override:
-        return float(override)
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        return next((v for k, v in PEAK_FLOPS.items() if k in name), None)
-    return None
-
-
-def compile_wanted(flag, device) -> bool:
-    """`compile`: true/false as given; unset means on for CUDA (it pays), off elsewhere."""
-    return flag if flag is not None else device.type == "cuda"
-
-
-def setup_device(device_name: str, dtype_name: str):
-    """(device, autocast dtype, autocast context); TF32 matmuls on CUDA (free speed, fp32 range)."""
-    device = pick_device(device_name)
-    ptdtype = pick_dtype(dtype_name, device)
-    autocast = torch.autocast(device.type, dtype=ptdtype) if ptdtype != torch.float32 else nullcontext()
-    if device.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
-    return device, ptdtype, autocast
-
-
-def lr_at(step: int, tcfg) -> float:
-    """Linear warmup to lr, then cosine decay to min_lr at lr_decay_iters, then min_lr."""
-    decay_iters = tcfg.lr_decay_iters or tcfg.max_iters
-    if step < tcfg.warmup_iters:
-        return tcfg.lr * (step + 1) / (tcfg.warmup_iters + 1)
-    if step >= decay_iters:
-        return tcfg.min_lr
-    progress = (step - tcfg.warmup_iters) / max(1, decay_iters - tcfg.warmup_iters)
-    return tcfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (tcfg.lr - tcfg.min_lr)
-
+# ----------------------------------------------------------------------------- checks and records
 
 def check_train_config(tcfg):
-    for key in ("batch_size", "grad_accum", "eval_iters", "log_interval", "eval_interval", "probe_batch_size",
-                "keep_ckpts"):
+    for key in ("batch_size", "eval_iters", "log_interval", "eval_interval", "probe_batch_size", "keep_ckpts"):
         if getattr(tcfg, key) <= 0:
             raise UserError(f"train.{key}={getattr(tcfg, key)} must be a positive integer")
+    if tcfg.grad_accum is not None and tcfg.grad_accum <= 0:
+        raise UserError(f"train.grad_accum={tcfg.grad_accum} must be a positive integer (or unset)")
     if tcfg.max_iters < 0:
         raise UserError(f"train.max_iters={tcfg.max_iters} must be >= 0")
     if not (tcfg.lr > 0 and tcfg.min_lr >= 0):
@@ -126,7 +63,7 @@ def check_train_config(tcfg):
         raise UserError("train.weight_decay, train.grad_clip and train.warmup_iters must be >= 0")
 
 
-def run_info(device) -> dict:
+def run_info(device, world: int) -> dict:
     """Code version and hardware, recorded at the start of every run."""
     repo = Path(__file__).resolve().parent
     try:
@@ -139,52 +76,11 @@ def run_info(device) -> dict:
     return {"git_commit": commit, "git_dirty": dirty, "python": platform.python_version(),
             "torch": torch.__version__, "device": str(device),
             "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor(),
-            "cpu_threads": torch.get_num_threads(), "hostname": platform.node(), "argv": sys.argv}
+            "cpu_threads": torch.get_num_threads(), "hostname": platform.node(), "argv": sys.argv,
+            "world_size": world}
 
 
-def train_step(model, optimizer, batches, grad_accum, grad_clip, device, autocast, scaler):
-    """One optimizer step over the micro-batches (x, y) of this process, each weighted
-    1/grad_accum so the step sees their mean (DDP then averages over processes). Returns (loss of the last micro-batch, grad norm,
-    finite): a step whose loss or gradients are not finite is skipped, the weights untouched."""
-    batches = list(batches)
-    for i, (x, y) in enumerate(batches):
-        # under DDP, gradients are all-reduced once, on the last micro-batch
-        sync = i == len(batches) - 1 or not hasattr(model, "no_sync")
-        with (nullcontext() if sync else model.no_sync()), autocast:
-            _, loss = model(x.to(device, non_blocking=True), y.to(device, non_blocking=True))
-        scaler.scale(loss / grad_accum).backward()
-    scaler.unscale_(optimizer)
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip if grad_clip > 0 else float("inf"))
-    # fp16's GradScaler skips steps with inf gradients by design; only the loss counts there
-    finite = torch.isfinite(loss) & (torch.isfinite(grad_norm) | torch.tensor(scaler.is_enabled(), device=loss.device))
-    finite = bool(finite.item())  # one host sync per step: never step on (or save) NaN weights
-    if finite:
-        scaler.step(optimizer)
-        scaler.update()
-    optimizer.zero_grad(set_to_none=True)
-    return loss.detach(), grad_norm.detach(), finite
-
-
-@torch.no_grad()
-def estimate_loss(model, data, tcfg, block_size, device, seed, autocast):
-    """Mean loss over a fixed set of eval_iters batches per split: the same tokens at every
-    evaluation and in every run with the same seed, so curves and runs compare."""
-    model.eval()
-    out = {}
-    for i, split in enumerate(("train", "val")):
-        gen = torch.Generator().manual_seed(seed + 1000 + i)
-        losses = []
-        for _ in range(tcfg.eval_iters):
-            x, y = data.get_batch(split, tcfg.batch_size, block_size, gen)
-            with autocast:
-                _, loss = model(x.to(device), y.to(device))
-            losses.append(loss.item())
-        out[split] = sum(losses) / len(losses)
-    model.train()
-    return out
-
-
-# ----------------------------------------------------------------------------- resume, signals, DDP
+# ----------------------------------------------------------------------------- resume and signals
 
 def rng_state() -> dict:
     """Every random stream a training step may touch, as tensors and plain values."""
@@ -219,11 +115,14 @@ def resume_source(resume, out_dir: Path):
     found = latest_checkpoint(p) if p.is_dir() else (p if p.is_file() else None)
     if found is None:
         raise UserError(f"resume={resume}: no checkpoint there (give a run dir or a ckpt_*.pt file)")
+    if found.name == BEST_NAME:
+        raise UserError(f"resume={resume}: best.pt holds weights only, no optimizer or data position; "
+                        "resume from the run dir (or a ckpt_*.pt file)")
     return found
 
 
-def check_resumable(state: dict, cfg):
-    """A checkpoint resumes only into the same model and data; name the first difference."""
+def check_resumable(state: dict, cfg, tokenizer):
+    """A checkpoint resumes only into the same model, data and tokenizer; name the first difference."""
     saved = state.get("config") or {}
     now = OmegaConf.to_container(cfg, resolve=True)
     for group, keys in (("model", None), ("data", ("name", "tokenizer", "val_fraction"))):
@@ -232,13 +131,9 @@ def check_resumable(state: dict, cfg):
             if key != "vocab_size" and a.get(key) != b.get(key):
                 raise UserError(f"cannot resume: {group}.{key} is {b.get(key)!r} here but {a.get(key)!r} in the "
                                 "checkpoint; resume with the run's own config")
-
-
-def truncate_metrics(path: Path, step: int):
-    """Drop metric lines logged after the checkpoint we resume from (they will be logged again)."""
-    if path.is_file():
-        keep = [l for l in path.read_text().splitlines() if l.strip() and json.loads(l)["step"] <= step]
-        path.write_text("".join(l + "\n" for l in keep))
+    if state.get("tokenizer") != tokenizer.to_dict():  # same size is not enough: ids must mean the same text
+        raise UserError("cannot resume: the data's tokenizer differs from the checkpoint's (another corpus "
+                        "or vocabulary); resume with the run's own data")
 
 
 class StopRequest:
@@ -257,248 +152,367 @@ class StopRequest:
         self.signal = signal.Signals(signum).name
         log.warning("%s received: finishing this step, then saving a checkpoint (Ctrl-C again to quit now)", self.signal)
 
+    def agree(self, device, world: int):
+        """Under DDP every rank must stop at the same step: all stop if any was signalled."""
+        if all_ranks_agree(self.signal is not None, device, world) and self.signal is None:
+            self.signal = "SIGTERM"
+
     def restore(self):
         for sig, handler in self.previous.items():
             signal.signal(sig, handler)
 
 
-def init_distributed(device_name: str):
-    """(rank, world_size, device) from torchrun's environment; a process group if world > 1."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world == 1:
-        return 0, 1, None
-    rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
-    use_cuda = torch.cuda.is_available() and device_name in ("auto", "cuda")
-    if use_cuda:
-        torch.cuda.set_device(local_rank)
-    if not dist.is_initialized():
-        dist.init_process_group("nccl" if use_cuda else "gloo")
-    return rank, world, f"cuda:{local_rank}" if use_cuda else None
+def lock_run_dir(out_dir: Path):
+    """An exclusive lock on the run dir, held until the process ends: a second training pointed at
+    the same dir stops with one line instead of interleaving its files with ours."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    f = open(out_dir / ".lock", "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        owner = f.read().strip() or "another process"
+        f.close()
+        raise UserError(f"{out_dir} is in use by a running training ({owner}): wait for it, or give "
+                        "another hydra.run.dir") from None
+    f.seek(0)
+    f.truncate()
+    f.write(f"pid {os.getpid()} on {platform.node()}\n")
+    f.flush()
+    return f
 
 
-# ----------------------------------------------------------------------------- training
+# ----------------------------------------------------------------------------- setup
 
-def train(cfg, run_name=None, run_group=None) -> dict:
-    """Train the model `cfg` describes; write config, metrics, plots and checkpoints to cfg.out_dir.
+@dataclass
+class Run:
+    """What a training run needs, built once by setup(); the loop reads and advances it."""
+    cfg: object
+    out_dir: Path
+    dist: Dist
+    rt: Runtime
+    data: TokenData
+    mcfg: GPTConfig
+    model: GPT  # the plain model: its weights are what checkpoints hold
+    fwd_model: torch.nn.Module  # what steps run through: the model, compiled and/or wrapped in DDP
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler
+    sampler: torch.Generator  # the training batches' own random stream, the same on every rank
+    tracker: Tracker
+    probe: Optional[AttentionProbe]
+    grad_accum: int  # micro-batches per step over all processes
+    resolved: dict  # the resolved config, stored in every checkpoint
+    compiled: bool
+    resuming: bool
+    step: int = 0
+    best_val: float = math.inf
+    skipped: int = 0  # non-finite steps skipped so far
+    saved_at: Optional[int] = None  # step of the newest periodic checkpoint written by this process
+    evals: dict = field(default_factory=dict)  # the latest {"train": loss, "val": loss}
+    attn_history: list = field(default_factory=list)
+    lock: object = None
 
-    Under torchrun, each process trains on its share of every global batch and rank 0 alone
-    writes. Returns a summary dict (losses, steps, throughput, paths)."""
+
+def setup(cfg, run_name=None, run_group=None, overrides=None) -> Run:
+    """Check the config, lock the run dir, prepare the data, build (or restore) model and optimizer."""
     if not cfg.out_dir:
         raise UserError("out_dir is unset: pass out_dir=DIR (train.py sets it to Hydra's run dir)")
     tcfg = cfg.train
     check_train_config(tcfg)
-    rank, world, ddp_device = init_distributed(cfg.device)
-    master = rank == 0
-    if not master:
+    dist_ = init_distributed(cfg.device)
+    if not dist_.master:
         logging.getLogger().setLevel(logging.WARNING)
-    if tcfg.grad_accum % world:
-        raise UserError(f"train.grad_accum={tcfg.grad_accum} must be a multiple of the {world} processes: "
-                        "each process takes an equal share of the micro-batches")
-    local_accum = tcfg.grad_accum // world
+    grad_accum = tcfg.grad_accum or dist_.world  # unset: one micro-batch per process
+    if grad_accum % dist_.world:
+        raise UserError(f"train.grad_accum={grad_accum} must be a multiple of the {dist_.world} processes: "
+                        "each process takes an equal share of the micro-batches (or leave it unset)")
     out_dir = Path(cfg.out_dir)
     source = resume_source(cfg.resume, out_dir)
-    if source is not None:
+    resuming = source is not None
+    if resuming:
         out_dir = source.parent  # a resumed run continues in its own directory
-    elif master and ((out_dir / "metrics.jsonl").exists() or latest_checkpoint(out_dir) is not None):
+    lock = lock_run_dir(out_dir) if dist_.master else None
+    if dist_.master and not resuming and latest_checkpoint(out_dir) is not None:
         raise UserError(f"{out_dir} already holds a run: continue it with resume=true, or give a new "
                         "hydra.run.dir (nothing was overwritten)")
-    out_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.seed)
-    device, ptdtype, autocast = setup_device(ddp_device or cfg.device, cfg.dtype)
+    rt = setup_runtime(dist_.device_name or cfg.device, cfg.dtype)
 
-    # data, then a model sized to its vocabulary
     data = TokenData(prepare(cfg.data))
-    model_dict = OmegaConf.to_container(cfg.model, resolve=True)
-    model_dict["vocab_size"] = model_dict.get("vocab_size") or data.vocab_size
-    if model_dict["vocab_size"] < data.vocab_size:
-        raise UserError(f"model.vocab_size={model_dict['vocab_size']} is smaller than the tokenizer's "
-                        f"{data.vocab_size}: leave it unset")
-    mcfg = GPTConfig(**model_dict)
+    mcfg = model_config(cfg.model, data.vocab_size)
     data.check_block_size(mcfg.block_size)
-    model = GPT(mcfg).to(device)
+    model = GPT(mcfg).to(rt.device)
     optimizer = model.configure_optimizer(tcfg.lr, tcfg.weight_decay, (tcfg.beta1, tcfg.beta2),
-                                          fused=device.type == "cuda")
-    scaler = torch.amp.GradScaler(device.type, enabled=ptdtype == torch.float16)
-    gen = torch.Generator().manual_seed(cfg.seed)  # the training sampler's own stream, shared by all ranks
-    step, best_val, wandb_id, state = 0, float("inf"), None, None
-    if source is not None:
-        state = load_checkpoint(source, map_location=device)
-        check_resumable(state, cfg)
+                                          fused=rt.device.type == "cuda")
+    scaler = torch.amp.GradScaler(rt.device.type, enabled=rt.dtype == torch.float16)
+    sampler = torch.Generator().manual_seed(cfg.seed)
+    step, best_val, wandb_id = 0, math.inf, None
+    if resuming:
+        state = load_checkpoint(source)  # to CPU: RNG states must stay there; weights move on load
+        check_resumable(state, cfg, data.tokenizer)
+        if state["step"] > tcfg.max_iters:
+            raise UserError(f"the checkpoint is at step {state['step']}, past train.max_iters={tcfg.max_iters}: "
+                            f"pass train.max_iters > {state['step']} to train on (nothing was changed)")
         load_weights(model, state["model"])
         optimizer.load_state_dict(state["optimizer"])
-        scaler.load_state_dict(state["scaler"])
-        gen.set_state(state["sampler"])
+        if scaler.is_enabled() and state.get("scaler"):
+            scaler.load_state_dict(state["scaler"])
+        sampler.set_state(state["sampler"])
         set_rng_state(state["rng"])
         step, best_val, wandb_id = state["step"], state["best_val_loss"], state.get("wandb_id")
         log.info("resuming from %s at step %d", source, step)
     log.info("model: %.2fM parameters, %d layers x %d heads x %d head dim, block %d, vocab %d, scale %s%s",
              model.num_params() / 1e6, mcfg.n_layer, mcfg.n_head, mcfg.head_dim, mcfg.block_size,
              mcfg.vocab_size, mcfg.attn.scale, f", qk_norm={mcfg.attn.qk_norm_type}" if mcfg.attn.qk_norm else "")
-    use_compile = compile_wanted(cfg.compile, device)
-    fwd_model = torch.compile(model) if use_compile else model
-    if world > 1:
-        fwd_model = DDP(fwd_model, device_ids=[device.index] if device.type == "cuda" else None)
+    compiled = compile_wanted(cfg.compile, rt.device)
+    fwd_model = model
+    if dist_.world > 1:  # DDP first, then compile: the compiled graph overlaps all-reduce with backward
+        fwd_model = DDP(model, device_ids=[rt.device.index] if rt.device.type == "cuda" else None)
+    if compiled:
+        torch._dynamo.reset()  # a fresh compile per run: a sweep never hits the recompile limit
+        fwd_model = torch.compile(fwd_model)
 
-    # what this run is, recorded before it starts
     resolved = OmegaConf.to_container(cfg, resolve=True)
-    if master:
+    if dist_.master:  # what this run is, recorded before it starts
         (out_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
-        (out_dir / "run_info.json").write_text(json.dumps({**run_info(device), "world_size": world}, indent=1))
-        if state is not None:
-            truncate_metrics(out_dir / "metrics.jsonl", step)
-    tracker = Tracker(out_dir, cfg, name=run_name or out_dir.name, group=run_group, enabled=master, run_id=wandb_id)
-    probe_every = tcfg.eval_interval if tcfg.log_attn_interval is None else tcfg.log_attn_interval
+        (out_dir / "run_info.json").write_text(json.dumps(run_info(rt.device, dist_.world), indent=1))
+        if overrides is not None and not resuming:
+            (out_dir / ".hydra").mkdir(exist_ok=True)
+            (out_dir / ".hydra" / "overrides.yaml").write_text(OmegaConf.to_yaml(list(overrides)))
+            (out_dir / ".hydra" / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
+        truncate_metrics(out_dir / "metrics.jsonl", step if resuming else -1)
+    tracker = Tracker(out_dir, cfg, name=run_name or out_dir.name, group=run_group, enabled=dist_.master,
+                      run_id=wandb_id)
     probe = None
-    if master and probe_every > 0:  # a fixed val batch, drawn once: curves compare across steps and runs
-        px, _ = data.get_batch("val", tcfg.probe_batch_size, mcfg.block_size, torch.Generator().manual_seed(cfg.seed + 7))
-        probe = AttentionProbe(px.to(device))
-    ckpt_every = tcfg.ckpt_interval or tcfg.eval_interval
-    # nats/token -> bits/character: what compares runs with different tokenizers
-    bpc_factor = len(data.splits["val"]) / data.meta["val_characters"] / math.log(2) if data.meta.get("val_characters") else None
-    peak = peak_flops(device, tcfg.peak_flops)
-    flops_per_token = model.flops_per_token()
+    if dist_.master and probe_every(tcfg) > 0:  # a fixed val batch, drawn once: curves compare across steps and runs
+        px, _ = data.get_batch("val", tcfg.probe_batch_size, mcfg.block_size,
+                               torch.Generator().manual_seed(cfg.seed + 7))
+        probe = AttentionProbe(px.to(rt.device))
+    return Run(cfg, out_dir, dist_, rt, data, mcfg, model, fwd_model, optimizer, scaler, sampler, tracker, probe,
+               grad_accum, resolved, compiled, resuming, step=step, best_val=best_val,
+               saved_at=step if resuming else None, lock=lock)
 
-    def save(step, val_loss):
-        ckpt = {"model": model.state_dict(), "model_config": dataclasses.asdict(mcfg),
-                "tokenizer": data.tokenizer.to_dict(), "step": step, "val_loss": val_loss,
-                "best_val_loss": best_val, "optimizer": optimizer.state_dict(), "scaler": scaler.state_dict(),
-                "sampler": gen.get_state(), "rng": rng_state(), "config": resolved,
-                "wandb_id": tracker.run.id if tracker.run is not None else None}
-        bad = [n for n, t in ckpt["model"].items() if t.is_floating_point() and not torch.isfinite(t).all()]
-        if bad:  # never write a checkpoint that holds NaN/Inf
-            raise UserError(f"weights are not finite at step {step} ({bad[0]}): not saving; "
-                            f"last good checkpoint: {latest_checkpoint(out_dir)}")
-        path = save_checkpoint(out_dir / step_name(step), ckpt)
-        prune_checkpoints(out_dir, tcfg.keep_ckpts)
-        return path
 
-    tokens_per_step = tcfg.batch_size * tcfg.grad_accum * mcfg.block_size
-    result = {"out_dir": str(out_dir), "best_val_loss": best_val, "tokens_per_sec": None, "stopped": None,
-              "compiled": use_compile}
-    attn_history, skipped, probe_time = [], 0, 0.0
-    start_step, saved_at = step, step if state is not None else None
+def probe_every(tcfg) -> int:
+    return tcfg.eval_interval if tcfg.log_attn_interval is None else tcfg.log_attn_interval
+
+
+# ----------------------------------------------------------------------------- what the loop calls
+
+def checkpoint_contents(run: Run, full: bool = True) -> dict:
+    """A checkpoint: weights, model config, tokenizer, step and config; with `full`, also what an
+    exact resume needs (optimizer, scaler, sampler and RNG states, W&B run id)."""
+    state = {"model": run.model.state_dict(), "model_config": dataclasses.asdict(run.mcfg),
+             "tokenizer": run.data.tokenizer.to_dict(), "step": run.step, "val_loss": run.evals.get("val"),
+             "best_val_loss": run.best_val, "config": run.resolved}
+    if full:
+        state.update(optimizer=run.optimizer.state_dict(), scaler=run.scaler.state_dict(),
+                     sampler=run.sampler.get_state(), rng=rng_state(),
+                     wandb_id=run.tracker.run.id if run.tracker.run is not None else None)
+    bad = [n for n, t in state["model"].items() if t.is_floating_point() and not torch.isfinite(t).all()]
+    if bad:  # never write a checkpoint that holds NaN/Inf
+        raise UserError(f"weights are not finite at step {run.step} ({bad[0]}): not saving; "
+                        f"last checkpoint written: {latest_checkpoint(run.out_dir) or 'none'}")
+    return state
+
+
+def save(run: Run) -> Path:
+    """A periodic checkpoint of this step; older ones beyond train.keep_ckpts are deleted."""
+    path = save_checkpoint(run.out_dir / step_name(run.step), checkpoint_contents(run))
+    prune_checkpoints(run.out_dir, run.cfg.train.keep_ckpts)
+    run.saved_at = run.step
+    return path
+
+
+@torch.no_grad()
+def estimate_loss(run: Run) -> dict:
+    """Mean loss over a fixed set of eval_iters batches per split: the same tokens at every
+    evaluation and in every run with the same seed, so curves and runs compare."""
+    tcfg = run.cfg.train
+    run.fwd_model.eval()
+    out = {}
+    for i, split in enumerate(("train", "val")):
+        gen = torch.Generator().manual_seed(run.cfg.seed + 1000 + i)
+        losses = []
+        for _ in range(tcfg.eval_iters):
+            x, y = run.data.get_batch(split, tcfg.batch_size, run.mcfg.block_size, gen)
+            with run.rt.autocast():
+                _, loss = run.fwd_model(x.to(run.rt.device), y.to(run.rt.device))
+            losses.append(loss.item())
+        out[split] = sum(losses) / len(losses)
+    run.fwd_model.train()
+    return out
+
+
+def evaluate(run: Run):
+    """Log train and val loss on the fixed batches; keep best.pt at the lowest val loss."""
+    run.evals = estimate_loss(run)
+    bpc = run.data.bits_per_char_factor()
+    run.tracker.log({"train/loss": run.evals["train"], "val/loss": run.evals["val"],
+                     **({"val/bpc": run.evals["val"] * bpc} if bpc else {})}, run.step)
+    log.info("eval step %d: train loss %.4f, val loss %.4f", run.step, run.evals["train"], run.evals["val"])
+    if run.evals["val"] < run.best_val and run.dist.master:
+        run.best_val = run.evals["val"]
+        save_checkpoint(run.out_dir / BEST_NAME, checkpoint_contents(run, full=False))
+
+
+def probe_attention(run: Run) -> float:
+    """Attention statistics of the fixed probe batch, logged; returns the seconds it took."""
+    t0 = time.perf_counter()
+    stats = run.probe.run(run.model)
+    run.tracker.log(stats, run.step)
+    run.attn_history.append({"step": run.step, **stats})
+    return time.perf_counter() - t0
+
+
+def optimizer_step(run: Run):
+    """One training step on this process's share of a freshly drawn global batch."""
+    tcfg, T = run.cfg.train, run.mcfg.block_size
+    lr = lr_at(run.step, tcfg)
+    set_lr(run.optimizer, lr)
+    starts = run.data.sample_starts("train", (run.grad_accum, tcfg.batch_size), T, run.sampler)
+    local = run.grad_accum // run.dist.world
+    batches = (run.data.batch("train", s, T) for s in starts[run.dist.rank * local:(run.dist.rank + 1) * local])
+    loss, grad_norm, finite = train_step(run.fwd_model, run.optimizer, batches, local, tcfg.grad_clip, run.rt,
+                                         run.scaler, run.dist.world)
+    if not finite:
+        run.skipped += 1
+        log.warning("step %d: loss %s / grad norm %s not finite, step skipped (%d of %d allowed)",
+                    run.step, loss.item(), grad_norm.item(), run.skipped, tcfg.skip_nonfinite)
+        if run.skipped > tcfg.skip_nonfinite:
+            raise UserError(f"non-finite loss or gradients at step {run.step} (loss {loss.item()}); "
+                            f"last good checkpoint: {latest_checkpoint(run.out_dir) or 'none yet'}; "
+                            "lower train.lr or set train.skip_nonfinite=K to skip such steps")
+    run.step += 1
+    return loss, grad_norm, lr
+
+
+class Throughput:
+    """Tokens/s and ms per step between two log lines, evaluation and probe time left out."""
+
+    def __init__(self, tokens_per_step: int):
+        self.tokens_per_step, self.steps, self.train_s = tokens_per_step, 0, 0.0
+        self.t0 = time.perf_counter()
+        self.tokens_per_sec = None  # the latest reading
+
+    @contextmanager
+    def paused(self):
+        t = time.perf_counter()
+        yield
+        self.t0 += time.perf_counter() - t
+
+    def read(self):
+        """(tokens/s, ms/step) since the last read; call after the device has finished the steps."""
+        elapsed = time.perf_counter() - self.t0
+        self.train_s += elapsed
+        self.tokens_per_sec = self.steps * self.tokens_per_step / elapsed
+        ms = 1000 * elapsed / self.steps
+        self.steps, self.t0 = 0, time.perf_counter()
+        return self.tokens_per_sec, ms
+
+
+def log_progress(run: Run, meter: Throughput, loss, grad_norm, lr, peak):
+    loss_value = loss.item()  # waits for the device, so the time read next covers its work
+    tok_s, ms = meter.read()
+    line = {"train/loss": loss_value, "lr": lr, "grad_norm": grad_norm.item(), "tokens_per_sec": tok_s,
+            "ms_per_iter": ms}
+    if peak:  # tokens_per_sec counts every process's tokens; MFU is per GPU
+        line["mfu"] = run.model.flops_per_token() * tok_s / (peak * run.dist.world)
+    run.tracker.log(line, run.step)
+    eta = (run.cfg.train.max_iters - run.step) * ms / 1000
+    log.info("step %d/%d | loss %.4f | lr %.2e | %.0f tok/s | %.1f ms/iter%s | ETA %s", run.step,
+             run.cfg.train.max_iters, loss_value, lr, tok_s, ms, f" | MFU {100 * line['mfu']:.1f}%" if peak else "",
+             time.strftime("%H:%M:%S", time.gmtime(eta)))
+
+
+def due(step: int, every: int, last: bool) -> bool:
+    return last or (every > 0 and step % every == 0)
+
+
+# ----------------------------------------------------------------------------- the run
+
+def train(cfg, run_name=None, run_group=None, overrides=None) -> dict:
+    """Train the model `cfg` describes; write config, metrics, plots and checkpoints to cfg.out_dir.
+
+    Under torchrun, each process trains on its share of every global batch and rank 0 alone
+    writes. Returns a summary dict (losses, steps, throughput, paths)."""
+    run = setup(cfg, run_name, run_group, overrides)
+    tcfg, master = cfg.train, run.dist.master
+    meter = Throughput(tcfg.batch_size * run.grad_accum * run.mcfg.block_size)
+    peak = peak_flops(run.rt, tcfg.peak_flops)
+    ckpt_every, start_step, probe_s, t_start = tcfg.ckpt_interval or tcfg.eval_interval, run.step, 0.0, time.perf_counter()
     stop = StopRequest()
-    t_window, steps_window, t_start, train_time = time.perf_counter(), 0, time.perf_counter(), 0.0
     try:
         while True:
-            last = step == tcfg.max_iters
-            t_eval = time.perf_counter()
-            # the step a resumed run starts at had its evaluations before its checkpoint was written
-            if not (state is not None and step == start_step):
-                if step % tcfg.eval_interval == 0 or last:
-                    losses = estimate_loss(fwd_model, data, tcfg, mcfg.block_size, device, cfg.seed, autocast)
-                    tracker.log({"train/loss": losses["train"], "val/loss": losses["val"],
-                                 **({"val/bpc": losses["val"] * bpc_factor} if bpc_factor else {})}, step)
-                    result.update({"train_loss": losses["train"], "val_loss": losses["val"]})
-                    log.info("eval step %d: train loss %.4f, val loss %.4f", step, losses["train"], losses["val"])
-                    if losses["val"] < best_val and master:
-                        best_val = losses["val"]
-                        save_checkpoint(out_dir / BEST_NAME, {"model": model.state_dict(),
-                                        "model_config": dataclasses.asdict(mcfg), "tokenizer": data.tokenizer.to_dict(),
-                                        "step": step, "val_loss": best_val, "config": resolved})
-                if probe is not None and (step % probe_every == 0 or last):
-                    t_probe = time.perf_counter()
-                    stats = probe.run(model)
-                    probe_time += time.perf_counter() - t_probe
-                    tracker.log(stats, step)
-                    attn_history.append({"step": step, **stats})
-                if master and ((step % ckpt_every == 0 and step > 0) or last):
-                    save(step, result.get("val_loss"))
-                    saved_at = step
-            if world > 1 and not last:  # every rank must stop at the same step
-                flag = torch.tensor([stop.signal is not None], dtype=torch.float32, device=device)
-                dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-                stop.signal = stop.signal or ("SIGTERM" if flag.item() else None)
+            last = run.step >= tcfg.max_iters
+            with meter.paused():
+                if not (run.resuming and run.step == start_step):  # done before that checkpoint was written
+                    if due(run.step, tcfg.eval_interval, last):
+                        evaluate(run)
+                    if run.probe is not None and due(run.step, probe_every(tcfg), last):
+                        probe_s += probe_attention(run)
+                    if master and run.step > 0 and due(run.step, ckpt_every, last):
+                        save(run)
+                if not last:
+                    stop.agree(run.rt.device, run.dist.world)
             if last or stop.signal:
-                if stop.signal and master:
-                    path = save(step, result.get("val_loss")) if saved_at != step else out_dir / step_name(step)
-                    print(f"stopped by {stop.signal} at step {step}; checkpoint {path}\nresume with: "
-                          f"python train.py hydra.run.dir={out_dir} resume=true (and the same overrides)",
-                          file=sys.stderr)
-                    result["stopped"] = stop.signal
                 break
-            t_window += time.perf_counter() - t_eval  # evaluation time is not training time
-
-            lr = lr_at(step, tcfg)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            starts = data.sample_starts("train", (tcfg.grad_accum, tcfg.batch_size), mcfg.block_size, gen)
-            mine = starts[rank * local_accum:(rank + 1) * local_accum]  # this process's share
-            batches = (data.batch("train", s, mcfg.block_size) for s in mine)
-            # DDP averages gradients over processes, so each weights its micro-batches by 1/local_accum
-            loss, grad_norm, finite = train_step(fwd_model, optimizer, batches, local_accum, tcfg.grad_clip,
-                                                 device, autocast, scaler)
-            if not finite:
-                skipped += 1
-                log.warning("step %d: loss %s / grad norm %s not finite, step skipped (%d of %d allowed)",
-                            step, loss.item(), grad_norm.item(), skipped, tcfg.skip_nonfinite)
-                if skipped > tcfg.skip_nonfinite:
-                    raise UserError(f"non-finite loss or gradients at step {step} (loss {loss.item()}); "
-                                    f"last good checkpoint: {latest_checkpoint(out_dir) or 'none yet'}; "
-                                    "lower train.lr or set train.skip_nonfinite=K to skip such steps")
-            step += 1
-            steps_window += 1
-
-            if step % tcfg.log_interval == 0 or step == tcfg.max_iters:
-                loss_value = loss.item()
-                elapsed = time.perf_counter() - t_window
-                train_time += elapsed
-                tok_s = steps_window * tokens_per_step / elapsed
-                result["tokens_per_sec"] = tok_s
-                line = {"train/loss": loss_value, "lr": lr, "grad_norm": grad_norm.item(), "tokens_per_sec": tok_s,
-                        "ms_per_iter": 1000 * elapsed / steps_window}
-                if peak:
-                    line["mfu"] = flops_per_token * tok_s / peak
-                tracker.log(line, step)
-                eta = (tcfg.max_iters - step) * elapsed / steps_window
-                log.info("step %d/%d | loss %.4f | lr %.2e | %.0f tok/s | %.1f ms/iter%s | ETA %s", step,
-                         tcfg.max_iters, loss_value, lr, tok_s, 1000 * elapsed / steps_window,
-                         f" | MFU {100 * line['mfu']:.1f}%" if peak else "", time.strftime("%H:%M:%S", time.gmtime(eta)))
-                steps_window, t_window = 0, time.perf_counter()
+            loss, grad_norm, lr = optimizer_step(run)
+            meter.steps += 1
+            if run.step % tcfg.log_interval == 0 or run.step == tcfg.max_iters:
+                log_progress(run, meter, loss, grad_norm, lr, peak)
+        if stop.signal and master:
+            path = save(run) if run.saved_at != run.step else run.out_dir / step_name(run.step)
+            print(f"stopped by {stop.signal} at step {run.step}; checkpoint {path}\nresume with: "
+                  f"python train.py hydra.run.dir={run.out_dir} resume=true (and the same overrides)", file=sys.stderr)
         if master:
-            try:
-                from plots import plot_run
-                for png in plot_run(out_dir):
-                    tracker.log_image(f"plots/{png.stem}", png, step)
-            except Exception as e:  # a plot must never cost the run
-                log.warning("plots skipped: %s", e)
+            write_plots(run)
     finally:
         stop.restore()
-        tracker.close()
-        if world > 1 and dist.is_initialized():
+        run.tracker.close()
+        if run.dist.world > 1 and dist.is_initialized():
             dist.destroy_process_group()
-    result.update({"steps": step, "ckpt": str(latest_checkpoint(out_dir)), "best_val_loss": best_val,
-                   "wall_s": time.perf_counter() - t_start, "train_s": train_time, "probe_s": probe_time,
-                   "attn": attn_history})
+    result = {"out_dir": str(run.out_dir), "steps": run.step, "best_val_loss": run.best_val,
+              "train_loss": run.evals.get("train"), "val_loss": run.evals.get("val"),
+              "tokens_per_sec": meter.tokens_per_sec, "stopped": stop.signal, "compiled": run.compiled,
+              "ckpt": str(latest_checkpoint(run.out_dir)), "wall_s": time.perf_counter() - t_start,
+              "train_s": meter.train_s, "probe_s": probe_s, "attn": run.attn_history}
     log.info("done: val loss %.4f (best %.4f) after %d steps; run dir %s; attention probes took %.2f s "
-             "(%.2f%% of training time)", result.get("val_loss", float("nan")), best_val, step, out_dir,
-             probe_time, 100 * probe_time / max(train_time, 1e-9))
+             "(%.2f%% of training time)", result["val_loss"] or math.nan, run.best_val, run.step, run.out_dir,
+             probe_s, 100 * probe_s / max(meter.train_s, 1e-9))
     return result
 
 
-def hydra_run_name():
-    """(name, group) for W&B from Hydra: the job's overrides, and the sweep dir in multirun."""
+def write_plots(run: Run):
+    try:
+        from plots import plot_run
+        for png in plot_run(run.out_dir):
+            run.tracker.log_image(f"plots/{png.stem}", png, run.step)
+    except Exception as e:  # a plot must never cost the run
+        log.warning("plots skipped: %s", e)
+
+
+def hydra_run_info():
+    """(name, group, overrides) for W&B and the run dir, from Hydra: the job's overrides, and
+    the sweep dir in multirun."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
     hc = HydraConfig.get()
     name = hc.job.override_dirname or None
     group = Path(hc.sweep.dir).name if hc.mode == RunMode.MULTIRUN else None
-    return name, group
+    return name, group, list(hc.overrides.task)
 
 
 @hydra.main(version_base="1.3", config_path="configs", config_name="config")
+@cli
 def main(cfg):
     from hydra.core.hydra_config import HydraConfig
 
     if not cfg.out_dir:
         cfg.out_dir = HydraConfig.get().runtime.output_dir
-    try:
-        name, group = hydra_run_name()
-        return train(cfg, run_name=name, run_group=group)["best_val_loss"]  # also when stopped by a signal
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(1)
+    name, group, overrides = hydra_run_info()
+    return train(cfg, run_name=name, run_group=group, overrides=overrides)["best_val_loss"]  # also when stopped
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Text -> token ids on disk, once; then random windows of them for training.
+"""Text -> token ids on disk, once (data/loader.py then reads random windows of them).
 
     python data/prepare.py data=shakespeare_char data.path=input.txt   # ahead of training
     python data/prepare.py data=tinystories data.num_proc=8            # a Hub dataset (needs the network)
@@ -25,18 +25,21 @@ import time
 from pathlib import Path
 
 import numpy as np
-import torch
 
 if __name__ == "__main__":  # run as a script: make the repo's modules importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from errors import UserError
-from tokenizer import cached_tokenizer, tokenizer_from_dict, train_tokenizer
+from common import UserError, cli
+from tokenizer import cached_tokenizer, train_tokenizer
 
 log = logging.getLogger(__name__)
 REPO = Path(__file__).resolve().parents[1]
 FORMAT_VERSION = 3  # bump when the on-disk layout or tokenization changes
 CHUNK_CHARS = 1 << 16  # a long document is tokenized in pieces of about this size, in parallel
+SHARDS = 64  # a tokenized split is written in this many pieces (memory: one piece at a time)
+MIN_SPLIT_TOKENS = 2  # each split needs at least one (input, target) pair
+STREAMED_VAL_SHARE = 100  # a streamed source's own val split is read up to budget / this
+LEARNED_TOKENIZERS = ("char", "bpe")  # fitted on the corpus; any other name is a tiktoken encoding
 
 
 # ----------------------------------------------------------------------------- sources
@@ -208,26 +211,21 @@ class TokenWriter:
         self.f.close()
 
 
-def write_split(ds, writers, shards=64):
-    """Stream a tokenized dataset's `ids` into writers, shard by shard (bounded memory). With two
-    writers, the last `writers[1].budget` tokens go to the second one (a tail split)."""
-    total = int(sum(ds["len"]))
+def write_ranges(ds, routes, shards=SHARDS):
+    """Stream a tokenized dataset's `ids` shard by shard (bounded memory), sending the tokens at
+    global positions [start, end) to each (writer, start, end) route; end None = to the last."""
     shards = max(1, min(shards, len(ds)))
-    first_budget = total - writers[1].budget if len(writers) > 1 else None
     done = 0
     for i in range(shards):
         shard = ds.shard(shards, i, contiguous=True).with_format("numpy")
         arr = np.concatenate(list(shard["ids"])) if len(shard) else np.zeros(0, np.int64)
-        if first_budget is None:
-            writers[0].write(arr)
-        else:
-            cut = max(0, min(len(arr), first_budget - done))
-            writers[0].write(arr[:cut])
-            writers[1].write(arr[cut:])
+        for writer, start, end in routes:
+            lo, hi = max(start, done), len(arr) + done if end is None else min(end, done + len(arr))
+            if hi > lo:
+                writer.write(arr[lo - done:hi - done])
         done += len(arr)
-        if writers[0].full() and len(writers) == 1:
+        if all(end is not None and done >= end for _, _, end in routes):
             break
-    return total
 
 
 def write_streamed(train_iter, tok, writers, val_fraction, seed, max_tokens):
@@ -249,6 +247,62 @@ def write_streamed(train_iter, tok, writers, val_fraction, seed, max_tokens):
     bar.close()
 
 
+def pick_tokenizer(data_cfg, train, val, tail_split: bool, streamed: bool):
+    """The tokenizer `data.tokenizer` names, fitted where it learns from data: char on every
+    character of the corpus (so val has no unknown ones), bpe on the training text only."""
+    name = data_cfg.tokenizer
+    if name not in LEARNED_TOKENIZERS:
+        return train_tokenizer(name, [])
+    if streamed:
+        raise UserError(f"data.tokenizer={name} learns from the whole training split, which a streamed "
+                        "source does not have: use a tiktoken encoding (r50k_base)")
+    texts = list(train["text"])
+    if name == "char":
+        return train_tokenizer(name, texts + (list(val["text"]) if val is not None else []))
+    if tail_split:  # not the validation tail
+        texts = [texts[0][: int(len(texts[0]) * (1 - data_cfg.val_fraction))]]
+    return train_tokenizer(name, texts, data_cfg.vocab_size)
+
+
+def write_tail_split(train, tok, tmp: Path, dtype, data_cfg, budget):
+    """One document: the last val_fraction of its tokens is val (as nanoGPT does); train is the
+    head, cut to the budget if one is set."""
+    ids = tokenize(train, tok, data_cfg.num_proc, "tokenizing train")
+    total = int(sum(ids["len"]))
+    n_val = int(total * data_cfg.val_fraction)
+    if n_val < MIN_SPLIT_TOKENS or total - n_val < MIN_SPLIT_TOKENS:
+        raise UserError(f"the corpus has only {total} tokens: too few to split with "
+                        f"data.val_fraction={data_cfg.val_fraction}")
+    n_train = total - n_val if budget is None else min(budget, total - n_val)
+    writers = [TokenWriter(tmp / "train.bin", dtype), TokenWriter(tmp / "val.bin", dtype)]
+    write_ranges(ids, [(writers[0], 0, n_train), (writers[1], total - n_val, total)])
+    return writers
+
+
+def write_document_splits(train, val, tok, tmp: Path, dtype, data_cfg, budget):
+    """Whole documents: the source's own val split, or a seeded draw of val_fraction of them."""
+    if val is None:
+        parts = train.train_test_split(test_size=data_cfg.val_fraction, seed=data_cfg.split_seed)
+        train, val = parts["train"], parts["test"]
+    writers = [TokenWriter(tmp / "train.bin", dtype), TokenWriter(tmp / "val.bin", dtype)]
+    write_ranges(tokenize(train, tok, data_cfg.num_proc, "tokenizing train"), [(writers[0], 0, budget)])
+    write_ranges(tokenize(val, tok, data_cfg.num_proc, "tokenizing val"), [(writers[1], 0, None)])
+    return writers
+
+
+def write_streamed_splits(train, val, tok, tmp: Path, dtype, data_cfg, budget):
+    """A streamed Hub source, read until the train budget is reached: val is the source's own
+    split (a small share of the budget), else documents drawn into val with probability val_fraction."""
+    writers = [TokenWriter(tmp / "train.bin", dtype, budget), TokenWriter(tmp / "val.bin", dtype)]
+    if val is None:
+        write_streamed(train, tok, writers, data_cfg.val_fraction, data_cfg.split_seed, budget)
+    else:
+        write_streamed(train, tok, writers[:1], 0.0, data_cfg.split_seed, budget)
+        writers[1].budget = max(1, budget // STREAMED_VAL_SHARE)
+        write_streamed(val, tok, writers[1:], 0.0, data_cfg.split_seed, writers[1].budget)
+    return writers
+
+
 def prepare(data_cfg) -> Path:
     """Tokenize the configured corpus into a cached directory (reused when it exists); return it."""
     if not 0.0 < data_cfg.val_fraction < 1.0:
@@ -267,22 +321,9 @@ def prepare(data_cfg) -> Path:
     streamed = data_cfg.streaming and kind == "hub"
     if not streamed and len(train) == 1 and not train[0]["text"].strip():
         raise UserError(f"data.path={location!r} holds no text: give a non-empty UTF-8 file")
-    # a single document is split by tokens at its tail (as nanoGPT does); documents by a seeded draw
+    # a single document is split by tokens at its tail; several documents by a seeded draw
     tail_split = val is None and not streamed and len(train) == 1
-    if val is None and not streamed and not tail_split:
-        parts = train.train_test_split(test_size=data_cfg.val_fraction, seed=data_cfg.split_seed)
-        train, val = parts["train"], parts["test"]
-    if data_cfg.tokenizer in ("char", "bpe"):  # learned from the training text
-        if streamed:
-            raise UserError(f"data.tokenizer={data_cfg.tokenizer} learns from the whole training split, "
-                            "which a streamed source does not have: use a tiktoken encoding (r50k_base)")
-        texts = list(train["text"])
-        if tail_split and data_cfg.tokenizer == "bpe":  # not the validation tail
-            texts = [texts[0][: int(len(texts[0]) * (1 - data_cfg.val_fraction))]]
-        tok = train_tokenizer(data_cfg.tokenizer, texts if data_cfg.tokenizer == "bpe" else
-                              texts + (list(val["text"]) if val is not None else []), data_cfg.vocab_size)
-    else:
-        tok = train_tokenizer(data_cfg.tokenizer, [])
+    tok = pick_tokenizer(data_cfg, train, val, tail_split, streamed)
     dtype = token_dtype(tok.vocab_size)
     budget = int(data_cfg.max_tokens) if data_cfg.max_tokens else None
 
@@ -292,38 +333,15 @@ def prepare(data_cfg) -> Path:
     tmp.mkdir()
     try:
         if streamed:
-            writers = [TokenWriter(tmp / "train.bin", dtype, budget)]
-            if val is None:
-                writers.append(TokenWriter(tmp / "val.bin", dtype))
-                write_streamed(train, tok, writers, data_cfg.val_fraction, data_cfg.split_seed, budget)
-            else:
-                write_streamed(train, tok, writers, 0.0, data_cfg.split_seed, budget)
-                writers.append(TokenWriter(tmp / "val.bin", dtype, max(1, budget // 100)))
-                write_streamed(val, tok, writers[1:], 0.0, data_cfg.split_seed, writers[1].budget)
+            writers = write_streamed_splits(train, val, tok, tmp, dtype, data_cfg, budget)
+        elif tail_split:
+            writers = write_tail_split(train, tok, tmp, dtype, data_cfg, budget)
         else:
-            ids = tokenize(train, tok, data_cfg.num_proc, "tokenizing train")
-            if tail_split:
-                total = int(sum(ids["len"]))
-                n_val = int(total * data_cfg.val_fraction)
-                if n_val < 2 or total - n_val < 2:
-                    raise UserError(f"the corpus has only {total} tokens: too few to split with "
-                                    f"data.val_fraction={data_cfg.val_fraction}")
-                writers = [TokenWriter(tmp / "train.bin", dtype), TokenWriter(tmp / "val.bin", dtype, n_val)]
-                write_split(ids, writers)
-                if budget is not None:  # keep the same val tail; cut the train head to the budget
-                    writers[0].close()
-                    head = np.fromfile(tmp / "train.bin", dtype=dtype)[:budget]
-                    head.tofile(tmp / "train.bin")
-                    writers[0].n = len(head)
-            else:
-                writers = [TokenWriter(tmp / "train.bin", dtype, budget), TokenWriter(tmp / "val.bin", dtype)]
-                write_split(ids, writers[:1])
-                write_split(tokenize(val, tok, data_cfg.num_proc, "tokenizing val"), writers[1:])
+            writers = write_document_splits(train, val, tok, tmp, dtype, data_cfg, budget)
         for w in writers:
-            if not w.f.closed:
-                w.close()
+            w.close()
         counts = {"train": writers[0].n, "val": writers[1].n}
-        if min(counts.values()) < 2:
+        if min(counts.values()) < MIN_SPLIT_TOKENS:
             raise UserError(f"the corpus gave too few tokens to train on: {counts}")
         val_ids = np.fromfile(tmp / "val.bin", dtype=dtype)
         if tok.eot is not None:
@@ -345,53 +363,15 @@ def prepare(data_cfg) -> Path:
     return final
 
 
-class TokenData:
-    """A prepared dataset opened read-only: memmapped splits plus its tokenizer."""
-
-    def __init__(self, directory: Path):
-        self.dir = Path(directory)
-        self.meta = json.loads((self.dir / "meta.json").read_text())
-        self.tokenizer = tokenizer_from_dict(self.meta["tokenizer"])
-        self.vocab_size = self.meta["vocab_size"]
-        self.splits = {s: np.memmap(self.dir / f"{s}.bin", dtype=self.meta["dtype"], mode="r")
-                       for s in ("train", "val")}
-
-    def check_block_size(self, block_size: int):
-        for split, arr in self.splits.items():
-            if len(arr) <= block_size + 1:
-                raise UserError(f"model.block_size={block_size} is too large for the {split} split "
-                                f"({len(arr)} tokens): lower model.block_size or give more data")
-
-    def sample_starts(self, split: str, shape, block_size: int, generator: torch.Generator):
-        """Random window starts of the given shape, e.g. (grad_accum, batch_size). Every DDP rank
-        draws the same starts from the same generator and reads only its own share, so the
-        global batch does not depend on the number of processes."""
-        return torch.randint(len(self.splits[split]) - block_size - 1, shape, generator=generator)
-
-    def batch(self, split: str, starts, block_size: int):
-        """Windows at `starts` (B,): x = tokens[i : i+T], y = tokens[i+1 : i+T+1], each (B, T) int64."""
-        data = self.splits[split]
-        window = np.stack([data[i:i + block_size + 1] for i in starts.tolist()]).astype(np.int64)  # (B, T+1)
-        window = torch.from_numpy(window)
-        return window[:, :-1], window[:, 1:]
-
-    def get_batch(self, split: str, batch_size: int, block_size: int, generator: torch.Generator):
-        return self.batch(split, self.sample_starts(split, (batch_size,), block_size, generator), block_size)
-
-
 def main():
     import hydra
 
     import config  # noqa: F401  (registers the schema)
 
     @hydra.main(version_base="1.3", config_path=str(REPO / "configs"), config_name="prepare")
+    @cli
     def _main(cfg):
-        try:
-            directory = prepare(cfg.data)
-        except UserError as e:
-            print(f"error: {e}", file=sys.stderr)
-            sys.exit(1)
-        print(directory)
+        print(prepare(cfg.data))
 
     _main()
 

@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from errors import UserError
+from common import UserError
 from model import GPT, GPTConfig, apply_rope, attention, attention_scores, qk_normalize, resolve_scale
 
 SCALES = ["sqrt_dk", "none", "dk", "0.5"]

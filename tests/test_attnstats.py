@@ -137,7 +137,7 @@ def test_wandb_offline_run_holds_entropy_and_loss_keys(train_cfg, tmp_path, monk
 
 
 def test_unknown_wandb_mode_fails_before_writing_metrics(train_cfg, tmp_path):
-    from errors import UserError
+    from common import UserError
     with pytest.raises(UserError, match="logger.wandb.mode='banana'"):
         train(train_cfg("logger.wandb.mode=banana"))
     assert not (tmp_path / "run" / "metrics.jsonl").exists()

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import checkpoint as ck
-from errors import UserError
+from common import UserError
 from model import GPT, GPTConfig
 
 

@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from conftest import SHAKESPEARE, compose_cfg, requires_shared
-from data.prepare import TokenData, prepare, python_docs_text, token_dtype
-from errors import UserError
+from data.loader import TokenData
+from data.prepare import prepare, python_docs_text, token_dtype
+from common import UserError
 from tokenizer import CharTokenizer
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from errors import UserError
+from common import UserError
 from model import GPT, GPTConfig, apply_rope, attention, attention_scores, rope_freqs
 
 

@@ -12,7 +12,7 @@ import torch
 import model as model_module
 from checkpoint import BEST_NAME, load_checkpoint, step_name
 from conftest import REPO
-from errors import UserError
+from common import UserError
 from train import train
 
 TIMING = ("tokens_per_sec", "ms_per_iter", "mfu")  # wall-clock figures differ between any two runs

@@ -4,7 +4,7 @@ import io
 import pytest
 import torch
 
-from errors import UserError
+from common import UserError
 from model import GPT, GPTConfig
 from sample import generate, next_tokens
 
@@ -187,3 +187,10 @@ def test_sample_stop_string_and_stream(train_cfg, sample_cfg, tmp_path):
     assert sample(cfg)[0] == "a" + generated[:generated.index(cfg.stop)]
     with pytest.raises(UserError, match="num_samples"):
         sample(sample_cfg(f"ckpt={run}", "stream=true", "num_samples=2"))
+    # a prompt file keeps its whitespace exactly (Hydra would strip a trailing space on the command line)
+    (tmp_path / "prompt.txt").write_text("line 1: \n ")
+    text = sample(sample_cfg(f"ckpt={run}", f"prompt_file={tmp_path / 'prompt.txt'}", "max_new_tokens=5",
+                             "temperature=0"))[0]
+    assert text.startswith("line 1: \n ") and len(text) == len("line 1: \n ") + 5
+    with pytest.raises(UserError, match="prompt_file=.*cannot be read"):
+        sample(sample_cfg(f"ckpt={run}", f"prompt_file={tmp_path / 'missing.txt'}"))

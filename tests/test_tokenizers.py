@@ -8,8 +8,9 @@ import rustbpe
 import tiktoken
 
 from conftest import SHAKESPEARE, TIKTOKEN_CACHE, compose_cfg, requires_shared
-from data.prepare import TokenData, prepare, split_points
-from errors import UserError
+from data.loader import TokenData
+from data.prepare import prepare, split_points
+from common import UserError
 from tokenizer import EOT, TiktokenTokenizer, tokenizer_from_dict
 
 
@@ -160,3 +161,14 @@ def test_streamed_source_stops_at_the_token_budget(tmp_path, monkeypatch):
     assert len(d.splits["train"]) == 3000  # the budget, exactly
     n_val_docs = int((d.splits["val"] == d.tokenizer.eot).sum())
     assert 3 <= n_val_docs <= 40 and d.tokenizer.decode(d.splits["val"]).startswith("story ")
+
+
+def test_bpe_training_logs_no_merge_lines(caplog):
+    """rustbpe's ~100 INFO lines of merge progress become one progress bar, not log lines."""
+    import logging
+    text = " ".join(f"word{i % 37} other{i % 11}" for i in range(3000))
+    with caplog.at_level(logging.INFO):
+        tok = TiktokenTokenizer.train([text], 400)
+    assert tok.vocab_size > 257 and tok.decode(tok.encode(text)) == text
+    assert not [r for r in caplog.records if r.name == "rustbpe"]
+    assert logging.getLogger("rustbpe").propagate  # restored afterwards

@@ -10,10 +10,11 @@ import torch
 
 from checkpoint import load_checkpoint, model_from_checkpoint
 from conftest import REPO
-from errors import UserError
+from common import UserError
 from sample import sample
 from tracking import read_metrics
-from train import lr_at, train
+from optim import lr_at
+from train import train
 
 
 def run_cli(script, *args, cwd=REPO, env=None, timeout=300):
@@ -57,7 +58,8 @@ def test_train_then_sample_end_to_end(train_cfg, sample_cfg, tmp_path):
 
 def test_eval_loss_recomputes_from_checkpoint(train_cfg, tmp_path):
     """The logged val loss equals a recomputation on the same fixed batches from the saved weights."""
-    from data.prepare import TokenData, prepare
+    from data.loader import TokenData
+    from data.prepare import prepare
     cfg = train_cfg("train.max_iters=10")
     result = train(cfg)
     model = model_from_checkpoint(load_checkpoint(tmp_path / "run" / "ckpt_0000010.pt")).eval()
@@ -75,9 +77,9 @@ def test_eval_loss_recomputes_from_checkpoint(train_cfg, tmp_path):
 def test_gradient_accumulation_equals_bigger_batch(train_cfg, tmp_path):
     """grad_accum=4 with batch b takes the same step as grad_accum=1 with batch 4b when fed the
     same tokens (clipping included)."""
+    from common import Runtime
     from model import GPT, GPTConfig
-    from train import train_step
-    from contextlib import nullcontext
+    from optim import train_step
     torch.manual_seed(0)
     cfg = GPTConfig(vocab_size=30, block_size=8, n_layer=1, n_head=2, n_embd=16)
     a, b = GPT(cfg), GPT(cfg)
@@ -87,9 +89,9 @@ def test_gradient_accumulation_equals_bigger_batch(train_cfg, tmp_path):
     # SGD: the update is the gradient itself, so a wrong 1/grad_accum weighting would show (Adam's
     # first step, g/|g|, would hide it)
     opt_a, opt_b = torch.optim.SGD(a.parameters(), lr=0.5), torch.optim.SGD(b.parameters(), lr=0.5)
-    _, norm_a, _ = train_step(a, opt_a, [(x, y)], 1, 0.0, torch.device("cpu"), nullcontext(), scaler)
-    _, norm_b, _ = train_step(b, opt_b, [(x[i:i + 2], y[i:i + 2]) for i in range(0, 8, 2)], 4, 0.0,
-                              torch.device("cpu"), nullcontext(), scaler)
+    rt = Runtime(torch.device("cpu"), torch.float32)
+    _, norm_a, _ = train_step(a, opt_a, [(x, y)], 1, 0.0, rt, scaler)
+    _, norm_b, _ = train_step(b, opt_b, [(x[i:i + 2], y[i:i + 2]) for i in range(0, 8, 2)], 4, 0.0, rt, scaler)
     assert norm_a.item() == pytest.approx(norm_b.item(), rel=1e-5) and norm_a.item() > 0.1
     for (n, p), q in zip(a.named_parameters(), b.parameters()):
         assert torch.allclose(p, q, atol=1e-6), n
@@ -172,7 +174,7 @@ def test_default_run_config_fits_the_budget():
     """The default `python train.py` must stay a few-minute CPU job: a fixed token budget."""
     from conftest import compose_cfg
     cfg = compose_cfg("config")
-    tokens = cfg.train.max_iters * cfg.train.batch_size * cfg.model.block_size * cfg.train.grad_accum
+    tokens = cfg.train.max_iters * cfg.train.batch_size * cfg.model.block_size * (cfg.train.grad_accum or 1)
     assert tokens <= 3.2e6 and cfg.data.name == "python_docs" and cfg.device == "auto"
     assert math.isclose(cfg.train.lr, 2e-3)
 
@@ -186,3 +188,18 @@ def test_every_experiment_preset_composes_and_runs(experiment, train_cfg, text_f
     assert cfg.data.name in ("shakespeare_char",)  # every preset trains on tiny shakespeare
     result = train(cfg)
     assert result["steps"] == 2 and math.isfinite(result["val_loss"])
+
+
+def test_help_describes_the_app_and_lists_only_real_choices():
+    r = run_cli("train.py", "--help")
+    assert r.returncode == 0, r.stderr
+    assert "train a decoder-only Transformer" in r.stdout and "python train.py -m" in r.stdout
+    groups = r.stdout.split("== Config groups (group=option) ==")[1].split("==")[0]
+    assert "model: baby, cpu_small, debug, default, gpt2_124m" in groups
+    assert "schema" not in groups and "base_" not in groups
+
+
+def test_unknown_key_is_rejected_by_every_hydra_entry_point(tmp_path):
+    for script in ("train.py", "sample.py", "bench.py", "bench_sample.py", "data/prepare.py"):
+        r = run_cli(script, "modle=baby", cwd=tmp_path)
+        assert r.returncode != 0 and "modle" in r.stderr, script

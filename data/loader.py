@@ -1,0 +1,49 @@
+"""Training-time access to a prepared dataset: memmapped token files and random windows of them."""
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from common import UserError
+from tokenizer import tokenizer_from_dict
+
+
+class TokenData:
+    """A prepared dataset (see data/prepare.py) opened read-only: memmapped splits plus its tokenizer."""
+
+    def __init__(self, directory: Path):
+        self.dir = Path(directory)
+        self.meta = json.loads((self.dir / "meta.json").read_text())
+        self.tokenizer = tokenizer_from_dict(self.meta["tokenizer"])
+        self.vocab_size = self.meta["vocab_size"]
+        self.splits = {s: np.memmap(self.dir / f"{s}.bin", dtype=self.meta["dtype"], mode="r")
+                       for s in ("train", "val")}
+
+    def bits_per_char_factor(self):
+        """nats/token -> bits/character (what compares runs with different tokenizers), or None."""
+        chars = self.meta.get("val_characters")
+        return len(self.splits["val"]) / chars / math.log(2) if chars else None
+
+    def check_block_size(self, block_size: int):
+        for split, arr in self.splits.items():
+            if len(arr) <= block_size + 1:
+                raise UserError(f"model.block_size={block_size} is too large for the {split} split "
+                                f"({len(arr)} tokens): lower model.block_size or give more data")
+
+    def sample_starts(self, split: str, shape, block_size: int, generator: torch.Generator):
+        """Random window starts of the given shape, e.g. (grad_accum, batch_size). Every DDP rank
+        draws the same starts from the same generator and reads only its own share, so the
+        global batch does not depend on the number of processes."""
+        return torch.randint(len(self.splits[split]) - block_size - 1, shape, generator=generator)
+
+    def batch(self, split: str, starts, block_size: int):
+        """Windows at `starts` (B,): x = tokens[i : i+T], y = tokens[i+1 : i+T+1], each (B, T) int64."""
+        data = self.splits[split]
+        window = np.stack([data[i:i + block_size + 1] for i in starts.tolist()]).astype(np.int64)  # (B, T+1)
+        window = torch.from_numpy(window)
+        return window[:, :-1], window[:, 1:]
+
+    def get_batch(self, split: str, batch_size: int, block_size: int, generator: torch.Generator):
+        return self.batch(split, self.sample_starts(split, (batch_size,), block_size, generator), block_size)
