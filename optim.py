@@ -7,6 +7,13 @@ import torch
 from common import all_ranks_agree
 
 
+def build_optimizer(model, tcfg, device):
+    """The optimizer train.py steps: AdamW with weight decay on matrices only (see
+    GPT.configure_optimizer); fused kernels on CUDA."""
+    return model.configure_optimizer(tcfg.lr, tcfg.weight_decay, (tcfg.beta1, tcfg.beta2),
+                                     fused=device.type == "cuda")
+
+
 def lr_at(step: int, tcfg) -> float:
     """Linear warmup to lr, then cosine decay to min_lr at lr_decay_iters, then min_lr."""
     decay_iters = tcfg.lr_decay_iters or tcfg.max_iters

@@ -41,7 +41,7 @@ from config import model_config
 from data.loader import TokenData
 from data.prepare import prepare
 from model import GPT, GPTConfig
-from optim import lr_at, set_lr, train_step
+from optim import build_optimizer, lr_at, set_lr, train_step
 from tracking import Tracker, truncate_metrics
 
 log = logging.getLogger("attnlab")
@@ -242,8 +242,7 @@ def setup(cfg, run_name=None, run_group=None, overrides=None) -> Run:
     mcfg = model_config(cfg.model, data.vocab_size)
     data.check_block_size(mcfg.block_size)
     model = GPT(mcfg).to(rt.device)
-    optimizer = model.configure_optimizer(tcfg.lr, tcfg.weight_decay, (tcfg.beta1, tcfg.beta2),
-                                          fused=rt.device.type == "cuda")
+    optimizer = build_optimizer(model, tcfg, rt.device)
     scaler = torch.amp.GradScaler(rt.device.type, enabled=rt.dtype == torch.float16)
     sampler = torch.Generator().manual_seed(cfg.seed)
     step, best_val, wandb_id = 0, math.inf, None
