@@ -57,35 +57,62 @@ def next_tokens(logits, temperature, top_k, top_p, generators):
 
 @torch.inference_mode()
 def generate(model, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=1.0, kv_cache=True,
-             generators=None, on_token=None):
-    """Continue idx (B, T) by max_new_tokens tokens; returns (B, T + max_new_tokens).
+             generators=None, on_token=None, every=1):
+    """Continue idx (B, T) by max_new_tokens tokens; returns (B, T + n) with n <= max_new_tokens.
 
-    on_token(tokens (B, 1)) is called after every step, e.g. to stream text; if it returns True,
-    generation stops early.
+    on_token(tokens (B, k)) is called with the k newest tokens every `every` steps (and at the
+    end), e.g. to stream text; if it returns True, generation stops. Without it the loop never
+    waits for the device: tokens stay on it until the end.
     """
     check_sampling(max_new_tokens, temperature, top_k, top_p)
     model.eval()
-    B, block_size = idx.size(0), model.config.block_size
+    B, T0 = idx.shape
+    block_size = model.config.block_size
     if generators is None:
         generators = [torch.Generator(device=idx.device).manual_seed(1337 + b) for b in range(B)]
-    logits, cache, pos = None, None, 0
-    if kv_cache and max_new_tokens > 0:
+    out = torch.empty(B, T0 + max_new_tokens, dtype=idx.dtype, device=idx.device)  # preallocated
+    out[:, :T0] = idx
+    decode = CachedDecoder(model, idx, max_new_tokens) if kv_cache and max_new_tokens > 0 else None
+    reported = n = T0
+    for step in range(max_new_tokens):
+        # the cache needs only the newest token; recomputing runs the whole (cropped) context
+        logits = decode.next_logits(out, n) if decode else model(out[:, max(0, n - block_size):n])[:, -1]
+        out[:, n:n + 1] = next_tokens(logits, temperature, top_k, top_p, generators)  # (B, 1)
+        n += 1
+        if on_token is not None and (n - reported >= every or step == max_new_tokens - 1):
+            stop = on_token(out[:, reported:n])
+            reported = n
+            if stop:
+                break
+    return out[:, :n]
+
+
+class CachedDecoder:
+    """KV-cache decoding: the prompt is run once (prefill), then each step feeds only the newest
+    token. Past block_size a relative-position model (RoPE, NoPE) slides its cache; a model with
+    an absolute position table re-prefills the last block_size tokens at positions 0.. each step,
+    which is what the recomputing path computes."""
+
+    def __init__(self, model, idx, max_new_tokens):
+        self.model, block_size = model, model.config.block_size
         prompt = idx[:, -block_size:]  # a longer prompt is cropped, as the recomputing path does
         # the cache holds one block: past that it slides, keys keeping their absolute RoPE positions
-        cache = model.new_kv_cache(B, min(block_size, prompt.size(1) + max_new_tokens))
-        logits = model(prompt, kv_cache=cache, pos=0)[:, -1]  # prefill: (B, vocab)
-        pos = prompt.size(1)
-    for step in range(max_new_tokens):
-        if not kv_cache:
-            logits = model(idx[:, -block_size:])[:, -1]  # recompute the whole (cropped) context
-        token = next_tokens(logits, temperature, top_k, top_p, generators)  # (B, 1)
-        idx = torch.cat((idx, token), dim=1)
-        if on_token is not None and on_token(token):
-            break
-        if kv_cache and step < max_new_tokens - 1:
-            logits = model(token, kv_cache=cache, pos=pos)[:, -1]  # decode: only the new token
-            pos += 1
-    return idx
+        self.cache = model.new_kv_cache(idx.size(0), min(block_size, prompt.size(1) + max_new_tokens))
+        self.logits = model(prompt, kv_cache=self.cache, pos=0)[:, -1]  # prefill: (B, vocab)
+        self.pos = prompt.size(1)  # position of the next token fed
+        self.fed = idx.size(1)  # tokens of `out` the cache has seen
+
+    def next_logits(self, out, n):
+        """Logits (B, vocab) for the token after out[:, :n]."""
+        if n > self.fed:  # feed the newest token
+            block_size = self.model.config.block_size
+            if self.model.slides or self.pos < block_size:
+                self.logits = self.model(out[:, n - 1:n], kv_cache=self.cache, pos=self.pos)[:, -1]
+                self.pos += 1
+            else:  # an absolute table has no position block_size: run the last block afresh
+                self.logits = self.model(out[:, n - block_size:n], kv_cache=self.cache, pos=0)[:, -1]
+            self.fed = n
+        return self.logits
 
 
 def read_prompt(cfg) -> str:

@@ -1,0 +1,256 @@
+"""The architecture variants (GQA/MQA, Post-LN, RMSNorm, SwiGLU/ReLU², positions, untied head,
+soft-cap, zero-init): each against its formula written out, and every one through the fast and
+reference paths, the KV cache and a short training run."""
+import itertools
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from common import UserError
+from model import GPT, GPTConfig, KVCache, attention, sinusoidal_table
+from sample import generate
+
+VARIANTS = [
+    {},
+    {"n_kv_head": 2},
+    {"n_kv_head": 1},
+    {"norm_position": "post"},
+    {"norm": "rmsnorm"},
+    {"mlp": "swiglu"},
+    {"mlp": "relu2", "d_ff": 96},
+    {"pos": "learned"},
+    {"pos": "sinusoidal"},
+    {"pos": "none"},
+    {"tie_embeddings": False},
+    {"logit_softcap": 5.0},
+    {"zero_init_proj": True},
+    {"norm": "rmsnorm", "mlp": "swiglu", "n_kv_head": 2, "tie_embeddings": False,
+     "attn": {"qk_norm": True, "qk_norm_gain": "channel"}},
+    {"n_kv_head": 1, "attn": {"qk_norm": True, "qk_norm_type": "l2", "qk_norm_gain": "head", "scale": "4.0"}},
+]
+IDS = [",".join(f"{k}={v}" for k, v in v.items()) or "default" for v in VARIANTS]
+
+
+def make(seed=0, block_size=16, n_layer=2, n_head=4, n_embd=32, vocab=40, impl="sdpa", **kw):
+    attn = {"impl": impl, **kw.pop("attn", {})}
+    torch.manual_seed(seed)
+    model = GPT(GPTConfig(vocab_size=vocab, block_size=block_size, n_layer=n_layer, n_head=n_head, n_embd=n_embd,
+                          attn=attn, **kw))
+    with torch.no_grad():  # trained-looking weights: gains away from 1, no zero projections
+        for name, p in model.named_parameters():
+            if p.dim() < 2:
+                p.uniform_(0.5, 1.5)
+            else:
+                p.normal_(0, 0.3)
+    return model.eval()
+
+
+def max_diff(a, b):
+    return f"max diff {(a - b).abs().max().item():.2e}, mean {(a - b).abs().mean().item():.2e}"
+
+
+# ----------------------------------------------------------------------------- formulas
+
+def test_gqa_equals_mha_with_kv_weights_repeated_per_group():
+    """A model with n_kv_head=k is an MHA model whose K and V projections repeat each of the k
+    heads for its n_head/k query heads."""
+    gqa = make(n_kv_head=2, attn={"qk_norm": True, "qk_norm_gain": "channel"})
+    mha = make(seed=1, attn={"qk_norm": True, "qk_norm_gain": "channel"})
+    nh, nkv, hs, C = 4, 2, 8, 32
+    state = gqa.state_dict()
+    for l in range(2):
+        w = state[f"blocks.{l}.attn.c_attn.weight"]  # ((nh + 2 nkv) hs, C)
+        q, k, v = w[:nh * hs], w[nh * hs:(nh + nkv) * hs], w[(nh + nkv) * hs:]
+        rep = lambda m: m.view(nkv, hs, C).repeat_interleave(nh // nkv, dim=0).reshape(nh * hs, C)
+        state[f"blocks.{l}.attn.c_attn.weight"] = torch.cat([q, rep(k), rep(v)])
+        state[f"blocks.{l}.attn.k_gain"] = state[f"blocks.{l}.attn.k_gain"].repeat_interleave(nh // nkv, dim=0)
+    mha.load_state_dict(state)
+    idx = torch.randint(40, (3, 16))
+    for impl in ("sdpa", "reference"):
+        gqa.blocks[0].attn.attn_cfg.impl = mha.blocks[0].attn.attn_cfg.impl = impl
+        a, b = gqa(idx), mha(idx)
+        assert torch.allclose(a, b, atol=1e-4), f"{impl}: {max_diff(a, b)}"
+
+
+def test_sdpa_gqa_equals_expanded_kv():
+    q = torch.randn(2, 6, 10, 8, dtype=torch.float64)
+    k, v = torch.randn(2, 2, 10, 8, dtype=torch.float64), torch.randn(2, 2, 10, 8, dtype=torch.float64)
+    fast = attention(q, k, v, 0.3, impl="sdpa")  # enable_gqa, no copy
+    expanded = F.scaled_dot_product_attention(q, k.repeat_interleave(3, 1), v.repeat_interleave(3, 1),
+                                              is_causal=True, scale=0.3)
+    assert torch.allclose(fast, expanded, atol=1e-10), max_diff(fast, expanded)
+
+
+def test_kv_cache_is_n_head_over_n_kv_head_times_smaller():
+    sizes = {}
+    for nkv in (4, 2, 1):
+        cache = make(n_kv_head=nkv).new_kv_cache(batch_size=3, length=16)
+        sizes[nkv] = sum(c.k.numel() * c.k.element_size() + c.v.numel() * c.v.element_size() for c in cache)
+    # 2 layers x (k, v) x batch 3 x heads x 16 positions x 8 channels x 4 bytes
+    assert sizes == {4: 2 * 2 * 3 * 4 * 16 * 8 * 4, 2: 2 * 2 * 3 * 2 * 16 * 8 * 4, 1: 2 * 2 * 3 * 1 * 16 * 8 * 4}
+
+
+def test_post_ln_block_is_the_formula_written_out():
+    model = make(norm_position="post", n_layer=1)
+    block, x = model.blocks[0], torch.randn(2, 16, 32)
+    freqs = model.rope_at(0, 16)
+    h = F.layer_norm(x + block.attn(x, freqs), (32,), block.ln_1.weight, block.ln_1.bias, eps=1e-5)
+    want = F.layer_norm(h + block.mlp.c_proj(F.gelu(block.mlp.c_fc(h))), (32,), block.ln_2.weight, block.ln_2.bias,
+                        eps=1e-5)
+    got = block(x, freqs)
+    assert torch.allclose(got, want, atol=1e-5), max_diff(got, want)
+    assert isinstance(model.ln_f, torch.nn.Identity)  # no norm after the last Post-LN block
+
+
+def test_rmsnorm_equals_f_rms_norm_and_the_formula():
+    model = make(norm="rmsnorm", n_layer=1)
+    x = torch.randn(2, 5, 32)
+    norm = model.blocks[0].ln_1
+    by_hand = x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * norm.weight
+    assert torch.allclose(norm(x), F.rms_norm(x, (32,), norm.weight, eps=1e-5), atol=1e-6)
+    assert torch.allclose(norm(x), by_hand, atol=1e-5), max_diff(norm(x), by_hand)
+
+
+def test_swiglu_and_relu2_are_the_formulas_written_out():
+    mlp = make(mlp="swiglu", n_layer=1).blocks[0].mlp
+    d_ff = 64 * math.ceil(8 * 32 / 3 / 64)  # 8/3 * 32 = 85.3 -> 128
+    assert mlp.c_fc.out_features == 2 * d_ff and mlp.c_proj.in_features == d_ff
+    gate_w, up_w = mlp.c_fc.weight[:d_ff], mlp.c_fc.weight[d_ff:]
+    x = torch.randn(3, 32)
+    want = (F.silu(x @ gate_w.T) * (x @ up_w.T)) @ mlp.c_proj.weight.T  # down(silu(gate(x)) * up(x))
+    assert torch.allclose(mlp(x), want, atol=1e-4), max_diff(mlp(x), want)
+    relu2 = make(mlp="relu2", d_ff=96, n_layer=1).blocks[0].mlp
+    want = (torch.clamp(x @ relu2.c_fc.weight.T, min=0) ** 2) @ relu2.c_proj.weight.T
+    assert relu2.c_fc.out_features == 96 and torch.allclose(relu2(x), want, atol=1e-4)
+
+
+def test_d_ff_defaults_keep_parameter_counts_close():
+    """SwiGLU has three matrices, so its default width is 2/3 of 4*n_embd (rounded up to 64):
+    the same MLP parameters where 8/3*n_embd is a multiple of 64 (768 -> 2048), a little more at
+    small widths (128 -> 384, +12.5% of the MLP)."""
+    mlp_params = lambda m: sum(p.numel() for n, p in m.named_parameters() if ".mlp." in n)
+    for n_embd, ratio in ((768, 1.0), (128, 3 * 384 / (2 * 512))):
+        n = {mlp: mlp_params(make(mlp=mlp, n_embd=n_embd, n_head=4, n_layer=1)) for mlp in ("gelu", "swiglu", "relu2")}
+        assert n["swiglu"] / n["gelu"] == pytest.approx(ratio) and n["relu2"] == n["gelu"]
+
+
+def test_sinusoidal_table_equals_the_formula():
+    table = sinusoidal_table(50, 16)
+    for p, i in itertools.product((0, 1, 7, 49), range(8)):
+        angle = p / 10000 ** (2 * i / 16)
+        assert table[p, 2 * i].item() == pytest.approx(math.sin(angle), abs=1e-6)
+        assert table[p, 2 * i + 1].item() == pytest.approx(math.cos(angle), abs=1e-6)
+
+
+def test_untied_head_softcap_and_zero_init():
+    untied = make(tie_embeddings=False)
+    assert untied.lm_head.weight.data_ptr() != untied.wte.weight.data_ptr()
+    tied = make()
+    assert untied.num_params() == tied.num_params() + 40 * 32
+    assert untied.flops_per_token() == tied.flops_per_token()  # the input lookup does no matmul
+    capped = make(logit_softcap=2.0)
+    assert capped(torch.randint(40, (2, 16))).abs().max() < 2.0
+    torch.manual_seed(0)
+    zero = GPT(GPTConfig(vocab_size=40, block_size=16, n_layer=2, n_head=4, n_embd=32, zero_init_proj=True))
+    assert all(p.abs().max() == 0 for n, p in zero.named_parameters() if n.endswith("c_proj.weight"))
+    x = torch.randint(40, (2, 16))
+    # every block starts as the identity: the logits are those of embedding -> final norm -> head
+    assert torch.allclose(zero(x), zero.lm_head(zero.ln_f(zero.wte(x))), atol=1e-6)
+
+
+# ----------------------------------------------------------------------------- positions
+
+def test_nope_one_layer_ignores_the_order_of_earlier_tokens():
+    """With no positions and one causal layer, the last query attends to a *set* of keys (softmax
+    weights and a sum are order-free), so permuting the earlier tokens leaves its logits unchanged.
+    This fails from two layers on: an earlier position's layer-1 output depends on which tokens
+    precede it (the causal mask is itself a position signal), so the layer-2 keys change."""
+    idx = torch.randint(40, (1, 12))
+    perm = torch.cat([torch.randperm(11), torch.tensor([11])])
+    for pos, changes in (("none", False), ("rope", True), ("learned", True), ("sinusoidal", True)):
+        model = make(pos=pos, n_layer=1)
+        a, b = model(idx)[0, -1], model(idx[:, perm])[0, -1]
+        assert (not torch.allclose(a, b, atol=1e-5)) == changes, f"pos={pos}: {max_diff(a, b)}"
+    deep = make(pos="none", n_layer=2)
+    assert not torch.allclose(deep(idx)[0, -1], deep(idx[:, perm])[0, -1], atol=1e-5)
+
+
+def test_absolute_positions_refuse_positions_past_their_table():
+    with pytest.raises(ValueError, match="table of 16"):
+        make(pos="learned")(torch.randint(40, (1, 4)), kv_cache=make(pos="learned").new_kv_cache(1, 20), pos=14)
+
+
+# ----------------------------------------------------------------------------- every variant
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=IDS)
+def test_fast_path_equals_reference_and_is_causal(variant):
+    fast, ref = make(**variant), make(impl="reference", **variant)
+    idx = torch.randint(40, (2, 16))
+    a, b = fast(idx), ref(idx)
+    assert torch.allclose(a, b, atol=1e-4), max_diff(a, b)
+    changed = idx.clone()
+    changed[:, 9:] = torch.randint(40, (2, 7))
+    assert torch.allclose(fast(changed)[:, :9], a[:, :9], atol=1e-5)  # the future never leaks back
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=IDS)
+def test_cached_generation_equals_recomputation(variant):
+    """Greedy tokens with the cache equal recomputing the context each step: within one block for
+    every variant, and past it where the two paths compute the same function (one layer with a
+    sliding cache; any depth with absolute positions, which re-prefill)."""
+    model = make(**variant)
+    prompt = torch.randint(40, (2, 5))
+    within = (generate(model, prompt, 11, temperature=0, kv_cache=True),
+              generate(model, prompt, 11, temperature=0, kv_cache=False))
+    assert torch.equal(*within)
+    past = make(n_layer=1 if model.slides else 2, **variant)
+    a = generate(past, prompt, 40, temperature=0, kv_cache=True)
+    b = generate(past, prompt, 40, temperature=0, kv_cache=False)
+    assert a.shape == (2, 45) and torch.equal(a, b)
+
+
+@pytest.mark.parametrize("variant", [v for v in VARIANTS if v], ids=IDS[1:])
+def test_every_variant_trains_probes_and_samples(variant, train_cfg, sample_cfg, tmp_path):
+    from sample import sample
+    from train import train
+    overrides = []
+    for k, v in variant.items():
+        overrides += [f"model.attn.{a}={b}" for a, b in v.items()] if k == "attn" else [f"model.{k}={v}"]
+    result = train(train_cfg(*overrides, "model.n_head=4", "train.max_iters=6", "train.eval_interval=3",
+                             "train.log_attn_interval=3"))
+    assert math.isfinite(result["val_loss"]) and result["val_loss"] < result["attn"][0]["attn_entropy/mean"] + 10
+    probe = result["attn"][-1]
+    assert {f"attn_entropy/L1/H{h}" for h in range(4)} <= probe.keys()  # one value per query head
+    text = sample(sample_cfg(f"ckpt={tmp_path / 'run'}", "prompt=line", "max_new_tokens=40", "temperature=0"))[0]
+    assert text.startswith("line") and len(text) == 44
+
+
+@pytest.mark.parametrize("override,needle", [
+    ("model.n_kv_head=3", "must divide model.n_head"),
+    ("model.n_kv_head=0", "must divide"),
+    ("model.norm=batchnorm", "model.norm='batchnorm' is unknown"),
+    ("model.norm_position=middle", "norm_position"),
+    ("model.mlp=tanh", "model.mlp"),
+    ("model.pos=alibi", "model.pos"),
+    ("model.d_ff=0", "model.d_ff"),
+    ("model.logit_softcap=-1", "logit_softcap"),
+])
+def test_bad_variant_options_are_one_line_errors(override, needle, train_cfg):
+    from train import train
+    with pytest.raises(UserError, match=needle) as e:
+        train(train_cfg(override))
+    assert "\n" not in str(e.value)
+
+
+def test_old_checkpoint_config_without_the_new_keys_builds_the_default_model():
+    old = {"vocab_size": 40, "block_size": 16, "n_layer": 2, "n_head": 4, "n_embd": 32, "dropout": 0.0,
+           "bias": False, "rope_base": 10000.0, "attn": {"scale": "sqrt_dk"}, "head_dim": 8, "attn_scale": 0.35}
+    old = {k: v for k, v in old.items() if k not in ("head_dim", "attn_scale")}
+    cfg = GPTConfig(**old)
+    assert (cfg.n_kv_head, cfg.norm, cfg.mlp, cfg.pos, cfg.tie_embeddings, cfg.d_ff) == (4, "layernorm", "gelu",
+                                                                                        "rope", True, 128)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    assert sorted(model.state_dict()) == sorted(make().state_dict())
