@@ -5,9 +5,23 @@ entropy H_i = -sum_j p_ij ln p_ij: ln(i+1) when uniform, 0 when one-hot. Softmax
 failure √d_k scaling and QK-Norm prevent) shows up as entropy collapsing and the peak weight
 going to 1 (Dehghani et al. 2023, arXiv 2302.05442; Wortsman et al. 2023, arXiv 2309.14322).
 
+What each head looks at, from the same weights: the mean weight on the previous token (a
+previous-token head), on the first token of the window (an "attention sink", Xiao et al. 2023,
+arXiv 2309.17453), on the query itself, and the mean attention distance sum_j p_ij (i - j). These
+are means over rows i >= 1 (row 0 sees only itself, so it says nothing about a head).
+
+Induction heads (Olsson et al. 2022, arXiv 2209.11895): on a sequence repeated twice,
+[r_1..r_n, r_1..r_n], a query at t in the second copy that attends to t - n + 1, the token right
+after its earlier occurrence, can copy what came next. The probe runs a fixed batch of such
+sequences (r: held-out text, see repeated_batch) and logs each head's mean weight there, and the
+in-context gain: the model's mean loss on the first copy minus on the second (what seeing the text
+once already saves).
+
 The statistics come from the reference path's scores (model.attention_scores), one layer and one
 block of queries at a time, so memory is O(B * heads * block * T), never a T x T matrix per
 layer held at once, and training steps that do not probe never build an attention matrix.
+attention_maps returns the whole weights of one prompt (at most block_size tokens), for the maps
+that visualize.py and the end of a run draw (attnview.py).
 """
 import math
 
@@ -17,13 +31,39 @@ import torch.nn.functional as F
 from model import attention_scores
 
 
+ROLE_STATS = ("prev", "first", "self", "dist")  # what each head looks at (rows i >= 1)
+
+
+def weight_at_offset(p, start: int, d: int):
+    """Each row's weight on the key d positions back, for a block p (..., Tb, end) whose row r is
+    query start + r: (values (..., m), index of the first row that has such a key, i >= d)."""
+    first_row = max(0, d - start)  # rows before it have no key at i - d
+    return torch.diagonal(p, offset=start - d, dim1=-2, dim2=-1), start + first_row
+
+
+def role_rows(p, start: int):
+    """Per-row statistics of a block of causal attention weights p (B, nh, Tb, end), row r being
+    query i = start + r: dict of (B, nh, Tb) tensors `prev` (weight on key i-1, 0 for row 0), `first`
+    (on key 0), `self` (on key i), `dist` (sum_j p_ij (i - j))."""
+    Tb, end = p.shape[-2:]
+    prev, first_row = weight_at_offset(p, start, 1)
+    prev = F.pad(prev, (first_row - start, 0))  # row 0 has no previous token
+    offsets = (torch.arange(start, start + Tb, device=p.device)[:, None]
+               - torch.arange(end, device=p.device)[None, :]).to(p.dtype)  # (Tb, end): i - j
+    return {"prev": prev, "first": p[..., 0], "self": weight_at_offset(p, start, 0)[0],
+            "dist": (p * offsets.clamp(min=0)).sum(-1)}
+
+
 @torch.no_grad()
-def attention_stats(q, k, scale: float, block: int = 256, dtype=torch.float32) -> dict:
+def attention_stats(q, k, scale: float, block: int = 256, dtype=torch.float32, period=None) -> dict:
     """Statistics of causal softmax(q·kᵀ·scale) for q, k (B, nh, T, hs), computed block-wise.
 
     Returns per-head tensors (nh,): `entropy` (nats, mean over rows), `entropy_norm` (each row
     divided by ln(i+1), rows i >= 1 only, since one key has no choice), `peak` (mean largest
-    weight); and `logit_max` per head (largest scaled logit any query gives a visible key).
+    weight); `logit_max` per head (largest scaled logit any query gives a visible key); and the
+    head's roles, means over rows i >= 1: `prev`, `first`, `self` (weight on key i-1, 0, i) and
+    `dist` (sum_j p_ij (i - j)). With `period` n (the rows are [r, r] repeated, T = 2n): also
+    `induction`, the mean weight of the second copy's queries t >= n on key t - n + 1.
     """
     B, nh, T, _ = q.shape
     q, k = q.to(dtype), k.to(dtype)
@@ -31,6 +71,8 @@ def attention_stats(q, k, scale: float, block: int = 256, dtype=torch.float32) -
     ent_sum = torch.zeros(nh, device=q.device, dtype=dtype)
     norm_sum = torch.zeros_like(ent_sum)
     peak_sum = torch.zeros_like(ent_sum)
+    role_sum = {name: torch.zeros_like(ent_sum) for name in ROLE_STATS}
+    induction_sum = torch.zeros_like(ent_sum)
     logit_max = torch.full((nh,), -math.inf, device=q.device, dtype=dtype)
     for start in range(0, T, block):
         end = min(start + block, T)
@@ -44,17 +86,75 @@ def attention_stats(q, k, scale: float, block: int = 256, dtype=torch.float32) -
         norm_sum += (ent[..., rows] / log_keys[rows]).sum(dim=(0, 2))
         peak_sum += p.amax(-1).sum(dim=(0, 2))
         logit_max = torch.maximum(logit_max, scores.amax(dim=(0, 2, 3)))  # masked keys are -inf
+        for name, per_row in role_rows(p, start).items():
+            role_sum[name] += per_row[..., rows].sum(dim=(0, 2))
+        if period is not None:  # second-copy queries t >= n, each on key t - n + 1
+            w, first_row = weight_at_offset(p, start, period - 1)
+            induction_sum += w[..., max(0, period - first_row):].sum(dim=(0, 2))
     n_rows, n_norm_rows = B * T, B * max(T - 1, 1)
-    return {"entropy": ent_sum / n_rows, "entropy_norm": norm_sum / n_norm_rows,
-            "peak": peak_sum / n_rows, "logit_max": logit_max}
+    out = {"entropy": ent_sum / n_rows, "entropy_norm": norm_sum / n_norm_rows,
+           "peak": peak_sum / n_rows, "logit_max": logit_max}
+    out.update({name: total / n_norm_rows for name, total in role_sum.items()})
+    if period is not None:
+        out["induction"] = induction_sum / (B * max(T - period, 1))
+    return out
+
+
+@torch.no_grad()
+def attention_maps(model, idx, block: int = 256):
+    """Every layer's and head's attention weights for one sequence idx (1, T), from the reference
+    path: softmax(q·kᵀ·scale + M) of the q and k the model itself computes (its probe hook; with
+    GQA k comes one per query head), whatever the model's options. Returns the weights (L, nh, T, T)
+    as a float32 CPU tensor (zero above the diagonal) and each head's statistics {name: (L, nh)}."""
+    was_training = model.training
+    model.eval()
+    maps, stats = {}, {}
+
+    def hook(layer, q, k, scale):
+        scores = attention_scores(q.float(), k.float(), scale)  # (1, nh, T, T), -inf above the diagonal
+        maps[layer] = F.softmax(scores, dim=-1)[0].cpu()
+        stats[layer] = attention_stats(q, k, scale, block)
+
+    model(idx, probe=hook)
+    model.train(was_training)
+    layers = sorted(maps)
+    names = ("entropy",) + ROLE_STATS
+    return (torch.stack([maps[l] for l in layers]),
+            {name: torch.stack([stats[l][name].cpu() for l in layers]) for name in names})
+
+
+def repeated_batch(idx):
+    """Sequences [r_1..r_n, r_1..r_n] (B, 2n), n = T // 2, for the induction score: r is the first
+    half of each probe row, i.e. a span of held-out text.
+
+    Why text and not random tokens as in Olsson et al.: a small char model has never seen a random
+    string of characters (on one it does worse than uniform), so what its heads do there says little
+    about what they do on text; a val span is text it could meet, and the same span at every probe.
+    The cost: a character can occur twice in r, and a head that attends to the successor of every
+    earlier occurrence then splits its weight, so a perfect score of 1 is reached only by a head that
+    matches more than one token back (as the induction heads of trained models do)."""
+    r = idx[:, : idx.size(1) // 2]
+    return torch.cat([r, r], dim=1)
+
+
+def copy_losses(logits, x, n: int):
+    """Mean next-token loss on the first copy (targets x_1..x_{n-1}) and on the second (targets
+    x_{n+1}..x_{2n-1}) of x = [r, r] (B, 2n); the prediction of the second copy's first token is in
+    neither: nothing in the first copy tells that the sequence is about to repeat."""
+    logp = F.log_softmax(logits.float(), dim=-1)  # (B, 2n, vocab)
+    nll = -logp[:, :-1].gather(-1, x[:, 1:, None]).squeeze(-1)  # (B, 2n-1): position t predicts x_{t+1}
+    return nll[:, :n - 1].mean().item(), nll[:, n:].mean().item()
 
 
 class AttentionProbe:
-    """Runs a fixed batch through the model and returns the attention statistics as flat metrics."""
+    """Runs a fixed batch through the model and returns the attention statistics as flat metrics;
+    with `induction`, also a fixed batch of repeated random tokens (repeated_batch) for the
+    induction score per head and the in-context gain."""
 
-    def __init__(self, idx, block: int = 256):
+    def __init__(self, idx, block: int = 256, induction: bool = True):
         self.idx = idx  # (B, T) token ids, drawn once so every probe sees the same text
         self.block = block
+        self.repeated = repeated_batch(idx) if induction and idx.size(1) >= 4 else None  # (B, 2n)
 
     @torch.no_grad()
     def run(self, model) -> dict:
@@ -66,12 +166,23 @@ class AttentionProbe:
             per_layer[layer] = attention_stats(q, k, scale, self.block)
 
         model(self.idx, probe=hook)
+        extra = {}
+        if self.repeated is not None:
+            n = self.repeated.size(1) // 2
+
+            def induction_hook(layer, q, k, scale):
+                per_layer[layer]["induction"] = attention_stats(q, k, scale, self.block, period=n)["induction"]
+
+            logits = model(self.repeated, probe=induction_hook)
+            first, second = copy_losses(logits, self.repeated, n)
+            extra = {"incontext/loss_first": first, "incontext/loss_second": second, "incontext/gain": first - second}
         model.train(was_training)
-        return flatten_stats(per_layer)
+        return {**flatten_stats(per_layer), **extra}
 
 
 def flatten_stats(per_layer: dict) -> dict:
-    """{layer: stats} -> metric keys attn_entropy/L{l}/H{h}, attn_entropy/L{l}, .../mean, etc."""
+    """{layer: stats} -> metric keys attn_entropy/L{l}/H{h}, attn_entropy/L{l}, .../mean, etc.;
+    the role statistics (and induction, when measured) per head and as per-layer means."""
     out = {}
     for l, s in sorted(per_layer.items()):
         for h, v in enumerate(s["entropy"].tolist()):
@@ -84,18 +195,33 @@ def flatten_stats(per_layer: dict) -> dict:
     out["attn_entropy/mean"] = sum(out[f"attn_entropy/L{l}"] for l in per_layer) / n
     out["attn_entropy_norm/mean"] = sum(out[f"attn_entropy_norm/L{l}"] for l in per_layer) / n
     out["attn_peak/mean"] = sum(out[f"attn_peak/L{l}"] for l in per_layer) / n
+    for name in ROLE_STATS + ("induction",):
+        for l, s in sorted(per_layer.items()):
+            if name not in s:
+                continue
+            for h, v in enumerate(s[name].tolist()):
+                out[f"attn_{name}/L{l}/H{h}"] = v
+            out[f"attn_{name}/L{l}"] = s[name].mean().item()
+    heads = [v for key, v in out.items() if key.startswith("attn_induction/L") and key.count("/") == 2]
+    if heads:
+        out["attn_induction/max"] = max(heads)  # the strongest induction head
     return out
 
 
-def entropy_grid(stats: dict):
-    """The layer x head matrix of attn_entropy/L{l}/H{h} values in a metrics line (list of lists)."""
+def head_grid(stats: dict, name: str = "entropy"):
+    """The layer x head matrix of attn_{name}/L{l}/H{h} values in a metrics line (list of lists)."""
     cells = {}
     for key, v in stats.items():
         parts = key.split("/")
-        if len(parts) == 3 and parts[0] == "attn_entropy":
+        if len(parts) == 3 and parts[0] == f"attn_{name}":
             cells[(int(parts[1][1:]), int(parts[2][1:]))] = v
     if not cells:
         return None
     n_l = max(l for l, _ in cells) + 1
     n_h = max(h for _, h in cells) + 1
     return [[cells.get((l, h), float("nan")) for h in range(n_h)] for l in range(n_l)]
+
+
+def entropy_grid(stats: dict):
+    """The layer x head matrix of attn_entropy/L{l}/H{h} values in a metrics line (list of lists)."""
+    return head_grid(stats, "entropy")

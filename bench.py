@@ -18,10 +18,10 @@ import hydra
 import torch
 from hydra.core.config_store import ConfigStore
 
-from common import Timer, UserError, cli, compile_wanted, peak_flops, setup_runtime
-from config import Config, model_config
+from common import Timer, UserError, check_memory, cli, compile_wanted, is_oom, peak_flops, run_app, setup_runtime
+from config import Config, Range, check_ranges, check_train_ranges, model_config
 from model import GPT
-from optim import train_step
+from optim import build_optimizer, train_step
 
 @dataclass
 class BenchSettings:
@@ -39,6 +39,8 @@ class BenchConfig(Config):
 
 
 ConfigStore.instance().store(name="base_bench", node=BenchConfig)
+BENCH_RANGES = {"bench.iters": Range(1), "bench.warmup": Range(0), "bench.rounds": Range(1),
+                "bench.vocab_size": Range(1), "bench.cpu_peak_flops": Range(0, lo_open=True)}
 
 
 def rss_mb() -> float:
@@ -69,13 +71,14 @@ def time_steps(model, optimizer, cfg, rt, n, batch):
 
 
 def bench(cfg) -> dict:
+    check_train_ranges(cfg)  # train.batch_size=0 would time nothing and print "0 tokens/s"
+    check_ranges(cfg.bench, "bench", BENCH_RANGES)
     torch.manual_seed(cfg.seed)
-    if cfg.train.batch_size <= 0 or cfg.bench.iters <= 0 or cfg.bench.rounds <= 0 or cfg.bench.warmup < 0:
-        raise UserError("train.batch_size, bench.iters and bench.rounds must be positive, bench.warmup >= 0")
     rt = setup_runtime(cfg.device, cfg.dtype)
     device = rt.device
     mcfg = model_config(cfg.model, cfg.bench.vocab_size)
     B, T = cfg.train.batch_size, mcfg.block_size
+    check_memory(mcfg, B, device, vocab_name="model.vocab_size" if cfg.model.vocab_size else "bench.vocab_size")
     x = torch.randint(mcfg.vocab_size, (B, T), device=device)
     batch = (x, torch.roll(x, -1, dims=1))
 
@@ -88,8 +91,10 @@ def bench(cfg) -> dict:
     rss_before = rss_mb()  # CPU memory is measured from here: the steps' activations and optimizer state
     runners = {}
     for name, m in models.items():
-        opt = torch.optim.AdamW(m.parameters(), lr=1e-4, betas=(cfg.train.beta1, cfg.train.beta2),
-                                weight_decay=cfg.train.weight_decay, fused=device.type == "cuda")
+        # ours steps with what train.py would build (AdamW or Muon + AdamW); nanoGPT's with AdamW
+        opt = build_optimizer(m, cfg.train, device) if name == "attnlab" else torch.optim.AdamW(
+            m.parameters(), lr=1e-4, betas=(cfg.train.beta1, cfg.train.beta2),
+            weight_decay=cfg.train.weight_decay, fused=device.type == "cuda")
         runners[name] = (torch.compile(m) if compile_wanted(cfg.compile, device) else m, opt)
         time_steps(*runners[name], cfg, rt, cfg.bench.warmup, batch)
     if device.type == "cuda":
@@ -135,8 +140,15 @@ def print_result(r):
 @hydra.main(version_base="1.3", config_path="configs", config_name="bench")
 @cli
 def main(cfg):
-    print_result(bench(cfg))
+    try:
+        result = bench(cfg)
+    except RuntimeError as e:
+        if is_oom(e):
+            raise UserError(f"out of memory at train.batch_size={cfg.train.batch_size}: lower it, "
+                            "model.block_size or the model size") from None
+        raise
+    print_result(result)
 
 
 if __name__ == "__main__":
-    main()
+    run_app(main)

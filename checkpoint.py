@@ -6,13 +6,14 @@ a file carrying a pickled object that would run code is refused, never executed.
 to a temporary file, fsynced and renamed over the old one, so a crash at any moment leaves the
 previous checkpoint intact.
 """
+import math
 import os
 import pickle
 from pathlib import Path
 
 import torch
 
-from common import UserError
+from common import UserError, first_line
 from model import GPT, GPTConfig
 
 BEST_NAME = "best.pt"  # lowest val loss so far; what sample.py loads from a run dir
@@ -39,13 +40,16 @@ def prune_checkpoints(run_dir, keep: int):
         old.unlink()
 
 
-def save_checkpoint(path, state: dict) -> Path:
-    """Atomically write `state` (tensors and plain Python values only) to `path`."""
+def save_checkpoint(path, state: dict, mode=None) -> Path:
+    """Atomically write `state` (tensors and plain Python values only) to `path`, with permission
+    bits `mode` if given (a checkpoint is no more readable than the data it learned from)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")  # removed at the next start if we are killed
     try:
         with open(tmp, "wb") as f:
+            if mode is not None:
+                os.fchmod(f.fileno(), mode)
             torch.save(state, f)
             f.flush()
             os.fsync(f.fileno())
@@ -78,27 +82,80 @@ def find_checkpoint(where=None, root="outputs") -> Path:
     return find_checkpoint(found[-1].parent)
 
 
+ZIP_MAGIC = b"PK\x03\x04"  # torch.save's format since 1.6: a zip archive
+LEGACY_MAGIC = b"\x80\x02\x8a\nl\xfc\x9cF\xf9 j\xa8P\x19."  # the older format: a pickled magic number first
+
+
 def load_checkpoint(path, map_location="cpu") -> dict:
-    """Read a checkpoint without unpickling arbitrary objects; errors are one line."""
+    """Read a checkpoint without unpickling arbitrary objects; errors are one line. Refuses what
+    is not a PyTorch file, a file whose pickle names code (never run), a dict of another layout, and
+    weights that are not finite (a diverged run's: sampling them prints blanks, resuming trains on NaN)."""
     path = Path(path)
+    try:
+        with open(path, "rb") as f:
+            head = f.read(len(LEGACY_MAGIC))
+    except OSError as e:
+        raise UserError(f"cannot read checkpoint {path}: {e.strerror or first_line(e)}") from None
+    if not (head.startswith(ZIP_MAGIC) or head == LEGACY_MAGIC):
+        what = "it is empty" if not head else "its first bytes are not those of a file torch.save writes"
+        raise UserError(f"{path} is not a checkpoint ({what}): pass a ckpt_*.pt or best.pt file that train.py wrote")
     try:
         state = torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        if "global" not in str(e).lower():  # a damaged pickle, not one that asks for code
+            raise UserError(f"cannot read checkpoint {path}: its data is damaged (truncated or corrupt); "
+                            "use another checkpoint of the run") from None
+        unsafe = [line.strip() for line in str(e).splitlines() if "global" in line.lower()]
         raise UserError(f"refusing to load {path}: it holds objects other than tensors and plain "
-                        f"values ({first[:200]}); only load checkpoints you trust, and never with "
-                        "weights_only=False") from None
-    except (RuntimeError, EOFError, OSError) as e:
-        raise UserError(f"cannot read checkpoint {path}: {str(e).splitlines()[0][:200]} "
-                        "(truncated or not a checkpoint?)") from None
+                        f"values ({(unsafe or [first_line(e)])[0][:200]}); only load checkpoints you trust, and never "
+                        "with weights_only=False") from None
+    except (RuntimeError, EOFError, OSError, KeyError, ValueError) as e:
+        raise UserError(f"cannot read checkpoint {path}: {first_line(e)} (truncated or not a checkpoint?)") from None
+    check_layout(state, path)
+    bad = [name for name, t in state["model"].items() if t.is_floating_point() and not torch.isfinite(t).all()]
+    if bad:
+        raise UserError(f"{path} holds non-finite weights ({bad[0]} has NaN/Inf): it was saved from a diverged "
+                        "run; use an earlier checkpoint of it")
+    return state
+
+
+def check_layout(state, path):
+    """The parts every reader needs: weights (a dict of tensors), the model config and the tokenizer."""
     if not isinstance(state, dict) or "model" not in state or "model_config" not in state:
         raise UserError(f"{path} is not an attnlab checkpoint (no model weights or model config)")
-    return state
+    weights, mcfg, tok = state["model"], state["model_config"], state.get("tokenizer")
+    if not isinstance(weights, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
+                                                for k, v in weights.items()):
+        raise UserError(f"{path} is not an attnlab checkpoint: its `model` entry is not a dict of named tensors")
+    if not isinstance(mcfg, dict) or not isinstance(tok, dict) or "kind" not in tok:
+        raise UserError(f"{path} is not an attnlab checkpoint: its model config or tokenizer entry is missing "
+                        "or of another layout")
+
+
+def last_good_checkpoint(run_dir, before_step=None):
+    """The newest periodic checkpoint that loads, holds finite weights and, where it recorded
+    one, a finite val loss; only those at or before `before_step` (a resumed run's later ones
+    belong to the abandoned timeline). None if there is none."""
+    for p in reversed(step_checkpoints(run_dir)):
+        if before_step is not None and int(p.stem[5:]) > before_step:
+            continue
+        try:
+            val = load_checkpoint(p).get("val_loss")
+        except UserError:
+            continue
+        if val is None or math.isfinite(val):
+            return p
+    return None
 
 
 def model_from_checkpoint(state: dict, device="cpu") -> GPT:
     """Rebuild the model a checkpoint was saved from and load its weights."""
-    model = GPT(GPTConfig(**state["model_config"]))
+    try:
+        config = GPTConfig(**state["model_config"])
+    except TypeError as e:  # a key this code does not know: another version's checkpoint
+        raise UserError(f"the checkpoint's model config does not fit this code ({first_line(e)}): it was written by "
+                        "another version of attnlab") from None
+    model = GPT(config)
     load_weights(model, state["model"])
     return model.to(device)
 

@@ -4,6 +4,7 @@ waits for the GPU. Entry points import this, never each other (nanochat keeps th
 nanochat/common.py)."""
 import functools
 import os
+import platform
 import sys
 import time
 from contextlib import nullcontext
@@ -19,7 +20,7 @@ class UserError(Exception):
 
 def cli(main):
     """Wrap an entry point: a UserError ends it with one line `error: ...` and exit status 1,
-    Ctrl-C with one line and status 130, never a traceback."""
+    running out of memory likewise, Ctrl-C with one line and status 130, never a traceback."""
     @functools.wraps(main)
     def wrapper(*args, **kwargs):
         try:
@@ -30,7 +31,125 @@ def cli(main):
         except KeyboardInterrupt:
             print("interrupted (Ctrl-C)", file=sys.stderr)
             sys.exit(130)
+        except BrokenPipeError:  # `... | head`: the reader left; what it wanted was printed
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            sys.exit(0)
+        except RuntimeError as e:
+            if not is_oom(e):
+                raise
+            print(f"error: out of memory ({first_line(e)}): lower the batch size, sequence length or model "
+                  "size", file=sys.stderr)
+            sys.exit(1)
     return wrapper
+
+
+def first_line(e, limit=200) -> str:
+    """An exception's first line, for one-line messages."""
+    return (str(e).strip().splitlines() or [type(e).__name__])[0][:limit]
+
+
+def is_oom(e: BaseException) -> bool:
+    """True for a failed allocation: CUDA's OutOfMemoryError, or the CPU allocator's RuntimeError."""
+    return isinstance(e, torch.OutOfMemoryError) or (
+        isinstance(e, RuntimeError) and ("can't allocate memory" in str(e) or "out of memory" in str(e).lower()))
+
+
+def hydra_error_line(e: BaseException) -> str:
+    """Hydra's composition errors (unknown key, wrong type, bad override syntax) are several lines
+    (the message, then full_key/object_type lines); the part a user needs, as one line."""
+    parts = [str(e)] + ([str(e.__cause__)] if e.__cause__ is not None else [])
+    keep = []
+    for part in parts:
+        for line in map(str.strip, part.splitlines()):
+            if line.startswith("Config search path:"):  # Hydra's internals from here on
+                break
+            # "To append ... use +key=value": a structured config refuses new keys, so that advice fails too
+            if line and not line.startswith(("full_key:", "object_type=", "reference_type=", "provider=",
+                                             "To append to your config")):
+                keep.append(line)
+    return " ".join(dict.fromkeys(keep))  # the cause often repeats the message
+
+
+def run_app(app):
+    """Run a @hydra.main entry point so that Hydra's own errors, raised before our code runs (a
+    misspelt key, a value of the wrong type), also end in one line `error: ...` and status 1.
+    HYDRA_FULL_ERROR=1 set by the user keeps Hydra's full report."""
+    if os.environ.get("HYDRA_FULL_ERROR") == "1":
+        return app()
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra then raises instead of printing a multi-line report
+    try:
+        return app()
+    except (HydraException, OmegaConfBaseException) as e:
+        print(f"error: {hydra_error_line(e)} (--help lists every key and its type)", file=sys.stderr)
+        sys.exit(1)
+    finally:
+        del os.environ["HYDRA_FULL_ERROR"]
+
+
+# ----------------------------------------------------------------------------- files
+
+def umask() -> int:
+    """The process's umask, read without changing it (os.umask can only set it, and setting it
+    even briefly races with other threads creating files)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o077)  # not Linux: the strict mask for the instant it takes to read it
+    os.umask(mask)
+    return mask
+
+
+def private_mode(sources=()) -> int:
+    """Permission bits for files derived from `sources` (token files, checkpoints): no more
+    readable than any source file and the umask allow; the owner keeps read and write."""
+    mode = 0o666 & ~umask()
+    for src in sources:
+        mode &= os.stat(src).st_mode & 0o666
+    return mode | 0o600
+
+
+def dir_mode(file_mode: int) -> int:
+    """The directory mode matching a file mode: searchable wherever readable."""
+    return file_mode | ((file_mode & 0o444) >> 2) | 0o700
+
+
+def remove_stale_temps(directory, alive_only=True):
+    """Delete what killed writes left in `directory`: entries named `.NAME.tmp-PID` (files or
+    dirs). With alive_only, entries of a process still running on this machine are kept (another
+    process may be writing them); else every one goes (the caller holds the directory's lock)."""
+    import shutil
+    from pathlib import Path
+
+    for p in Path(directory).glob(".*.tmp-*"):
+        host, _, pid = p.name.rsplit(".tmp-", 1)[1].rpartition("-")  # .NAME.tmp-PID or .NAME.tmp-HOST-PID
+        if alive_only and (host not in ("", platform.node()) or (pid.isdigit() and pid_alive(int(pid)))):
+            continue  # another machine's (shared disk) or a live process's write
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            p.unlink(missing_ok=True)
+
+
+def temp_suffix() -> str:
+    """The tail of a temporary name in a directory other machines may share: host and pid."""
+    return f".tmp-{platform.node()}-{os.getpid()}"
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    return True
 
 
 # ----------------------------------------------------------------------------- device and dtype
@@ -103,6 +222,34 @@ def setup_runtime(device_name: str, dtype_name: str) -> Runtime:
     return Runtime(device, dtype)
 
 
+def memory_bytes(device: torch.device):
+    """Memory a run on `device` can use at most: the GPU's, else the machine's RAM (None: unknown)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_memory(mcfg, batch_size: int, device, batch_name="train.batch_size", vocab_name="model.vocab_size"):
+    """Refuse, before allocating anything, a model or batch that cannot fit the device: a huge
+    model.n_layer would otherwise build layers until the machine runs out of memory (a hang, then
+    the OOM killer), not fail. A lower bound: fp32 weights, gradients and AdamW's two moments, and
+    per token and layer a few n_embd-wide activations plus the logits."""
+    available = memory_bytes(device)
+    if available is None:
+        return
+    d, L, V, T = mcfg.n_embd, mcfg.n_layer, mcfg.vocab_size, mcfg.block_size
+    d_ff = getattr(mcfg, "d_ff", None) or 4 * d
+    params = V * d + L * (4 * d * d + 2 * d * d_ff)
+    need = 16 * params + 4 * batch_size * T * ((6 * d + d_ff) * L + 2 * V)
+    if need > available:
+        raise UserError(f"the model and batch need at least {need / 2**30:.3g} GiB but {device} has "
+                        f"{available / 2**30:.3g} GiB (model.n_layer={L}, model.n_embd={d}, model.d_ff={d_ff}, "
+                        f"{vocab_name}={V}, model.block_size={T}, {batch_name}={batch_size}): make them smaller")
+
+
 def compile_wanted(flag, device) -> bool:
     """`compile`: true/false as given; unset means on for CUDA (it pays), off elsewhere."""
     return flag if flag is not None else device.type == "cuda"
@@ -113,15 +260,16 @@ def compile_wanted(flag, device) -> bool:
 # matched as whole words in order, most specific first, so "H100 PCIe" is not an SXM part and
 # "L40" is not an "L4".
 PEAK_FLOPS = [  # (words in torch.cuda.get_device_name, 16-bit peak, fp32/TF32 peak)
-    (("H200", "NVL"), 835e12, 418e12), (("H200",), 989e12, 495e12),
+    (("H200", "NVL"), 835e12, 418e12), (("H200",), 989e12, 495e12), (("GH200",), 989e12, 495e12),
     (("H100", "PCIe"), 756e12, 378e12), (("H100", "NVL"), 835e12, 418e12), (("H100",), 989e12, 495e12),
     (("H800", "PCIe"), 756e12, 378e12), (("H800",), 989e12, 495e12),
     (("A100",), 312e12, 156e12), (("A800",), 312e12, 156e12),
     (("L40S",), 362e12, 183e12), (("L40",), 181e12, 90.5e12), (("L4",), 121e12, 60e12),
     (("A10",), 125e12, 62.5e12), (("4090",), 165e12, 82.6e12), (("3090",), 71e12, 35.6e12),
-    (("V100",), 125e12, 15.7e12),  # V100: fp16 tensor cores; no bf16, no TF32
+    (("V100",), 125e12, 15.7e12),  # V100, T4: fp16 tensor cores, no TF32, and bf16 only emulated
     (("T4",), 65e12, 8.1e12),
 ]
+EMULATED_BF16 = ("V100", "T4")  # a bf16 run there is measured against the fp32 peak, not fp16's
 
 
 def peak_flops_for(name: str, dtype: torch.dtype):
@@ -129,7 +277,9 @@ def peak_flops_for(name: str, dtype: torch.dtype):
     words = set(name.replace("-", " ").split())
     for keys, half, single in PEAK_FLOPS:
         if all(k in words for k in keys):
-            return half if dtype in (torch.bfloat16, torch.float16) else single
+            if dtype == torch.float16 or (dtype == torch.bfloat16 and keys[0] not in EMULATED_BF16):
+                return half
+            return single
     return None
 
 

@@ -4,6 +4,7 @@ Each YAML under configs/ names its schema first in its defaults list (`- /model_
 misspelt key or a wrong type fails at composition, before anything runs. The model schema is
 model.GPTConfig itself: one definition of the architecture's knobs.
 """
+import math
 from dataclasses import dataclass, field
 from typing import List, Optional
 
@@ -47,6 +48,16 @@ class TrainConfig:
     beta1: float = 0.9
     beta2: float = 0.99
     weight_decay: float = 0.1  # on matrices only
+    # optimizer: adamw, or muon = torch.optim.Muon on the blocks' Linear weights + AdamW (lr, betas, weight_decay
+    # above) on everything else; the lr schedule scales both (optim.py)
+    optimizer: str = "adamw"  # adamw | muon
+    muon_lr: Optional[float] = None  # Muon's peak lr; unset: train.lr (match_rms_adamw makes AdamW's lr fit)
+    muon_weight_decay: Optional[float] = None  # decoupled, times lr; unset: train.weight_decay
+    muon_momentum: float = 0.95  # Nesterov momentum
+    muon_momentum_start: float = 0.85  # momentum at step 0 when muon_momentum_warmup > 0
+    muon_momentum_warmup: int = 0  # steps of linear momentum warmup from muon_momentum_start; 0 = off
+    muon_adjust_lr: str = "match_rms_adamw"  # match_rms_adamw (0.2*sqrt(max(A,B))) | original (sqrt(max(1,A/B)))
+    muon_ns_steps: int = 5  # Newton-Schulz iterations per matrix and step
     grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
     eval_interval: int = 250  # steps between evaluations (and checkpoints)
     eval_iters: int = 20  # fixed val (and train) batches per evaluation
@@ -101,18 +112,126 @@ class SampleConfig:
     seed: int = 1337
     device: str = "auto"
     kv_cache: bool = True  # false: recompute the whole context for every token
+    compile: Optional[bool] = None  # torch.compile the cached decode step (CUDA graphs on CUDA); unset: on for CUDA
+    dtype: str = "auto"  # autocast dtype as in training: auto = bfloat16 on capable GPUs, else float32
     stream: bool = False  # print tokens as they are produced (num_samples=1)
     stop: Optional[str] = None  # end a sample at the first occurrence of this string
+
+
+# ----------------------------------------------------------------------------- value ranges
+
+@dataclass(frozen=True)
+class Range:
+    """The legal values of a numeric key: finite, between lo and hi (each bound included unless
+    marked open). None (unset) is always legal where the schema allows it."""
+    lo: float = -math.inf
+    hi: float = math.inf
+    lo_open: bool = False
+    hi_open: bool = False
+    why: str = ""  # what the bound protects, added to the error
+
+    def contains(self, v) -> bool:
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            return False
+        if isinstance(v, int) and abs(v) > 2**53:  # every count fits int64 and converts to float exactly
+            return False
+        return (v > self.lo if self.lo_open else v >= self.lo) and (v < self.hi if self.hi_open else v <= self.hi)
+
+    def describe(self, integer: bool) -> str:
+        lo = f"{'>' if self.lo_open else '>='} {self.lo:g}" if self.lo > -math.inf else ""
+        hi = f"{'<' if self.hi_open else '<='} {self.hi:g}" if self.hi < math.inf else ""
+        what = "an integer" if integer else "a finite number"
+        return f"{what} {lo}{' and ' if lo and hi else ''}{hi}".rstrip()
+
+
+POSITIVE, NON_NEGATIVE = Range(1), Range(0)
+FRACTION = Range(0, 1, hi_open=True)  # [0, 1)
+# Every numeric key of the schemas above (model.* is validated by GPTConfig itself). A new numeric
+# key needs an entry: tests/test_reliability.py enumerates the dataclasses and fails without one.
+RANGES = {
+    "seed": Range(0, why="seeds are non-negative"),
+    "data.val_fraction": Range(0, 1, lo_open=True, hi_open=True),
+    "data.split_seed": Range(0, why="seeds are non-negative"),
+    "data.vocab_size": Range(257, why="a byte-level BPE holds the 256 bytes and <|endoftext|>"),
+    "data.max_tokens": Range(1, why="a cap on training tokens"),
+    "data.num_proc": Range(1, 4096),
+    "train.batch_size": POSITIVE,
+    "train.grad_accum": POSITIVE,
+    "train.max_iters": NON_NEGATIVE,
+    "train.lr": Range(0, 10, lo_open=True, why="a larger lr diverges at once"),
+    "train.min_lr": NON_NEGATIVE,
+    "train.warmup_iters": NON_NEGATIVE,
+    "train.lr_decay_iters": POSITIVE,
+    "train.beta1": FRACTION,
+    "train.beta2": FRACTION,
+    "train.weight_decay": NON_NEGATIVE,
+    "train.muon_lr": Range(0, 10, lo_open=True, why="a larger lr diverges at once"),
+    "train.muon_weight_decay": NON_NEGATIVE,
+    "train.muon_momentum": FRACTION,
+    "train.muon_momentum_start": FRACTION,
+    "train.muon_momentum_warmup": NON_NEGATIVE,
+    "train.muon_ns_steps": Range(1, 100),
+    "train.grad_clip": Range(0, why="0 disables clipping"),
+    "train.eval_interval": POSITIVE,
+    "train.eval_iters": POSITIVE,
+    "train.log_interval": POSITIVE,
+    "train.log_attn_interval": Range(0, why="0 turns the probe off"),
+    "train.probe_batch_size": POSITIVE,
+    "train.ckpt_interval": POSITIVE,
+    "train.keep_ckpts": POSITIVE,
+    "train.skip_nonfinite": NON_NEGATIVE,
+    "train.peak_flops": Range(0, lo_open=True),
+    "sample.max_new_tokens": NON_NEGATIVE,
+    "sample.num_samples": POSITIVE,
+    "sample.temperature": Range(0, why="0 is greedy"),
+    "sample.top_k": POSITIVE,
+    "sample.top_p": Range(0, 1, lo_open=True),
+    "sample.seed": Range(0, why="seeds are non-negative"),
+}
+
+
+def check_ranges(node, group: str = "", ranges=RANGES, shown=None):
+    """A one-line UserError for the first value of config group `node` outside its range; the
+    key is named `shown.key` (default `group.key`: sample.py's keys are typed without a group)."""
+    shown = group if shown is None else shown
+    for key, value in node.items():
+        r = ranges.get(f"{group}.{key}" if group else key)
+        name = f"{shown}.{key}" if shown else key
+        if r is None or value is None:
+            continue
+        if not r.contains(value):
+            integer = isinstance(value, int) and not isinstance(value, bool)
+            if integer and abs(value) > 2**53:
+                raise UserError(f"{name}={value} is beyond any sensible size (2**53): {r.describe(integer)}")
+            optional = OmegaConf.is_config(node) and node._get_node(key)._is_optional()
+            unset = " (or unset)" if optional else ""
+            raise UserError(f"{name}={value} must be {r.describe(integer)}{unset}"
+                            f"{': ' + r.why if r.why else ''}")
+
+
+def check_train_ranges(cfg):
+    """Every numeric value of a training config (top level, data, train) in its range, and the
+    pairs that only make sense together."""
+    check_ranges(cfg)
+    check_ranges(cfg.data, "data")
+    check_ranges(cfg.train, "train")
+    t = cfg.train
+    if t.min_lr > t.lr:
+        raise UserError(f"train.min_lr={t.min_lr} is above train.lr={t.lr}: the cosine \"decay\" would raise the "
+                        "learning rate; set min_lr <= lr (e.g. lr/10)")
+    if t.lr * t.weight_decay >= 1:
+        raise UserError(f"train.weight_decay={t.weight_decay} times train.lr={t.lr} is >= 1: AdamW would zero or "
+                        "flip every weight each step; use weight_decay < 1/lr")
 
 
 def model_config(model_cfg, vocab_size=None) -> GPTConfig:
     """The GPTConfig of a `model` config group; an unset vocab_size comes from the tokenizer."""
     fields = OmegaConf.to_container(model_cfg, resolve=True) if OmegaConf.is_config(model_cfg) else dict(model_cfg)
     if vocab_size is not None:
-        if fields.get("vocab_size") is not None and fields["vocab_size"] < vocab_size:
+        if fields.get("vocab_size") is not None and fields["vocab_size"] < vocab_size:  # 0 and negatives too
             raise UserError(f"model.vocab_size={fields['vocab_size']} is smaller than the tokenizer's "
                             f"{vocab_size}: leave it unset")
-        fields["vocab_size"] = fields.get("vocab_size") or vocab_size
+        fields["vocab_size"] = vocab_size if fields.get("vocab_size") is None else fields["vocab_size"]
     return GPTConfig(**fields)
 
 

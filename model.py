@@ -203,11 +203,13 @@ def repeat_kv(x, n_head: int):
     return x if x.size(1) == n_head else x.repeat_interleave(n_head // x.size(1), dim=1)
 
 
-def attention(q, k, v, scale: float, causal: bool = True, impl: str = "sdpa", dropout_p: float = 0.0, window=None):
+def attention(q, k, v, scale: float, causal: bool = True, impl: str = "sdpa", dropout_p: float = 0.0, window=None,
+              key_mask=None):
     """softmax(q·kᵀ·scale + M)·v for q (B, nh, Tq, hs) and k, v (B, n_kv, Tk, hs) -> (B, nh, Tq, hs).
 
     M is 0 where a key is visible (causal, and within `window` if given), -inf elsewhere. With
-    n_kv < nh (grouped-query attention) each kv head serves nh / n_kv consecutive query heads."""
+    n_kv < nh (grouped-query attention) each kv head serves nh / n_kv consecutive query heads.
+    key_mask (1, 1, 1, Tk) bool, for a single query: which cache slots hold a key (a static cache)."""
     if impl == "sdpa":
         Tq, Tk = q.size(-2), k.size(-2)
         kw = dict(dropout_p=dropout_p, scale=scale, enable_gqa=k.size(1) != q.size(1))  # GQA without copying K/V
@@ -215,10 +217,12 @@ def attention(q, k, v, scale: float, causal: bool = True, impl: str = "sdpa", dr
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, **kw)
         if causal and (Tq > 1 or (window is not None and window < Tk)):  # SDPA's is_causal aligns top-left
             return F.scaled_dot_product_attention(q, k, v, attn_mask=visible(Tq, Tk, window, q.device), **kw)
-        return F.scaled_dot_product_attention(q, k, v, **kw)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask, **kw)
     # reference path: the same function written out, K/V expanded to one head per query head
     k, v = repeat_kv(k, q.size(1)), repeat_kv(v, q.size(1))
     scores = attention_scores(q, k, scale, causal, window)  # (B, nh, Tq, Tk)
+    if key_mask is not None:
+        scores = scores.masked_fill(~key_mask, float("-inf"))
     weights = F.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32)).type_as(q)
     if dropout_p > 0:
         weights = F.dropout(weights, p=dropout_p)
@@ -238,7 +242,8 @@ class KVCache:
         self.length = length
 
     def update(self, pos: int, k, v):
-        """Store k, v (B, n_kv, T, hs) for positions pos..pos+T-1; return all cached (B, n_kv, n, hs)."""
+        """Store k, v (B, n_kv, T, hs) for positions pos..pos+T-1; return all cached (B, n_kv, n, hs)
+        and a key mask (None: every returned slot holds a key)."""
         T = k.size(2)
         if T > 1 and pos != 0:
             raise ValueError("a KV cache takes a multi-token chunk only as the first (prefill) step")
@@ -248,7 +253,22 @@ class KVCache:
         self.k[:, :, slot:slot + T] = k
         self.v[:, :, slot:slot + T] = v
         n = min(pos + T, self.length)  # slots in use; order is irrelevant once no mask is needed
-        return self.k[:, :, :n], self.v[:, :, :n]
+        return self.k[:, :, :n], self.v[:, :, :n], None
+
+
+class StaticKVCache(KVCache):
+    """The same ring buffer with fixed shapes, for a compiled decode step (as gpt-fast does): the
+    position is a tensor, each step attends over all `length` slots and a mask hides those not
+    written yet, so one graph serves every step and nothing waits for the host."""
+
+    def update(self, pos, k, v):
+        if not torch.is_tensor(pos):  # the prefill runs eagerly, as for KVCache
+            return super().update(pos, k, v)
+        slot = pos % self.length  # (1,)
+        self.k.index_copy_(2, slot, k)
+        self.v.index_copy_(2, slot, v)
+        written = torch.arange(self.length, device=pos.device) <= pos  # positions 0..pos, all once full
+        return self.k, self.v, written.view(1, 1, 1, -1)
 
 
 class CausalSelfAttention(nn.Module):
@@ -316,10 +336,12 @@ class CausalSelfAttention(nn.Module):
         q, k, v = self.qkv(x, freqs)
         if probe is not None:  # attention statistics read q, k here (one k per query head); None on training steps
             probe(self.layer, q, repeat_kv(k, self.n_head), self.scale)
+        key_mask = None
         if kv_cache is not None:
-            k, v = kv_cache.update(pos, k, v)  # (B, n_kv, n_cached, hs)
+            k, v, key_mask = kv_cache.update(pos, k, v)  # (B, n_kv, n_cached, hs)
         y = attention(q, k, v, self.scale, causal=True, impl=self.attn_cfg.impl,
-                      dropout_p=self.dropout if self.training else 0.0, window=window)  # (B, nh, T, hs)
+                      dropout_p=self.dropout if self.training else 0.0, window=window,
+                      key_mask=key_mask)  # (B, nh, T, hs)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # re-assemble heads side by side
         return self.resid_dropout(self.c_proj(y))
 
@@ -410,8 +432,8 @@ class LearnedPositions(nn.Module):
         super().__init__()
         self.wpe = nn.Embedding(config.block_size, config.n_embd)
 
-    def forward(self, start: int, T: int):
-        return self.wpe.weight[start:start + T]  # (T, C)
+    def forward(self, start, T: int):
+        return self.wpe.weight.index_select(0, torch.arange(T, device=self.wpe.weight.device) + start)  # (T, C)
 
 
 class SinusoidalPositions(nn.Module):
@@ -421,8 +443,8 @@ class SinusoidalPositions(nn.Module):
         super().__init__()
         self.register_buffer("table", sinusoidal_table(config.block_size, config.n_embd), persistent=False)
 
-    def forward(self, start: int, T: int):
-        return self.table[start:start + T]  # (T, C)
+    def forward(self, start, T: int):
+        return self.table.index_select(0, torch.arange(T, device=self.table.device) + start)  # (T, C)
 
 
 ABSOLUTE_POSITIONS = {"learned": LearnedPositions, "sinusoidal": SinusoidalPositions}
@@ -489,6 +511,8 @@ class GPT(nn.Module):
         (generation past block_size)."""
         if not self.rotary:
             return None
+        if torch.is_tensor(start):  # a compiled decode step: the position is data (T = 1)
+            return self.rope.index_select(0, start)
         if start + T > self.rope.size(0):
             self.rope = rope_freqs(self.config.head_dim, 2 * (start + T), self.config.rope_base, self.rope.device)
         return self.rope[start:start + T]
@@ -510,7 +534,7 @@ class GPT(nn.Module):
         B, T = idx.shape
         if kv_cache is None and window is None and T > self.config.block_size:
             raise ValueError(f"sequence of {T} tokens is longer than block_size={self.config.block_size}")
-        if self.positions is not None and pos + T > self.config.block_size:
+        if self.positions is not None and not torch.is_tensor(pos) and pos + T > self.config.block_size:
             raise ValueError(f"positions up to {pos + T} but model.pos={self.config.pos} has a table of "
                              f"{self.config.block_size}")
         freqs = self.rope_at(pos, T)
@@ -529,10 +553,11 @@ class GPT(nn.Module):
         loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.reshape(-1), ignore_index=-1)
         return logits, loss
 
-    def new_kv_cache(self, batch_size: int, length: int, device=None, dtype=None):
-        """One preallocated KVCache per layer holding up to `length` positions."""
+    def new_kv_cache(self, batch_size: int, length: int, device=None, dtype=None, static=False):
+        """One preallocated KVCache per layer holding up to `length` positions (StaticKVCache,
+        fixed shapes, for a compiled decode step)."""
         p = self.wte.weight
-        return [KVCache(batch_size, self.config.n_kv_head, length, self.config.head_dim,
+        return [(StaticKVCache if static else KVCache)(batch_size, self.config.n_kv_head, length, self.config.head_dim,
                         device or p.device, dtype or p.dtype) for _ in range(self.config.n_layer)]
 
     def configure_optimizer(self, lr, weight_decay, betas=(0.9, 0.95), fused=False):

@@ -1,4 +1,5 @@
 """PNG plots from metrics.jsonl files, no W&B needed: one run's curves, or several runs compared."""
+import re
 from pathlib import Path
 
 import matplotlib
@@ -47,6 +48,10 @@ def plot_run(run_dir) -> list:
         path = run_dir / "attn_entropy.png"
         plot_attention(probes, path, title=run_dir.name)
         written.append(path)
+    if any("attn_prev/L0" in m for m in probes):
+        path = run_dir / "attn_heads.png"
+        plot_head_roles(probes, path, title=run_dir.name)
+        written.append(path)
     return written
 
 
@@ -66,5 +71,81 @@ def plot_attention(probes, path, title=""):
     hx.set(xlabel="head", ylabel="layer", title=f"entropy (nats) at step {probes[-1]['step']}",
            xticks=range(len(grid[0])), yticks=range(len(grid)))
     fig.colorbar(im, ax=hx)
+    save_figure(fig, path)
+    return path
+
+
+HEAD_ROLES = [("induction", "induction score: weight on t-n+1 (a text span, twice)"),
+              ("prev", "weight on the previous token"), ("first", "weight on the first token (sink)"),
+              ("self", "weight on the query itself"), ("dist", "mean attention distance (tokens)")]
+
+
+def head_keys(probes, name) -> list:
+    """[(layer, head, key)] of the per-head metric attn_{name}/L{l}/H{h} in the probe lines."""
+    found = {(int(m.group(1)), int(m.group(2)), key) for p in probes for key in p
+             for m in [re.fullmatch(rf"attn_{name}/L(\d+)/H(\d+)", key)] if m}
+    return sorted(found)
+
+
+def plot_head_roles(probes, path, title=""):
+    """What each head does, vs step: the induction score per head and the in-context gain (loss on
+    a text span's first copy minus its second), then the weight each head puts on the previous
+    token, the first token and itself, and its mean attention distance. One line per head, one
+    colour per layer; the heads that end highest are named."""
+    fig, axes = plt.subplots(2, 3, figsize=(16, 8.5))
+    colors = plt.cm.tab10.colors
+    gain_ax, panels = axes[0][1], [axes[0][0]] + list(axes[0][2:]) + list(axes[1])
+    for ax, (name, label) in zip(panels, HEAD_ROLES):
+        keys = head_keys(probes, name)
+        finals = []
+        for l, h, key in keys:
+            steps, values = series(probes, key)
+            ax.plot(steps, values, "-", lw=1.2, color=colors[l % 10], alpha=0.85, label=f"layer {l}" if h == 0 else None)
+            finals.append((values[-1], l, h, steps[-1]))
+        for v, l, h, step in sorted(finals, reverse=True)[:2 if name != "dist" else 0]:
+            ax.annotate(f"L{l}H{h}", (step, v), fontsize=7, xytext=(3, 0), textcoords="offset points")
+        ax.set(xlabel="step", title=label)
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+        if not keys:
+            ax.text(0.5, 0.5, "not measured", ha="center", transform=ax.transAxes, color="grey")
+    panels[0].legend(fontsize=7)
+    for key, style, label in (("incontext/gain", "o-", "gain (first - second)"),
+                              ("incontext/loss_first", "--", "loss on the first copy"),
+                              ("incontext/loss_second", ":", "loss on the second copy")):
+        steps, values = series(probes, key)
+        if steps:
+            gain_ax.plot(steps, values, style, ms=3, label=label)
+    gain_ax.axhline(0, color="grey", lw=0.8)
+    gain_ax.set(xlabel="step", ylabel="nats/token", title="in-context gain on a text span seen twice")
+    gain_ax.grid(alpha=0.3)
+    gain_ax.legend(fontsize=7)
+    fig.suptitle(f"what the heads do: {title}" if title else "what the heads do", fontsize=11)
+    save_figure(fig, path)
+    return path
+
+
+def plot_head_roles_compare(rows, path):
+    """Several runs: the strongest induction head, the in-context gain, and the largest
+    previous-token and first-token weight of any head, vs step (report.py)."""
+    panels = [("induction", "largest induction score of any head"), ("gain", "in-context gain (nats/token)"),
+              ("prev", "largest previous-token weight of any head"), ("first", "largest first-token (sink) weight of any head")]
+    fig, axes = plt.subplots(1, 4, figsize=(19, 4.5))
+    colors = plt.cm.tab10.colors
+    for ax, (name, title) in zip(axes, panels):
+        for i, r in enumerate(rows):
+            probes = [m for m in r["metrics"] if "attn_entropy/mean" in m]
+            if name == "gain":
+                steps, values = series(probes, "incontext/gain")
+            else:
+                keys = [k for _, _, k in head_keys(probes, name)]
+                lines = [m for m in probes if keys and all(k in m for k in keys)]
+                steps, values = [m["step"] for m in lines], [max(m[k] for k in keys) for m in lines]
+            ax.plot(steps, values, "o-", ms=3, color=colors[i % 10], label=r["run"])
+        ax.set(xlabel="step", title=title)
+        if name != "gain":
+            ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
     save_figure(fig, path)
     return path

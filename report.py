@@ -3,7 +3,7 @@
     python report.py outputs/multirun/2026-11-29_12-00-00           # every run of a sweep
     python report.py outputs/runs/A outputs/runs/B --out report/      # any run dirs
 
-Writes val_loss.png, attn_stats.png (when the runs were probed) and report.md into --out
+Writes val_loss.png, attn_stats.png and attn_heads.png (when the runs were probed) and report.md into --out
 (default: the sweep dir when given one, else ./report) and prints the table.
 """
 import argparse
@@ -14,7 +14,7 @@ from pathlib import Path
 import yaml
 
 from common import UserError, cli
-from plots import plt, save_figure, series
+from plots import plot_head_roles_compare, plt, save_figure, series
 from tracking import read_metrics
 
 
@@ -38,7 +38,15 @@ def run_overrides(run: Path) -> list:
     overrides = run / ".hydra" / "overrides.yaml"
     if not overrides.is_file():
         return []
-    return [o for o in yaml.safe_load(overrides.read_text()) or []
+    try:
+        listed = yaml.safe_load(overrides.read_text())
+    except (OSError, yaml.YAMLError) as e:  # a label is not worth failing the report for
+        print(f"warning: {overrides} is unreadable ({type(e).__name__}): the run is labelled by its dir name",
+              file=sys.stderr)
+        return []
+    if not isinstance(listed, list):
+        return []
+    return [o for o in map(str, listed)
             if not o.split("=")[0].lstrip("+~").startswith(("hydra.", "logger.", "data.", "device", "out_dir"))]
 
 
@@ -118,6 +126,9 @@ def report(paths, out=None) -> dict:
     if any(r["attn_entropy"] is not None for r in rows):
         plot_attn(rows, out / "attn_stats.png")
         files.append(out / "attn_stats.png")
+    if any("incontext/gain" in m for r in rows for m in r["metrics"]):  # head roles and induction (issue 15)
+        plot_head_roles_compare(rows, out / "attn_heads.png")
+        files.append(out / "attn_heads.png")
     md = table(rows)
     (out / "report.md").write_text(md + "\n")
     files.append(out / "report.md")

@@ -18,10 +18,12 @@ import torch
 
 import config  # noqa: F401  (registers the config schema with Hydra)
 from checkpoint import find_checkpoint, load_checkpoint, model_from_checkpoint
-from common import UserError, cli, pick_device
-from tokenizer import tokenizer_from_dict
+from common import UserError, cli, compile_wanted, first_line, is_oom, memory_bytes, run_app, setup_runtime
+from config import check_ranges
+from tokenizer import StreamDecoder, tokenizer_from_dict
 
 log = logging.getLogger("attnlab")
+CHECK_EVERY = 32  # tokens between host-side checks when not streaming
 
 
 def check_sampling(max_new_tokens, temperature, top_k, top_p, num_samples=1):
@@ -57,12 +59,13 @@ def next_tokens(logits, temperature, top_k, top_p, generators):
 
 @torch.inference_mode()
 def generate(model, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=1.0, kv_cache=True,
-             generators=None, on_token=None, every=1):
+             generators=None, on_token=None, every=1, compile=False):
     """Continue idx (B, T) by max_new_tokens tokens; returns (B, T + n) with n <= max_new_tokens.
 
     on_token(tokens (B, k)) is called with the k newest tokens every `every` steps (and at the
     end), e.g. to stream text; if it returns True, generation stops. Without it the loop never
-    waits for the device: tokens stay on it until the end.
+    waits for the device: tokens stay on it until the end. compile: torch.compile the cached
+    single-token decode step (fixed shapes; CUDA graphs on CUDA).
     """
     check_sampling(max_new_tokens, temperature, top_k, top_p)
     model.eval()
@@ -72,7 +75,7 @@ def generate(model, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=1.0,
         generators = [torch.Generator(device=idx.device).manual_seed(1337 + b) for b in range(B)]
     out = torch.empty(B, T0 + max_new_tokens, dtype=idx.dtype, device=idx.device)  # preallocated
     out[:, :T0] = idx
-    decode = CachedDecoder(model, idx, max_new_tokens) if kv_cache and max_new_tokens > 0 else None
+    decode = CachedDecoder(model, idx, max_new_tokens, compile) if kv_cache and max_new_tokens > 0 else None
     reported = n = T0
     for step in range(max_new_tokens):
         # the cache needs only the newest token; recomputing runs the whole (cropped) context
@@ -93,21 +96,37 @@ class CachedDecoder:
     an absolute position table re-prefills the last block_size tokens at positions 0.. each step,
     which is what the recomputing path computes."""
 
-    def __init__(self, model, idx, max_new_tokens):
+    def __init__(self, model, idx, max_new_tokens, compile=False):
         self.model, block_size = model, model.config.block_size
         prompt = idx[:, -block_size:]  # a longer prompt is cropped, as the recomputing path does
         # the cache holds one block: past that it slides, keys keeping their absolute RoPE positions
-        self.cache = model.new_kv_cache(idx.size(0), min(block_size, prompt.size(1) + max_new_tokens))
+        length = min(block_size, prompt.size(1) + max_new_tokens)
+        self.cache = model.new_kv_cache(idx.size(0), length, static=compile)
         self.logits = model(prompt, kv_cache=self.cache, pos=0)[:, -1]  # prefill: (B, vocab)
         self.pos = prompt.size(1)  # position of the next token fed
         self.fed = idx.size(1)  # tokens of `out` the cache has seen
+        self.step = self.eager_step
+        if compile:  # one graph for every step: the position is a tensor, the cache has a fixed shape
+            model.rope_at(0, prompt.size(1) + max_new_tokens)  # grow the RoPE table now, not inside the graph
+            self.pos_t = torch.tensor([self.pos], device=idx.device)
+            mode = "reduce-overhead" if idx.device.type == "cuda" else None  # CUDA graphs: no launch overhead
+            decode = torch.compile(self.static_step, mode=mode, fullgraph=True, dynamic=False)
+            self.step = lambda token: decode(token, self.pos_t)
+
+    def eager_step(self, token):
+        return self.model(token, kv_cache=self.cache, pos=self.pos)[:, -1]
+
+    def static_step(self, token, pos_t):
+        logits = self.model(token, kv_cache=self.cache, pos=pos_t)[:, -1]
+        pos_t += 1  # in place, on the device: no host sync per token
+        return logits
 
     def next_logits(self, out, n):
         """Logits (B, vocab) for the token after out[:, :n]."""
         if n > self.fed:  # feed the newest token
             block_size = self.model.config.block_size
             if self.model.slides or self.pos < block_size:
-                self.logits = self.model(out[:, n - 1:n], kv_cache=self.cache, pos=self.pos)[:, -1]
+                self.logits = self.step(out[:, n - 1:n])
                 self.pos += 1
             else:  # an absolute table has no position block_size: run the last block afresh
                 self.logits = self.model(out[:, n - block_size:n], kv_cache=self.cache, pos=0)[:, -1]
@@ -126,51 +145,84 @@ def read_prompt(cfg) -> str:
                         f"{type(e).__name__}: {getattr(e, 'strerror', None) or e}") from None
 
 
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C during generation; `texts` holds each sample as far as it got."""
+
+    def __init__(self, texts):
+        super().__init__()
+        self.texts = texts
+
+
+def start_ids(tok, prompt: str, state: dict) -> list:
+    """The prompt's token ids. An empty prompt starts a BPE model at <|endoftext|>, where its
+    documents begin, but only if it saw any: a single-document corpus gets the token once, at its
+    very end, which lands in the val split, so its model has never seen text follow it (noise)."""
+    if prompt:
+        return tok.encode(prompt)
+    if tok.eot is None:
+        raise UserError("prompt is empty: a char-level model needs at least one character to start from")
+    seen = state.get("eot_in_train")
+    if seen is False:
+        raise UserError("prompt is empty, but this model was trained on a single document, so it never saw "
+                        "<|endoftext|> start one and would print noise: pass prompt=TEXT (e.g. how your corpus begins)")
+    if seen is None:  # a checkpoint written before this was recorded
+        log.warning("empty prompt: starting from <|endoftext|>, which this checkpoint cannot tell its model ever "
+                    "saw; if the output is noise, pass prompt=TEXT")
+    return [tok.eot]
+
+
+def check_generation_memory(mcfg, num_samples: int, length: int, device):
+    """Refuse, before allocating, what cannot fit: per sample the token buffer (int64) and a
+    float32 KV cache of one block per layer. A huge num_samples would otherwise build per-sample
+    objects until the machine runs out of memory, not fail."""
+    available = memory_bytes(device)
+    per_sample = 8 * length + 4 * 2 * mcfg.n_layer * min(length, mcfg.block_size) * mcfg.n_embd
+    if available is not None and num_samples * per_sample > available:
+        raise UserError(f"num_samples={num_samples} x max_new_tokens (prompt included: {length} tokens) need at "
+                        f"least {num_samples * per_sample / 2**30:.3g} GiB but {device} has "
+                        f"{available / 2**30:.3g} GiB: lower them")
+
+
 def sample(cfg, out=None) -> list:
     """Generate cfg.num_samples continuations of cfg.prompt from a checkpoint; returns the texts.
-    With cfg.stream, text is written to `out` (default stdout) as it is produced."""
+    With cfg.stream, text is written to `out` (default stdout) as it is produced. Ctrl-C raises
+    Interrupted, which carries the texts as far as they got."""
+    check_ranges(cfg, "sample", shown="")
     check_sampling(cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.top_p, cfg.num_samples)
     if cfg.stream and cfg.num_samples != 1:
         raise UserError("stream=true prints one sample as it is produced: set num_samples=1")
-    device = pick_device(cfg.device)
+    rt = setup_runtime(cfg.device, cfg.dtype)
+    device = rt.device
     prompt = read_prompt(cfg)
     path = find_checkpoint(cfg.ckpt)
     log.info("sampling from %s", path)
     state = load_checkpoint(path)
-    model = model_from_checkpoint(state, device)
     tok = tokenizer_from_dict(state["tokenizer"])
-    if prompt == "" and tok.eot is None:
-        raise UserError("prompt is empty: a char-level model needs at least one character to start from")
-    # a BPE model may start from nothing: <|endoftext|> is where every document begins
-    ids = tok.encode(prompt) if prompt else [tok.eot]
-    prompt_ids = torch.as_tensor(ids, dtype=torch.long, device=device)
-    idx = prompt_ids.unsqueeze(0).repeat(cfg.num_samples, 1)  # (num_samples, T)
-    gens = [torch.Generator(device=device).manual_seed(cfg.seed + b) for b in range(cfg.num_samples)]
+    ids = start_ids(tok, prompt, state)
+    model = model_from_checkpoint(state, device)
+    n = cfg.num_samples
+    check_generation_memory(model.config, n, len(ids) + cfg.max_new_tokens, device)
     out = out or sys.stdout
-    new_ids = [[] for _ in range(cfg.num_samples)]
-    texts = [""] * cfg.num_samples
-    done = [False] * cfg.num_samples
-    printed = 0
+    decoders = [StreamDecoder(tok) for _ in range(n)]
+    texts, done, printed = [""] * n, [False] * n, 0
 
-    def on_token(token):
+    def on_token(tokens):  # (B, k): the k newest tokens of every sample
         nonlocal printed
-        for b in range(cfg.num_samples):
+        for b, row in enumerate(tokens.tolist()):
             if done[b]:
                 continue
-            if token[b].item() == tok.eot:  # a BPE model ended its document
-                done[b] = True
-            else:
-                new_ids[b].append(token[b].item())
-            # decode the whole continuation: a BPE token can end in the middle of a UTF-8 character
-            texts[b] = tok.decode(new_ids[b])
-            if cfg.stop and cfg.stop in texts[b]:
-                texts[b] = texts[b][:texts[b].index(cfg.stop)]
-                done[b] = True
+            if tok.eot is not None and tok.eot in row:  # a BPE model ended its document
+                row, done[b] = row[:row.index(tok.eot)], True
+            before = len(texts[b])
+            texts[b] += decoders[b].feed(row) + (decoders[b].flush() if done[b] else "")
+            if cfg.stop:  # only the new text (and the stop string's length before it) can hold a new match
+                at = texts[b].find(cfg.stop, max(0, before - len(cfg.stop) + 1))
+                if at >= 0:
+                    texts[b], done[b] = texts[b][:at], True
             if cfg.stream:
                 ready = texts[b]
-                if not done[b]:  # hold back a partial character, and what may yet become the stop string
-                    ready = ready.rstrip("\ufffd")
-                    ready = ready[:len(ready) - len(cfg.stop) + 1] if cfg.stop else ready
+                if cfg.stop and not done[b]:  # hold back what may yet become the stop string
+                    ready = ready[:max(0, len(ready) - len(cfg.stop) + 1)]
                 out.write(ready[printed:])
                 out.flush()
                 printed = max(printed, len(ready))
@@ -178,23 +230,55 @@ def sample(cfg, out=None) -> list:
 
     if cfg.stream:
         out.write(prompt)
-    generate(model, idx, cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.top_p, cfg.kv_cache, gens, on_token)
+    try:
+        idx = torch.as_tensor(ids, dtype=torch.long, device=device).unsqueeze(0).repeat(n, 1)  # (n, T)
+        gens = [torch.Generator(device=device).manual_seed(cfg.seed + b) for b in range(n)]
+        # streaming looks at every token; otherwise the host checks for stop strings and
+        # <|endoftext|> every CHECK_EVERY tokens, and the device runs ahead in between
+        with rt.autocast():
+            generate(model, idx, cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.top_p, cfg.kv_cache, gens,
+                     on_token, every=1 if cfg.stream else CHECK_EVERY,
+                     compile=cfg.kv_cache and compile_wanted(cfg.compile, device))
+    except KeyboardInterrupt:
+        if cfg.stream:
+            out.write(texts[0][printed:])
+        raise Interrupted([prompt + t for t in texts]) from None
+    except RuntimeError as e:
+        if is_oom(e):
+            raise UserError(f"out of memory generating num_samples={n} x max_new_tokens={cfg.max_new_tokens} "
+                            f"({first_line(e, 120)}): lower them") from None
+        raise
+    for b in range(n):
+        if not done[b]:
+            texts[b] += decoders[b].flush()
     if cfg.stream:
         out.write(texts[0][printed:])  # what was held back
     return [prompt + t for t in texts]
 
 
+def print_samples(texts):
+    for text in texts:
+        print(text)
+        print("---------------", flush=True)  # each sample out as soon as it is whole
+
+
 @hydra.main(version_base="1.3", config_path="configs", config_name="sample")
 @cli
 def main(cfg):
-    texts = sample(cfg)
+    try:
+        texts = sample(cfg)
+    except Interrupted as e:  # keep what was generated: print it, then say it is partial
+        if cfg.stream:
+            print(flush=True)
+        else:
+            print_samples(e.texts)
+        print("interrupted (Ctrl-C): the text above is what was generated until then", file=sys.stderr)
+        sys.exit(130)
     if cfg.stream:
         print()
     else:
-        for text in texts:
-            print(text)
-            print("---------------")
+        print_samples(texts)
 
 
 if __name__ == "__main__":
-    main()
+    run_app(main)

@@ -9,6 +9,7 @@ needs nothing else (and checkpoints still load with weights_only=True).
 BPE tokenizers end every document with `<|endoftext|>`.
 """
 import base64
+import codecs
 import logging
 import re
 import sys
@@ -141,14 +142,39 @@ def merge_progress_bar():
 
 
 def tokenizer_from_dict(d: dict):
-    kind = d.get("kind")
-    if kind == "char":
-        return CharTokenizer(d["chars"])
-    if kind == "tiktoken":
-        return TiktokenTokenizer.named(d["name"])
-    if kind == "bpe":
-        return TiktokenTokenizer.from_ranks([base64.b64decode(t) for t in d["ranks"]], d["pattern"])
+    kind = d.get("kind") if isinstance(d, dict) else None
+    try:
+        if kind == "char":
+            return CharTokenizer(d["chars"])
+        if kind == "tiktoken":
+            return TiktokenTokenizer.named(d["name"])
+        if kind == "bpe":
+            return TiktokenTokenizer.from_ranks([base64.b64decode(t, validate=True) for t in d["ranks"]], d["pattern"])
+    except (KeyError, TypeError, ValueError) as e:  # binascii.Error is a ValueError
+        raise UserError(f"the {kind} tokenizer stored in the checkpoint or data cache is damaged "
+                        f"({type(e).__name__}: {str(e)[:100]}): use another checkpoint, or delete the cache "
+                        "entry") from None
     raise UserError(f"unknown tokenizer kind {kind!r} in checkpoint or data cache")
+
+
+class StreamDecoder:
+    """Token ids -> text, a few at a time: a BPE token can end inside a UTF-8 character, whose
+    bytes then wait for the next token. The pieces (and flush()) join to what decode() gives for
+    all the ids at once, at a cost per token that does not grow with the text (decoding the whole
+    continuation after every token is quadratic)."""
+
+    def __init__(self, tok):
+        self.tok = tok
+        self.utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace") if hasattr(tok, "enc") else None
+
+    def feed(self, ids) -> str:
+        if self.utf8 is None:
+            return self.tok.decode(ids)
+        return self.utf8.decode(self.tok.enc.decode_bytes([int(i) for i in ids]))
+
+    def flush(self) -> str:
+        """The bytes still held (an unfinished character, shown as U+FFFD as decode() does)."""
+        return self.utf8.decode(b"", final=True) if self.utf8 is not None else ""
 
 
 @lru_cache(maxsize=4)

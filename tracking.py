@@ -15,6 +15,32 @@ from common import UserError
 log = logging.getLogger("attnlab")
 
 WANDB_MODES = ("offline", "online", "disabled")
+WANDB_HOST = "https://api.wandb.ai"
+
+
+def check_wandb_mode(wcfg):
+    """The W&B mode is known and, for online, a key is there: a one-line error before any file is
+    written, not wandb's UsageError traceback after the run dir was set up. Reads the key's usual
+    places (WANDB_API_KEY, the netrc file `wandb login` writes) without the network."""
+    mode = wcfg.mode
+    if mode is not None and mode not in WANDB_MODES:
+        raise UserError(f"logger.wandb.mode={mode!r} is unknown: use offline, online or disabled")
+    if (mode or os.environ.get("WANDB_MODE")) == "online" and not wandb_key_present():
+        raise UserError("logger.wandb.mode=online but no W&B API key is set: run `wandb login` (or set "
+                        "WANDB_API_KEY), or leave the mode unset: offline is the default (`wandb sync` uploads later)")
+
+
+def wandb_key_present() -> bool:
+    if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_IDENTITY_TOKEN_FILE"):
+        return True
+    import netrc
+    from urllib.parse import urlsplit
+    path = os.environ.get("NETRC") or os.path.expanduser("~/.netrc")
+    host = urlsplit(os.environ.get("WANDB_BASE_URL") or WANDB_HOST).netloc
+    try:
+        return netrc.netrc(path).authenticators(host) is not None
+    except (OSError, netrc.NetrcParseError):
+        return False
 
 
 class Tracker:
@@ -26,8 +52,7 @@ class Tracker:
             return
         wcfg = cfg.logger.wandb
         mode = wcfg.mode
-        if mode is not None and mode not in WANDB_MODES:  # before anything is written
-            raise UserError(f"logger.wandb.mode={mode!r} is unknown: use offline, online or disabled")
+        check_wandb_mode(wcfg)  # before anything is written
         self.file = open(self.path, "a")
         if mode is None and not os.environ.get("WANDB_MODE"):
             mode = "offline"  # never reach for the network or a key unless asked to
@@ -71,16 +96,23 @@ def read_metrics(path) -> list:
     a full disk mid-write leaves, is dropped with a warning; a bad line elsewhere is an error."""
     p = Path(path)
     p = p / "metrics.jsonl" if p.is_dir() else p
-    lines = [line for line in p.read_text(errors="replace").splitlines() if line.strip()]
+    try:
+        lines = [line for line in p.read_text(errors="replace").splitlines() if line.strip()]
+    except OSError as e:
+        raise UserError(f"cannot read {p}: {e.strerror or e}") from None
     out = []
     for i, line in enumerate(lines):
         try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
+            m = json.loads(line)
+            if not isinstance(m, dict) or not isinstance(m.get("step"), int):
+                raise ValueError("not a metrics line")
+            out.append(m)
+        except ValueError:  # JSONDecodeError is one
             if i == len(lines) - 1:
                 log.warning("%s: dropping its torn last line (the run was killed mid-write)", p)
                 break
-            raise UserError(f"{p} line {i + 1} is not JSON: the file was edited or damaged") from None
+            raise UserError(f"{p} line {i + 1} is not a metrics line (JSON with a step): the file was edited or "
+                            "damaged; remove that line") from None
     return out
 
 

@@ -33,34 +33,32 @@ from omegaconf import OmegaConf
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from attnstats import AttentionProbe
-from checkpoint import (BEST_NAME, latest_checkpoint, load_checkpoint, load_weights, prune_checkpoints,
-                        save_checkpoint, step_name)
-from common import (Dist, Runtime, UserError, all_ranks_agree, cli, compile_wanted, init_distributed, peak_flops,
-                    setup_runtime)
-from config import model_config
+from checkpoint import (BEST_NAME, last_good_checkpoint, latest_checkpoint, load_checkpoint, load_weights,
+                        prune_checkpoints, save_checkpoint, step_name)
+from common import (Dist, Runtime, UserError, all_ranks_agree, cli, compile_wanted, check_memory, dir_mode,
+                    first_line, init_distributed, is_oom, peak_flops, remove_stale_temps, run_app, setup_runtime)
+from config import check_train_ranges, model_config
 from data.loader import TokenData
 from data.prepare import prepare
 from model import GPT, GPTConfig
 from optim import build_optimizer, lr_at, set_lr, train_step
-from tracking import Tracker, truncate_metrics
+from tracking import Tracker, check_wandb_mode, truncate_metrics
 
 log = logging.getLogger("attnlab")
 
 
 # ----------------------------------------------------------------------------- checks and records
 
-def check_train_config(tcfg):
-    for key in ("batch_size", "eval_iters", "log_interval", "eval_interval", "probe_batch_size", "keep_ckpts"):
-        if getattr(tcfg, key) <= 0:
-            raise UserError(f"train.{key}={getattr(tcfg, key)} must be a positive integer")
-    if tcfg.grad_accum is not None and tcfg.grad_accum <= 0:
-        raise UserError(f"train.grad_accum={tcfg.grad_accum} must be a positive integer (or unset)")
-    if tcfg.max_iters < 0:
-        raise UserError(f"train.max_iters={tcfg.max_iters} must be >= 0")
-    if not (tcfg.lr > 0 and tcfg.min_lr >= 0):
-        raise UserError(f"train.lr={tcfg.lr} must be > 0 and train.min_lr={tcfg.min_lr} >= 0")
-    if tcfg.weight_decay < 0 or tcfg.grad_clip < 0 or tcfg.warmup_iters < 0:
-        raise UserError("train.weight_decay, train.grad_clip and train.warmup_iters must be >= 0")
+def oom_error(e: BaseException, run_or_cfg) -> UserError:
+    """An out-of-memory failure as one line that says what to lower and what is saved."""
+    cfg = getattr(run_or_cfg, "cfg", run_or_cfg)
+    out_dir = getattr(run_or_cfg, "out_dir", None)
+    saved = f"; last good checkpoint: {last_good_checkpoint(out_dir) or 'none'}" if out_dir else ""
+    t = cfg.train
+    return UserError(f"out of memory ({first_line(e, 120)}) at train.batch_size={t.batch_size} x "
+                     f"train.grad_accum={t.grad_accum or 1} micro-batches x model.block_size={cfg.model.block_size}: "
+                     "lower train.batch_size (raising train.grad_accum keeps the tokens per step), "
+                     f"model.block_size or the model size{saved}")
 
 
 def run_info(device, world: int) -> dict:
@@ -82,22 +80,29 @@ def run_info(device, world: int) -> dict:
 
 # ----------------------------------------------------------------------------- resume and signals
 
-def rng_state() -> dict:
-    """Every random stream a training step may touch, as tensors and plain values."""
+def rng_state(device=torch.device("cpu"), world: int = 1) -> dict:
+    """Every random stream a training step may touch, as tensors and plain values. The CPU streams
+    are alike on every rank; each rank's GPU has its own (seeded seed + rank), so "cuda" lists every
+    rank's, index = rank: under DDP every rank must call this (an all-gather)."""
     np_state = np.random.get_state()
+    cuda = []
+    if device.type == "cuda":
+        cuda = [torch.cuda.get_rng_state(device)]
+        if world > 1:
+            cuda = [None] * world
+            dist.all_gather_object(cuda, torch.cuda.get_rng_state(device))
     return {"python": random.getstate(), "numpy": [np_state[0], torch.from_numpy(np_state[1].copy()),
                                                    *np_state[2:]],
-            "torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+            "torch": torch.get_rng_state(), "cuda": cuda}
 
 
-def set_rng_state(state: dict):
+def set_rng_state(state: dict, device=torch.device("cpu"), rank: int = 0):
     random.setstate(tuple(tuple(x) if isinstance(x, list) else x for x in state["python"]))
     kind, keys, *rest = state["numpy"]
     np.random.set_state((kind, keys.numpy(), *rest))
     torch.set_rng_state(state["torch"])
-    if state["cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    if device.type == "cuda" and rank < len(state["cuda"]):  # a rank new since the save keeps its fresh seed
+        torch.cuda.set_rng_state(state["cuda"][rank], device)
 
 
 def resume_source(resume, out_dir: Path):
@@ -108,8 +113,9 @@ def resume_source(resume, out_dir: Path):
     if str(resume).lower() == "true":
         found = latest_checkpoint(out_dir)
         if found is None:
-            raise UserError(f"resume=true but {out_dir} has no checkpoint: pass the run's dir "
-                            "(hydra.run.dir=RUN_DIR resume=true) or resume=RUN_DIR")
+            raise UserError(f"resume=true but {out_dir} has no checkpoint: a run stopped before its first one "
+                            "starts again without resume=true (same hydra.run.dir); another run's dir is "
+                            "resume=RUN_DIR")
         return found
     p = Path(resume).expanduser()
     found = latest_checkpoint(p) if p.is_dir() else (p if p.is_file() else None)
@@ -211,6 +217,8 @@ class Run:
     evals: dict = field(default_factory=dict)  # the latest {"train": loss, "val": loss}
     attn_history: list = field(default_factory=list)
     lock: object = None
+    file_mode: Optional[int] = None  # permission bits of checkpoints (from the data's source files)
+    updates: int = 0  # optimizer steps taken by this process (skipped ones not counted)
 
 
 def setup(cfg, run_name=None, run_group=None, overrides=None) -> Run:
@@ -218,7 +226,8 @@ def setup(cfg, run_name=None, run_group=None, overrides=None) -> Run:
     if not cfg.out_dir:
         raise UserError("out_dir is unset: pass out_dir=DIR (train.py sets it to Hydra's run dir)")
     tcfg = cfg.train
-    check_train_config(tcfg)
+    check_train_ranges(cfg)  # every check that needs no file comes before anything is written
+    check_wandb_mode(cfg.logger.wandb)
     dist_ = init_distributed(cfg.device)
     if not dist_.master:
         logging.getLogger().setLevel(logging.WARNING)
@@ -232,15 +241,35 @@ def setup(cfg, run_name=None, run_group=None, overrides=None) -> Run:
     if resuming:
         out_dir = source.parent  # a resumed run continues in its own directory
     lock = lock_run_dir(out_dir) if dist_.master else None
-    if dist_.master and not resuming and latest_checkpoint(out_dir) is not None:
-        raise UserError(f"{out_dir} already holds a run: continue it with resume=true, or give a new "
-                        "hydra.run.dir (nothing was overwritten)")
-    torch.manual_seed(cfg.seed)
+    try:
+        return build_run(cfg, out_dir, dist_, grad_accum, source, lock, run_name, run_group, overrides)
+    except BaseException:
+        if lock is not None:  # a refused run lets the next command in at once (not when its traceback is freed)
+            lock.close()
+        raise
+
+
+def build_run(cfg, out_dir, dist_, grad_accum, source, lock, run_name, run_group, overrides) -> Run:
+    """The rest of setup(), with the run dir locked."""
+    tcfg, resuming = cfg.train, source is not None
+    if dist_.master:
+        if not resuming and latest_checkpoint(out_dir) is not None:
+            raise UserError(f"{out_dir} already holds a run: continue it with resume=true, or give a new "
+                            "hydra.run.dir (nothing was overwritten)")
+        remove_stale_temps(out_dir, alive_only=False)  # we hold the lock: a temp file here is a killed write's
+    torch.manual_seed(cfg.seed)  # the same weights and batch draws on every rank
+    torch.cuda.manual_seed(cfg.seed + dist_.rank)  # this rank's GPU (the current device): its own dropout masks
     rt = setup_runtime(dist_.device_name or cfg.device, cfg.dtype)
 
     data = TokenData(prepare(cfg.data))
     mcfg = model_config(cfg.model, data.vocab_size)
     data.check_block_size(mcfg.block_size)
+    file_mode = data.meta.get("file_mode")  # set for local files: run dir and checkpoints no more readable
+    if dist_.master and file_mode is not None:
+        os.chmod(out_dir, out_dir.stat().st_mode & dir_mode(file_mode))
+    if tcfg.probe_batch_size > tcfg.batch_size:
+        check_memory(mcfg, tcfg.probe_batch_size, rt.device, batch_name="train.probe_batch_size")
+    check_memory(mcfg, tcfg.batch_size, rt.device)
     model = GPT(mcfg).to(rt.device)
     optimizer = build_optimizer(model, tcfg, rt.device)
     scaler = torch.amp.GradScaler(rt.device.type, enabled=rt.dtype == torch.float16)
@@ -248,16 +277,24 @@ def setup(cfg, run_name=None, run_group=None, overrides=None) -> Run:
     step, best_val, wandb_id = 0, math.inf, None
     if resuming:
         state = load_checkpoint(source)  # to CPU: RNG states must stay there; weights move on load
+        missing = [k for k in ("step", "optimizer", "sampler", "rng", "best_val_loss") if k not in state]
+        if missing:
+            raise UserError(f"cannot resume from {source}: it has no {', '.join(missing)} (weights only?); resume "
+                            "from a ckpt_*.pt file train.py wrote, or start a new run")
         check_resumable(state, cfg, data.tokenizer)
         if state["step"] > tcfg.max_iters:
             raise UserError(f"the checkpoint is at step {state['step']}, past train.max_iters={tcfg.max_iters}: "
                             f"pass train.max_iters > {state['step']} to train on (nothing was changed)")
         load_weights(model, state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        if scaler.is_enabled() and state.get("scaler"):
-            scaler.load_state_dict(state["scaler"])
-        sampler.set_state(state["sampler"])
-        set_rng_state(state["rng"])
+        try:
+            optimizer.load_state_dict(state["optimizer"])
+            if scaler.is_enabled() and state.get("scaler"):
+                scaler.load_state_dict(state["scaler"])
+            sampler.set_state(state["sampler"])
+            set_rng_state(state["rng"], rt.device, dist_.rank)
+        except (KeyError, ValueError, TypeError, RuntimeError, IndexError) as e:
+            raise UserError(f"cannot resume from {source}: its optimizer or random state does not fit this run "
+                            f"({type(e).__name__}: {first_line(e, 120)}); resume with the run's own config") from None
         step, best_val, wandb_id = state["step"], state["best_val_loss"], state.get("wandb_id")
         log.info("resuming from %s at step %d", source, step)
     log.info("model: %.2fM parameters, %d layers x %d heads x %d head dim, block %d, vocab %d, scale %s%s",
@@ -289,7 +326,7 @@ def setup(cfg, run_name=None, run_group=None, overrides=None) -> Run:
         probe = AttentionProbe(px.to(rt.device))
     return Run(cfg, out_dir, dist_, rt, data, mcfg, model, fwd_model, optimizer, scaler, sampler, tracker, probe,
                grad_accum, resolved, compiled, resuming, step=step, best_val=best_val,
-               saved_at=step if resuming else None, lock=lock)
+               saved_at=step if resuming else None, lock=lock, file_mode=file_mode)
 
 
 def probe_every(tcfg) -> int:
@@ -303,22 +340,27 @@ def checkpoint_contents(run: Run, full: bool = True) -> dict:
     exact resume needs (optimizer, scaler, sampler and RNG states, W&B run id)."""
     state = {"model": run.model.state_dict(), "model_config": dataclasses.asdict(run.mcfg),
              "tokenizer": run.data.tokenizer.to_dict(), "step": run.step, "val_loss": run.evals.get("val"),
-             "best_val_loss": run.best_val, "config": run.resolved}
+             "best_val_loss": run.best_val, "config": run.resolved,
+             # whether a sample may start from <|endoftext|>: only if the model saw documents begin after one
+             "eot_in_train": run.data.meta.get("eot_in_train")}
     if full:
         state.update(optimizer=run.optimizer.state_dict(), scaler=run.scaler.state_dict(),
-                     sampler=run.sampler.get_state(), rng=rng_state(),
+                     sampler=run.sampler.get_state(), rng=rng_state(run.rt.device, run.dist.world),
                      wandb_id=run.tracker.run.id if run.tracker.run is not None else None)
     bad = [n for n, t in state["model"].items() if t.is_floating_point() and not torch.isfinite(t).all()]
     if bad:  # never write a checkpoint that holds NaN/Inf
         raise UserError(f"weights are not finite at step {run.step} ({bad[0]}): not saving; "
-                        f"last checkpoint written: {latest_checkpoint(run.out_dir) or 'none'}")
+                        f"last good checkpoint: {last_good_checkpoint(run.out_dir, run.step) or 'none'}")
     return state
 
 
 def save(run: Run) -> Path:
-    """A periodic checkpoint of this step; older ones beyond train.keep_ckpts are deleted."""
-    path = save_checkpoint(run.out_dir / step_name(run.step), checkpoint_contents(run))
-    prune_checkpoints(run.out_dir, run.cfg.train.keep_ckpts)
+    """A periodic checkpoint of this step; older ones beyond train.keep_ckpts are deleted. Every
+    rank calls it (each adds its own CUDA RNG state); rank 0 alone writes."""
+    contents, path = checkpoint_contents(run), run.out_dir / step_name(run.step)
+    if run.dist.master:
+        path = save_checkpoint(path, contents, run.file_mode)
+        prune_checkpoints(run.out_dir, run.cfg.train.keep_ckpts)
     run.saved_at = run.step
     return path
 
@@ -352,7 +394,7 @@ def evaluate(run: Run):
     log.info("eval step %d: train loss %.4f, val loss %.4f", run.step, run.evals["train"], run.evals["val"])
     if run.evals["val"] < run.best_val and run.dist.master:
         run.best_val = run.evals["val"]
-        save_checkpoint(run.out_dir / BEST_NAME, checkpoint_contents(run, full=False))
+        save_checkpoint(run.out_dir / BEST_NAME, checkpoint_contents(run, full=False), run.file_mode)
 
 
 def probe_attention(run: Run) -> float:
@@ -379,11 +421,24 @@ def optimizer_step(run: Run):
         log.warning("step %d: loss %s / grad norm %s not finite, step skipped (%d of %d allowed)",
                     run.step, loss.item(), grad_norm.item(), run.skipped, tcfg.skip_nonfinite)
         if run.skipped > tcfg.skip_nonfinite:
-            raise UserError(f"non-finite loss or gradients at step {run.step} (loss {loss.item()}); "
-                            f"last good checkpoint: {latest_checkpoint(run.out_dir) or 'none yet'}; "
-                            "lower train.lr or set train.skip_nonfinite=K to skip such steps")
+            raise nonfinite_error(run, loss.item())
+    else:
+        run.updates += 1
     run.step += 1
     return loss, grad_norm, lr
+
+
+def nonfinite_error(run: Run, loss: float) -> UserError:
+    """Name the likely cause: before any update the learning rate has not acted yet, so the model
+    config (or the data) is at fault; after updates, a step size too large for the model."""
+    good = last_good_checkpoint(run.out_dir, run.step) if run.dist.master else None
+    where = f"non-finite loss or gradients at step {run.step} (loss {loss}); last good checkpoint: {good or 'none yet'}"
+    if run.updates == 0 and not run.resuming:
+        return UserError(f"{where}; the freshly initialised model already gives it, so the learning rate is not "
+                         "the cause: check the model.* values (one out of its sensible range?) and the data")
+    return UserError(f"{where}; the usual cause is a step too large for this model: lower train.lr "
+                     f"(now {run.cfg.train.lr}) "
+                     "or raise train.warmup_iters, or set train.skip_nonfinite=K to skip such steps")
 
 
 class Throughput:
@@ -435,7 +490,12 @@ def train(cfg, run_name=None, run_group=None, overrides=None) -> dict:
 
     Under torchrun, each process trains on its share of every global batch and rank 0 alone
     writes. Returns a summary dict (losses, steps, throughput, paths)."""
-    run = setup(cfg, run_name, run_group, overrides)
+    try:
+        run = setup(cfg, run_name, run_group, overrides)
+    except RuntimeError as e:  # e.g. the model does not fit the GPU
+        if is_oom(e):
+            raise oom_error(e, cfg) from None
+        raise
     tcfg, master = cfg.train, run.dist.master
     meter = Throughput(tcfg.batch_size * run.grad_accum * run.mcfg.block_size)
     peak = peak_flops(run.rt, tcfg.peak_flops)
@@ -450,8 +510,8 @@ def train(cfg, run_name=None, run_group=None, overrides=None) -> dict:
                         evaluate(run)
                     if run.probe is not None and due(run.step, probe_every(tcfg), last):
                         probe_s += probe_attention(run)
-                    if master and run.step > 0 and due(run.step, ckpt_every, last):
-                        save(run)
+                    if run.step > 0 and due(run.step, ckpt_every, last):
+                        save(run)  # on every rank: see save()
                 if not last:
                     stop.agree(run.rt.device, run.dist.world)
             if last or stop.signal:
@@ -460,15 +520,23 @@ def train(cfg, run_name=None, run_group=None, overrides=None) -> dict:
             meter.steps += 1
             if run.step % tcfg.log_interval == 0 or run.step == tcfg.max_iters:
                 log_progress(run, meter, loss, grad_norm, lr, peak)
+        if stop.signal and run.saved_at != run.step:
+            save(run)  # on every rank: see save()
         if stop.signal and master:
-            path = save(run) if run.saved_at != run.step else run.out_dir / step_name(run.step)
+            path = run.out_dir / step_name(run.step)
             print(f"stopped by {stop.signal} at step {run.step}; checkpoint {path}\nresume with: "
                   f"python train.py hydra.run.dir={run.out_dir} resume=true (and the same overrides)", file=sys.stderr)
         if master:
             write_plots(run)
+    except RuntimeError as e:
+        if is_oom(e):
+            raise oom_error(e, run) from None
+        raise
     finally:
         stop.restore()
         run.tracker.close()
+        if run.lock is not None:
+            run.lock.close()
         if run.dist.world > 1 and dist.is_initialized():
             dist.destroy_process_group()
     result = {"out_dir": str(run.out_dir), "steps": run.step, "best_val_loss": run.best_val,
@@ -489,6 +557,21 @@ def write_plots(run: Run):
             run.tracker.log_image(f"plots/{png.stem}", png, run.step)
     except Exception as e:  # a plot must never cost the run
         log.warning("plots skipped: %s", e)
+    if run.probe is None:  # the attention probe is off (train.log_attn_interval=0)
+        return
+    try:  # the maps of the probe text (its first row, at most 256 tokens: the HTML stays a few MB)
+        from attnview import write_views
+        m = run.mcfg
+        views = write_views(run.model, run.probe.idx[:1, :256], run.data.tokenizer, run.out_dir,
+                            title=f"attention on the probe text at step {run.step}",
+                            meta=f"{run.out_dir.name} · {m.n_layer} layers × {m.n_head} heads · block {m.block_size}")
+        run.tracker.log_image("attention/maps", views["png"], run.step)
+        if run.tracker.run is not None:
+            import wandb
+            run.tracker.run.log({"attention/viewer": wandb.Html(views["html"].read_text(encoding="utf-8"))},
+                                step=run.step)
+    except Exception as e:
+        log.warning("attention maps skipped: %s", e)
 
 
 def hydra_run_info():
@@ -515,4 +598,4 @@ def main(cfg):
 
 
 if __name__ == "__main__":
-    main()
+    run_app(main)

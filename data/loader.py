@@ -15,11 +15,15 @@ class TokenData:
 
     def __init__(self, directory: Path):
         self.dir = Path(directory)
-        self.meta = json.loads((self.dir / "meta.json").read_text())
-        self.tokenizer = tokenizer_from_dict(self.meta["tokenizer"])
-        self.vocab_size = self.meta["vocab_size"]
-        self.splits = {s: np.memmap(self.dir / f"{s}.bin", dtype=self.meta["dtype"], mode="r")
-                       for s in ("train", "val")}
+        try:
+            self.meta = json.loads((self.dir / "meta.json").read_text())
+            self.tokenizer = tokenizer_from_dict(self.meta["tokenizer"])
+            self.vocab_size = self.meta["vocab_size"]
+            self.splits = {s: np.memmap(self.dir / f"{s}.bin", dtype=self.meta["dtype"], mode="r")
+                           for s in ("train", "val")}
+        except (OSError, ValueError, KeyError, TypeError) as e:  # edited, truncated or half-deleted by hand
+            raise UserError(f"the prepared data in {self.dir} is damaged ({type(e).__name__}: {str(e)[:100]}): "
+                            "delete that directory and it is prepared again") from None
 
     def bits_per_char_factor(self):
         """nats/token -> bits/character (what compares runs with different tokenizers), or None."""

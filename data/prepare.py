@@ -29,7 +29,8 @@ import numpy as np
 if __name__ == "__main__":  # run as a script: make the repo's modules importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common import UserError, cli
+from common import UserError, cli, dir_mode, private_mode, remove_stale_temps, run_app, temp_suffix
+from config import check_ranges
 from tokenizer import cached_tokenizer, train_tokenizer
 
 log = logging.getLogger(__name__)
@@ -51,6 +52,35 @@ def python_docs_text() -> str:
     return "\n".join(topics[k] for k in sorted(topics))
 
 
+def repeated_spans_text(n_lines: int = 40000, seed: int = 0) -> str:
+    """A corpus where copying pays (issue 15): each line is a span of 10 to 30 characters, a space,
+    and the same span again; half the spans are random letters (a-z, A-Z), half are cut from the
+    embedded docs prose (whitespace collapsed). Copying the second copy is what an induction head
+    does (Olsson et al. 2022, arXiv 2209.11895), and it builds on a previous-token head: the prose
+    teaches that one early (spelling needs the last few characters), the random letters make copying
+    worth ln 52 = 3.95 nats a character. (Random letters alone give a previous-token head nothing to
+    do until an induction head uses it, prose alone makes copying worth less: with either, a 2-layer
+    model was still on its plateau after 2000 steps.) The last tenth of the lines, which prepare()
+    holds out as val, cuts its prose from the last tenth of the docs."""
+    rng = np.random.default_rng(seed)
+    letters = np.frombuffer(b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ", dtype=np.uint8)
+    prose = " ".join(python_docs_text().split())
+    cut, n_train = int(len(prose) * 0.9), int(n_lines * 0.9)
+    lines = []
+    for i, n in enumerate(rng.integers(10, 31, size=n_lines).tolist()):
+        if rng.random() < 0.5:
+            span = letters[rng.integers(0, len(letters), size=n)].tobytes().decode("ascii")
+        else:
+            lo, hi = (0, cut) if i < n_train else (cut, len(prose))
+            start = int(rng.integers(lo, hi - n))
+            span = prose[start:start + n]
+        lines.append(f"{span} {span}\n")
+    return "".join(lines)
+
+
+EMBEDDED = {"python_docs": python_docs_text, "repeated_spans": repeated_spans_text}  # kind -> its text
+
+
 def source_of(data_cfg):
     """(kind, location) of the corpus: local file(s), a URL, a Hub dataset or the embedded docs."""
     if data_cfg.path:
@@ -61,6 +91,8 @@ def source_of(data_cfg):
         return "hub", data_cfg.hub
     if data_cfg.name == "python_docs":
         return "python_docs", sys.version.split()[0]
+    if data_cfg.name == "repeated_spans":  # synthetic, generated here
+        return "repeated_spans", "generated"
     raise UserError(f"data={data_cfg.name!r} has no source: set data.path=FILE, data.url=URL or data.hub=NAME")
 
 
@@ -71,16 +103,18 @@ def local_files(pattern: str) -> list:
     return files
 
 
-def _load(data_cfg, kind, location, split):
-    """One split of the source through datasets.load_dataset, errors as one line."""
+def _load(data_cfg, kind, location, split, files=None, cache_dir=None):
+    """One split of the source through datasets.load_dataset, errors as one line. `cache_dir`:
+    where datasets keeps its Arrow copy of the text (a local file's goes to a private temporary
+    dir, never to the shared, world-readable ~/.cache/huggingface)."""
     import datasets
     from datasets import load_dataset
 
     datasets.disable_progress_bars()
     try:
         if kind in ("file", "url"):
-            files = local_files(location) if kind == "file" else location
-            return load_dataset("text", data_files=files, sample_by="document", split=split)
+            return load_dataset("text", data_files=files if kind == "file" else location, sample_by="document",
+                                split=split, cache_dir=cache_dir)
         return load_dataset(location, data_cfg.hub_config, split=split, streaming=data_cfg.streaming)
     except UserError:
         raise
@@ -100,13 +134,13 @@ def _load(data_cfg, kind, location, split):
                         "needs the network: download it where you have one, or pass data.path=FILE") from None
 
 
-def load_texts(data_cfg, kind, location):
+def load_texts(data_cfg, kind, location, files=None, cache_dir=None):
     """(train, val) datasets with a `text` column; val is None when it is to be carved from train."""
-    if kind == "python_docs":
+    if kind in EMBEDDED:
         from datasets import Dataset
-        return Dataset.from_dict({"text": [python_docs_text()]}), None
-    train = _load(data_cfg, kind, location, "train")
-    val = _load(data_cfg, kind, location, data_cfg.val_split) if data_cfg.val_split else None
+        return Dataset.from_dict({"text": [EMBEDDED[kind]()]}), None
+    train = _load(data_cfg, kind, location, "train", files, cache_dir)
+    val = _load(data_cfg, kind, location, data_cfg.val_split, files, cache_dir) if data_cfg.val_split else None
     if data_cfg.text_column not in (train.column_names or [data_cfg.text_column]):
         raise UserError(f"data.text_column={data_cfg.text_column!r} is not a column of {location}: "
                         f"it has {', '.join(train.column_names)}")
@@ -116,18 +150,27 @@ def load_texts(data_cfg, kind, location):
     return train, val
 
 
-def cache_key(data_cfg, kind: str, location: str) -> str:
-    """A hash of everything that decides the prepared tokens: settings, and for local files
-    their content (an edited file is prepared again), for the embedded corpus its text."""
+def file_digest(file) -> str:
+    h = hashlib.sha256()
+    try:
+        with open(file, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
+    except OSError as e:
+        raise UserError(f"cannot read {file}: {e.strerror or e} (check its permissions)") from None
+    return h.hexdigest()
+
+
+def cache_key(data_cfg, kind: str, location: str, files=()) -> str:
+    """A hash of everything that decides the prepared tokens: settings, and for local files each
+    file's name (relative to their common folder) and content hash, so an edited file, a renamed
+    one or the same bytes cut into other files (other documents) is prepared again; for the
+    embedded corpus its text."""
     if kind == "file":
-        h = hashlib.sha256()
-        for file in local_files(location):
-            with open(file, "rb") as f:
-                for chunk in iter(lambda: f.read(1 << 20), b""):
-                    h.update(chunk)
-        identity = h.hexdigest()
-    elif kind == "python_docs":
-        identity = hashlib.sha256(python_docs_text().encode()).hexdigest()
+        root = os.path.commonpath([os.path.dirname(os.path.abspath(f)) for f in files])
+        identity = [[os.path.relpath(os.path.abspath(f), root), file_digest(f)] for f in files]
+    elif kind in EMBEDDED:
+        identity = hashlib.sha256(EMBEDDED[kind]().encode()).hexdigest()
     else:
         identity = location
     settings = {k: v for k, v in dict(data_cfg).items() if k not in ("cache_dir", "num_proc", "path", "name")}
@@ -136,6 +179,11 @@ def cache_key(data_cfg, kind: str, location: str) -> str:
 
 
 # ----------------------------------------------------------------------------- tokenize and write
+
+def workers(data_cfg) -> int:
+    """Tokenizing processes: data.num_proc, at most one per CPU (more only thrash)."""
+    return min(data_cfg.num_proc, os.cpu_count() or 1)
+
 
 def token_dtype(vocab_size: int):
     return np.uint16 if vocab_size <= 2**16 else np.uint32
@@ -191,10 +239,12 @@ def tokenize(ds, tok, num_proc, desc):
 
 
 class TokenWriter:
-    """Appends token arrays to a .bin file in the chosen dtype, stopping at a budget."""
+    """Appends token arrays to a .bin file in the chosen dtype, stopping at a budget; notes whether
+    <|endoftext|> (`eot`) was among them."""
 
-    def __init__(self, path: Path, dtype, budget=None):
+    def __init__(self, path: Path, dtype, budget=None, eot=None):
         self.f, self.dtype, self.budget, self.n = open(path, "wb"), dtype, budget, 0
+        self.eot, self.saw_eot = eot, False
 
     def full(self):
         return self.budget is not None and self.n >= self.budget
@@ -202,7 +252,10 @@ class TokenWriter:
     def write(self, ids):
         if self.budget is not None:
             ids = ids[: max(0, self.budget - self.n)]
-        self.f.write(np.asarray(ids, dtype=self.dtype).tobytes())
+        ids = np.asarray(ids, dtype=self.dtype)
+        if self.eot is not None and not self.saw_eot:
+            self.saw_eot = bool((ids == self.eot).any())
+        self.f.write(ids.tobytes())
         self.n += len(ids)
 
     def close(self):
@@ -267,14 +320,14 @@ def pick_tokenizer(data_cfg, train, val, tail_split: bool, streamed: bool):
 def write_tail_split(train, tok, tmp: Path, dtype, data_cfg, budget):
     """One document: the last val_fraction of its tokens is val (as nanoGPT does); train is the
     head, cut to the budget if one is set."""
-    ids = tokenize(train, tok, data_cfg.num_proc, "tokenizing train")
+    ids = tokenize(train, tok, workers(data_cfg), "tokenizing train")
     total = int(sum(ids["len"]))
     n_val = int(total * data_cfg.val_fraction)
     if n_val < MIN_SPLIT_TOKENS or total - n_val < MIN_SPLIT_TOKENS:
         raise UserError(f"the corpus has only {total} tokens: too few to split with "
                         f"data.val_fraction={data_cfg.val_fraction}")
     n_train = total - n_val if budget is None else min(budget, total - n_val)
-    writers = [TokenWriter(tmp / "train.bin", dtype), TokenWriter(tmp / "val.bin", dtype)]
+    writers = [TokenWriter(tmp / "train.bin", dtype, eot=tok.eot), TokenWriter(tmp / "val.bin", dtype)]
     write_ranges(ids, [(writers[0], 0, n_train), (writers[1], total - n_val, total)])
     return writers
 
@@ -284,16 +337,16 @@ def write_document_splits(train, val, tok, tmp: Path, dtype, data_cfg, budget):
     if val is None:
         parts = train.train_test_split(test_size=data_cfg.val_fraction, seed=data_cfg.split_seed)
         train, val = parts["train"], parts["test"]
-    writers = [TokenWriter(tmp / "train.bin", dtype), TokenWriter(tmp / "val.bin", dtype)]
-    write_ranges(tokenize(train, tok, data_cfg.num_proc, "tokenizing train"), [(writers[0], 0, budget)])
-    write_ranges(tokenize(val, tok, data_cfg.num_proc, "tokenizing val"), [(writers[1], 0, None)])
+    writers = [TokenWriter(tmp / "train.bin", dtype, eot=tok.eot), TokenWriter(tmp / "val.bin", dtype)]
+    write_ranges(tokenize(train, tok, workers(data_cfg), "tokenizing train"), [(writers[0], 0, budget)])
+    write_ranges(tokenize(val, tok, workers(data_cfg), "tokenizing val"), [(writers[1], 0, None)])
     return writers
 
 
 def write_streamed_splits(train, val, tok, tmp: Path, dtype, data_cfg, budget):
     """A streamed Hub source, read until the train budget is reached: val is the source's own
     split (a small share of the budget), else documents drawn into val with probability val_fraction."""
-    writers = [TokenWriter(tmp / "train.bin", dtype, budget), TokenWriter(tmp / "val.bin", dtype)]
+    writers = [TokenWriter(tmp / "train.bin", dtype, budget, tok.eot), TokenWriter(tmp / "val.bin", dtype)]
     if val is None:
         write_streamed(train, tok, writers, data_cfg.val_fraction, data_cfg.split_seed, budget)
     else:
@@ -303,35 +356,64 @@ def write_streamed_splits(train, val, tok, tmp: Path, dtype, data_cfg, budget):
     return writers
 
 
+def split_warning(counts: dict, data_cfg, documents: int):
+    """Whole documents drawn into val cannot hit val_fraction when there are few of them (2 files
+    at 0.1: one file, half the tokens, goes to val). A message when the share is off by 2x, else None."""
+    share = counts["val"] / (counts["train"] + counts["val"])
+    if data_cfg.val_fraction / 2 <= share <= 2 * data_cfg.val_fraction:
+        return None
+    return (f"the val split holds {share:.1%} of the tokens, not data.val_fraction={data_cfg.val_fraction}: whole "
+            f"documents are drawn into it and there are only {documents}; join the files into one (split by its "
+            "tail) or add documents")
+
+
 def prepare(data_cfg) -> Path:
-    """Tokenize the configured corpus into a cached directory (reused when it exists); return it."""
-    if not 0.0 < data_cfg.val_fraction < 1.0:
-        raise UserError(f"data.val_fraction={data_cfg.val_fraction} must be in (0, 1)")
+    """Tokenize the configured corpus into a cached directory (reused when it exists); return it.
+
+    The result is no more readable than the source files (and the umask): the token files and
+    meta.json take the source's permission bits, the directory the matching ones."""
+    check_ranges(data_cfg, "data")
     if data_cfg.streaming and not data_cfg.max_tokens:
         raise UserError("data.streaming=true needs a token budget: set data.max_tokens (e.g. 1e9)")
     kind, location = source_of(data_cfg)
+    files = local_files(location) if kind == "file" else []
     cache_root = Path(data_cfg.cache_dir) if data_cfg.cache_dir else REPO / "data" / "cache"
-    final = cache_root / f"{data_cfg.name}-{data_cfg.tokenizer}-{cache_key(data_cfg, kind, location)}"
+    final = cache_root / f"{data_cfg.name}-{data_cfg.tokenizer}-{cache_key(data_cfg, kind, location, files)}"
+    if cache_root.is_dir():
+        remove_stale_temps(cache_root)  # what killed preparations left (not those still running)
     if (final / "meta.json").is_file():
         log.info("using prepared data %s", final)
+        try:
+            warning = json.loads((final / "meta.json").read_text()).get("warning")
+        except (OSError, ValueError, AttributeError) as e:  # edited or cut short by hand
+            raise UserError(f"the prepared data in {final} is damaged ({type(e).__name__}): delete that directory "
+                            "and it is prepared again") from None
+        if warning:
+            log.warning(warning)
         return final
 
     t0 = time.perf_counter()
-    train, val = load_texts(data_cfg, kind, location)
-    streamed = data_cfg.streaming and kind == "hub"
-    if not streamed and len(train) == 1 and not train[0]["text"].strip():
-        raise UserError(f"data.path={location!r} holds no text: give a non-empty UTF-8 file")
-    # a single document is split by tokens at its tail; several documents by a seeded draw
-    tail_split = val is None and not streamed and len(train) == 1
-    tok = pick_tokenizer(data_cfg, train, val, tail_split, streamed)
-    dtype = token_dtype(tok.vocab_size)
-    budget = int(data_cfg.max_tokens) if data_cfg.max_tokens else None
-
+    mode = private_mode(files)
     cache_root.mkdir(parents=True, exist_ok=True)
-    tmp = cache_root / f".{final.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
+    tmp = cache_root / f".{final.name}{temp_suffix()}"
+    hf_cache = cache_root / f".{final.name}-hf{temp_suffix()}"  # datasets' own copy of a local text, deleted
+    for d in (tmp, hf_cache):
+        shutil.rmtree(d, ignore_errors=True)
+        d.mkdir()
+        os.chmod(d, dir_mode(mode))
     try:
+        train, val = load_texts(data_cfg, kind, location, files, hf_cache if kind == "file" else None)
+        streamed = data_cfg.streaming and kind == "hub"
+        if not streamed and len(train) == 1 and not train[0]["text"].strip():
+            raise UserError(f"data.path={location!r} holds no text: give a non-empty UTF-8 file")
+        # a single document is split by tokens at its tail; several documents by a seeded draw
+        tail_split = val is None and not streamed and len(train) == 1
+        tok = pick_tokenizer(data_cfg, train, val, tail_split, streamed)
+        dtype = token_dtype(tok.vocab_size)
+        budget = int(data_cfg.max_tokens) if data_cfg.max_tokens else None
+        if workers(data_cfg) < data_cfg.num_proc:
+            log.info("data.num_proc=%d but this machine has %d CPUs: using %d", data_cfg.num_proc,
+                     os.cpu_count(), workers(data_cfg))
         if streamed:
             writers = write_streamed_splits(train, val, tok, tmp, dtype, data_cfg, budget)
         elif tail_split:
@@ -343,6 +425,9 @@ def prepare(data_cfg) -> Path:
         counts = {"train": writers[0].n, "val": writers[1].n}
         if min(counts.values()) < MIN_SPLIT_TOKENS:
             raise UserError(f"the corpus gave too few tokens to train on: {counts}")
+        warning = None
+        if val is None and not streamed and not tail_split and budget is None:
+            warning = split_warning(counts, data_cfg, len(train))
         val_ids = np.fromfile(tmp / "val.bin", dtype=dtype)
         if tok.eot is not None:
             val_ids = val_ids[val_ids != tok.eot]
@@ -350,8 +435,15 @@ def prepare(data_cfg) -> Path:
         meta = {"format_version": FORMAT_VERSION, "source": {"kind": kind, "location": location},
                 "val_characters": val_chars,
                 "tokenizer": tok.to_dict(), "vocab_size": tok.vocab_size, "dtype": np.dtype(dtype).name,
-                "tokens": counts, "seconds": round(time.perf_counter() - t0, 2)}
+                "tokens": counts, "seconds": round(time.perf_counter() - t0, 2),
+                # a single document's train split never holds <|endoftext|> (appended once, at its very end)
+                "eot_in_train": writers[0].saw_eot if tok.eot is not None else None,
+                "file_mode": mode if files else None, "warning": warning}
         (tmp / "meta.json").write_text(json.dumps(meta))  # written last: the "complete" mark
+        for f in tmp.iterdir():
+            os.chmod(f, mode)
+        if warning:
+            log.warning(warning)
         try:
             os.rename(tmp, final)  # atomic: readers see all of it or none of it
         except OSError:  # another process finished the same preparation first
@@ -359,6 +451,7 @@ def prepare(data_cfg) -> Path:
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(hf_cache, ignore_errors=True)
     log.info("prepared %s: %s tokens (vocab %d) in %.1f s", final, meta["tokens"], tok.vocab_size, meta["seconds"])
     return final
 
@@ -373,7 +466,7 @@ def main():
     def _main(cfg):
         print(prepare(cfg.data))
 
-    _main()
+    run_app(_main)
 
 
 if __name__ == "__main__":

@@ -1,19 +1,145 @@
 #!/usr/bin/env bash
-# One short GPU session: the GPU-marked tests, then training and generation speed.
-#   bash scripts/gpu_check.sh            (about 5 minutes on one H100/H200)
+# One short GPU session, every check in one command (issue 13): the packages the GPU image lacks,
+# from carried wheels; the GPU-marked tests; a real training run stopped by SIGTERM and resumed;
+# sampling from its checkpoint on the GPU and on the CPU; training speed and MFU in bf16 + compile
+# at the baby and GPT-2-124M shapes; attention memory at block 1024 vs 4096; decode speed with and
+# without the KV cache. A failed step does not stop the others; the exit status is 1 if any failed.
+#
+#   bash scripts/fetch_gpu_wheels.sh      # first, where PyPI is reachable: .gpu_wheels/ (~26 MiB)
+#   bash scripts/gpu_check.sh             # on the GPU machine: about 5 minutes on one H100/H200
+#   DEVICE=cpu bash scripts/gpu_check.sh  # the same steps at tiny sizes on CPU: a dry run
+#   ONLY='train|sample' bash scripts/gpu_check.sh   # a rerun of some steps (names matched as a regex)
+#
+# BUDGET_S (default 420 s on a GPU) bounds the whole script: each step gets what is left of it, at
+# most its own limit, so a hung step cannot take the session's last minutes. On CPU the limits are
+# 5x and the budget 3000 s (two shared cores can be that slow).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-export PYTHONUNBUFFERED=1 WANDB_SILENT=true
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-python -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
-pytest -q -m gpu -p no:cacheprovider
-echo "== bench: baby (6x6x384, block 256), bf16 + compile"
-python bench.py model=baby train.batch_size=64 device=cuda compile=true bench.iters=50
-echo "== bench: GPT-2 124M shape (12x12x768, block 1024), bf16 + compile"
-python bench.py model=gpt2_124m model.vocab_size=50304 train.batch_size=16 device=cuda compile=true bench.iters=30
-echo "== attention memory: block 1024 vs 4096 (fast path, batch 1)"
-for T in 1024 4096; do
-  python bench.py model=gpt2_124m model.vocab_size=50304 model.block_size=$T train.batch_size=1 device=cuda compile=false bench.iters=5 | grep -E "ms/iter|peak memory" | sed "s/^/block $T: /"
+DEVICE=${DEVICE:-cuda}
+WHEELS=${GPU_WHEELS:-.gpu_wheels}
+ONLY=${ONLY:-.}
+if [ "$DEVICE" = cpu ]; then SLOW=5; BUDGET_S=${BUDGET_S:-3000}; else SLOW=1; BUDGET_S=${BUDGET_S:-420}; fi
+WORK=$(mktemp -d /tmp/gpu_check.XXXXXX)
+export PYTHONUNBUFFERED=1 WANDB_SILENT=true WANDB_DIR=$WORK HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
+failed=()
+
+step() {  # step NAME LIMIT_S COMMAND...: run it within its limit and what is left of the budget
+  local name=$1 limit=$(($2 * SLOW)) t0=$SECONDS rc
+  shift 2
+  local left=$((BUDGET_S - SECONDS))
+  [[ "$name" =~ $ONLY ]] || return 0
+  echo
+  if [ "$left" -lt 15 ]; then
+    echo "== $name: NOT RUN (the ${BUDGET_S} s budget is spent)"
+    failed+=("$name (not run)")
+    return
+  fi
+  [ "$limit" -le "$left" ] || limit=$left
+  echo "== $name"
+  timeout --kill-after=10 "$limit" "$@"
+  rc=$?
+  [ $rc -eq 124 ] && echo "(stopped at its ${limit} s limit)"
+  echo "-- $name: $([ $rc -eq 0 ] && echo ok || echo "FAILED (exit $rc)") in $((SECONDS - t0)) s"
+  [ $rc -eq 0 ] || failed+=("$name")
+}
+
+if [ "$DEVICE" = cpu ]; then  # tiny sizes: the dry run checks that every step runs, not speed
+  TRAIN="model=debug train.batch_size=4"
+  BENCH_BABY="model=debug train.batch_size=4 dtype=float32 compile=false bench.warmup=1 bench.iters=2"
+  BENCH_GPT2="model=debug model.n_embd=64 model.block_size=64 train.batch_size=2 dtype=float32 compile=false bench.warmup=1 bench.iters=2"
+  MEMORY="model=debug train.batch_size=1 bench.warmup=1 bench.iters=2"
+  BLOCKS="64 256"
+  DECODE="model=debug tokens=50"
+else
+  TRAIN="model=baby train.batch_size=32"
+  BENCH_BABY="model=baby train.batch_size=64 dtype=bfloat16 compile=true bench.iters=50"
+  BENCH_GPT2="model=gpt2_124m model.vocab_size=50304 train.batch_size=16 dtype=bfloat16 compile=true bench.iters=30"
+  MEMORY="model=gpt2_124m model.vocab_size=50304 train.batch_size=1 dtype=bfloat16 compile=false bench.iters=5"
+  BLOCKS="1024 4096"
+  DECODE="model=baby"
+fi
+
+echo "== machine ($DEVICE); scratch dir $WORK"
+[ "$DEVICE" = cpu ] || nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+python3 --version
+
+echo
+echo "== packages the image lacks, from $WHEELS"
+if [ -d "$WHEELS" ]; then
+  # shellcheck disable=SC2046  # one argument per pin
+  if ! python3 -m pip install -q --no-index --find-links "$WHEELS" \
+      $(grep -E '^(hydra-core|datasets|wandb|rustbpe)==' requirements.txt); then
+    # the image's own packages do not fit our pins (or its environment is read-only): the wheels as
+    # they are, ahead of the image's packages on the path
+    echo "pip could not fit $WHEELS to the installed packages: unpacking every wheel into $WORK/site"
+    python3 -m pip install -q --no-index --no-deps --no-compile --target "$WORK/site" "$WHEELS"/*.whl &&
+      export PYTHONPATH=$WORK/site${PYTHONPATH:+:$PYTHONPATH}
+  fi
+else
+  echo "no $WHEELS folder: using what is installed (bash scripts/fetch_gpu_wheels.sh makes it)"
+fi
+ONLY=. step "imports" 120 python3 - "$DEVICE" <<'EOF'
+import sys
+import datasets, hydra, omegaconf, rustbpe, tiktoken, torch, wandb
+print(f"torch {torch.__version__} (CUDA {torch.version.cuda}), hydra {hydra.__version__}, omegaconf "
+      f"{omegaconf.__version__}, datasets {datasets.__version__}, wandb {wandb.__version__}, tiktoken {tiktoken.__version__}")
+if sys.argv[1] != "cpu":
+    from common import has_native_bf16, peak_flops_for
+    d = torch.device("cuda")
+    name = torch.cuda.get_device_name(d)
+    print(f"{name}: capability {torch.cuda.get_device_capability(d)}, native bf16 {has_native_bf16(d)}, "
+          f"peak bf16 {peak_flops_for(name, torch.bfloat16)} FLOP/s, flash SDPA {torch.backends.cuda.is_flash_attention_available()}")
+EOF
+if [ ${#failed[@]} -gt 0 ]; then
+  echo "FAILED: the packages are missing, nothing else can run"
+  exit 1
+fi
+
+step "GPU-marked tests (pytest -m gpu)" 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests
+
+train_stop_resume() {  # 20 steps, SIGTERM, resume to 10 steps past where it stopped
+  local run=$WORK/run args=($TRAIN "device=$DEVICE" "hydra.run.dir=$WORK/run" train.eval_interval=20
+                            train.eval_iters=5 train.log_interval=10 train.warmup_iters=10 train.lr_decay_iters=1000)
+  python3 train.py "${args[@]}" train.max_iters=1000 2>"$WORK/train.log" &
+  local pid=$!
+  while [ ! -e "$run/ckpt_0000020.pt" ] && kill -0 $pid 2>/dev/null; do sleep 0.1; done
+  kill -TERM $pid 2>/dev/null
+  wait $pid
+  local rc=$?
+  [ $rc -eq 0 ] || { tail -20 "$WORK/train.log"; echo "training exited $rc after SIGTERM (0 expected)"; return 1; }
+  grep -E "model:|step [0-9]+/|stopped by|eval step" "$WORK/train.log" | tail -6
+  local stopped
+  stopped=$(grep -oE "stopped by SIGTERM at step [0-9]+" "$WORK/train.log" | grep -oE "[0-9]+$")
+  [ -n "$stopped" ] || { echo "no 'stopped by SIGTERM' line"; tail -20 "$WORK/train.log"; return 1; }
+  python3 train.py "${args[@]}" train.max_iters=$((stopped + 10)) resume=true 2>"$WORK/resume.log" ||
+    { tail -20 "$WORK/resume.log"; return 1; }
+  grep -E "resuming from|step [0-9]+/|done:" "$WORK/resume.log" | tail -4
+  ls "$run"/ckpt_*.pt
+  [ -e "$run/$(printf 'ckpt_%07d.pt' $((stopped + 10)))" ]
+}
+export -f train_stop_resume
+export WORK DEVICE TRAIN
+step "train on $DEVICE, SIGTERM after step 20, resume for 10 more steps" 200 bash -c train_stop_resume
+
+sample_on() {  # sample.py from the run's checkpoint on device $1
+  python3 sample.py "ckpt=$WORK/run" "device=$1" max_new_tokens=200 prompt="'def '" >"$WORK/sample_$1.txt" &&
+    head -c 300 "$WORK/sample_$1.txt" && echo && [ -s "$WORK/sample_$1.txt" ]
+}
+export -f sample_on
+step "sample.py from that checkpoint on $DEVICE" 90 bash -c "sample_on $DEVICE"
+[ "$DEVICE" = cpu ] || step "sample.py from that checkpoint on cpu" 90 bash -c "sample_on cpu"
+
+step "bench: baby shape (6x6x384, block 256), training step" 120 python3 bench.py device="$DEVICE" $BENCH_BABY
+step "bench: GPT-2 124M shape (12x12x768, block 1024), training step" 150 python3 bench.py device="$DEVICE" $BENCH_GPT2
+step "decode: KV cache vs recompute" 180 python3 bench_sample.py device="$DEVICE" $DECODE
+for T in $BLOCKS; do
+  step "attention memory at block $T (batch 1, eager)" 60 python3 bench.py device="$DEVICE" $MEMORY model.block_size=$T
 done
-echo "== generation: KV cache vs recompute (baby, 1000 tokens)"
-python bench_sample.py device=cuda
+
+echo
+if [ ${#failed[@]} -gt 0 ]; then
+  printf 'FAILED: %s\n' "${failed[@]}"
+  echo "(took $SECONDS s; logs in $WORK)"
+  exit 1
+fi
+echo "all steps passed in $SECONDS s"

@@ -3,8 +3,14 @@ tmp_path, with W&B disabled unless a test turns it on."""
 import os
 from pathlib import Path
 
-import pytest
-import torch
+# OpenMP threads that spin while they wait make every op take a scheduler time slice once more
+# processes than cores compute (a test's subprocess next to the test itself, or a shared
+# machine): ~10x slower tests. Passive waiting costs little when the cores are free. Set before
+# torch loads OpenMP; subprocesses inherit it.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 from hydra import compose, initialize_config_dir
 
 REPO = Path(__file__).resolve().parents[1]

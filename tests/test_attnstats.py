@@ -1,14 +1,16 @@
 """Attention statistics against direct computations, and their logging to files and W&B."""
 import json
 import math
+import time
 
 import pytest
 import torch
 
 import model as model_module
-from attnstats import AttentionProbe, attention_stats
+from attnstats import AttentionProbe, attention_stats, copy_losses, repeated_batch, role_rows
 from model import GPT, GPTConfig, attention
 import wandb_log
+from report import report
 from tracking import read_metrics
 from train import train
 
@@ -147,3 +149,183 @@ def test_unknown_wandb_mode_fails_before_writing_metrics(train_cfg, tmp_path):
 def test_wandb_disabled_writes_nothing(train_cfg, tmp_path):
     train(train_cfg("logger.wandb.mode=disabled", "train.max_iters=5"))
     assert not (tmp_path / "run" / "wandb").exists()
+
+
+# ----------------------------------------------------------------------------- what each head does (issue 15)
+
+def one_hot_head(targets, T, c=40.0):
+    """q, k (1, 1, T, hs) whose attention is (almost) one-hot: query i looks at key targets[i]
+    (k_j = c e_j, q_i = c e_targets[i]; scores c² = 1600 there, 0 elsewhere)."""
+    k = torch.eye(T, dtype=torch.float64)[None, None] * c
+    q = torch.stack([k[0, 0, t] for t in targets])[None, None]
+    return q, k
+
+
+def test_previous_token_head_has_prev_one_and_distance_one():
+    T = 12
+    q, k = one_hot_head([0] + list(range(T - 1)), T)
+    s = attention_stats(q, k, 1.0, block=5, dtype=torch.float64)
+    assert s["prev"].item() == pytest.approx(1.0, abs=1e-9)
+    assert s["dist"].item() == pytest.approx(1.0, abs=1e-9)
+    assert s["self"].item() == pytest.approx(0.0, abs=1e-9)
+    assert s["first"].item() == pytest.approx(1 / (T - 1), abs=1e-9)  # only row 1's previous token is token 0
+
+
+def test_sink_and_self_heads():
+    T = 10
+    s = attention_stats(*one_hot_head([0] * T, T), 1.0, block=3, dtype=torch.float64)
+    assert s["first"].item() == pytest.approx(1.0, abs=1e-9)
+    assert s["dist"].item() == pytest.approx(sum(range(1, T)) / (T - 1), abs=1e-9)  # row i looks i back
+    s = attention_stats(*one_hot_head(list(range(T)), T), 1.0, block=3, dtype=torch.float64)
+    assert s["self"].item() == pytest.approx(1.0, abs=1e-9) and s["dist"].item() == pytest.approx(0.0, abs=1e-9)
+
+
+def test_uniform_head_looks_i_over_2_back_in_every_row():
+    T = 9
+    p = torch.tril(torch.ones(T, T, dtype=torch.float64))
+    p = (p / p.sum(-1, keepdim=True))[None, None]  # row i: 1/(i+1) on keys 0..i
+    for start in (0, 4):  # a block of rows start.. of a longer sequence, as attention_stats passes them
+        rows = role_rows(p[..., start:, :], start)
+        i = torch.arange(start, T, dtype=torch.float64)
+        assert torch.allclose(rows["dist"][0, 0], i / 2)
+        assert torch.allclose(rows["self"][0, 0], 1 / (i + 1)) and torch.allclose(rows["first"][0, 0], 1 / (i + 1))
+        assert torch.allclose(rows["prev"][0, 0], torch.where(i > 0, 1 / (i + 1), 0.0))
+    s = attention_stats(torch.zeros(1, 1, T, 4), torch.randn(1, 1, T, 4), 1.0, block=4, dtype=torch.float64)
+    assert s["dist"].item() == pytest.approx(sum(i / 2 for i in range(1, T)) / (T - 1), abs=1e-9)
+
+
+def copying_head(x, vocab, c=40.0):
+    """A hand-built induction head for tokens x (T,): key j carries the token before it (what a
+    previous-token head writes), the query its own token; so query t looks right after the
+    earlier occurrences of x_t. One-hot token vectors, scores c² where they match."""
+    E = torch.eye(vocab, dtype=torch.float64) * c
+    k = torch.cat([torch.zeros(1, vocab, dtype=torch.float64), E[x[:-1]]])  # key 0 has no token before it
+    return E[x][None, None], k[None, None]
+
+
+@pytest.mark.parametrize("block", [4, 256])
+def test_copying_head_on_a_repeated_sequence_has_induction_score_one(block):
+    n, vocab = 10, 16
+    r = torch.randperm(vocab, generator=torch.Generator().manual_seed(0))[:n]
+    x = torch.cat([r, r])
+    s = attention_stats(*copying_head(x, vocab), 1.0, block=block, dtype=torch.float64, period=n)
+    assert s["induction"].item() == pytest.approx(1.0, abs=1e-9)
+    # a previous-token head on the same sequence copies nothing
+    s = attention_stats(*one_hot_head([0] + list(range(2 * n - 1)), 2 * n), 1.0, block=block, period=n)
+    assert s["induction"].item() == pytest.approx(0.0, abs=1e-6)
+
+
+def full_matrix_roles(q, k, scale, period):
+    """prev, first, self, dist and induction per head, row by row from the whole float64 matrix."""
+    q, k = q.double(), k.double()
+    B, nh, T, _ = q.shape
+    p = attention(q, k, torch.eye(T, dtype=torch.float64).expand(B, nh, T, T), scale, impl="reference")
+    rows = range(1, T)
+    out = {"prev": sum(p[..., i, i - 1] for i in rows), "first": sum(p[..., i, 0] for i in rows),
+           "self": sum(p[..., i, i] for i in rows),
+           "dist": sum((p[..., i, : i + 1] * torch.arange(i, -1, -1, dtype=torch.float64)).sum(-1) for i in rows)}
+    out = {name: v.mean(0) / (T - 1) for name, v in out.items()}
+    out["induction"] = sum(p[..., t, t - period + 1] for t in range(period, T)).mean(0) / (T - period)
+    return out
+
+
+@pytest.mark.parametrize("block", [5, 256])
+def test_blockwise_roles_equal_full_matrix_in_float64(block):
+    torch.manual_seed(4)
+    model = GPT(GPTConfig(vocab_size=30, block_size=32, n_layer=2, n_head=3, n_embd=48)).eval()
+    with torch.no_grad():
+        model.blocks[1].attn.c_attn.weight.mul_(8)
+    r = torch.randint(30, (2, 11))
+    for layer, (q, k, scale) in capture_qk(model, torch.cat([r, r], 1)).items():
+        got = attention_stats(q, k, scale, block=block, dtype=torch.float64, period=11)
+        for name, want in full_matrix_roles(q, k, scale, 11).items():
+            d = (got[name] - want).abs()
+            assert d.max() < 1e-6, f"layer {layer} {name}: max diff {d.max():.2e}, mean {d.mean():.2e}"
+
+
+def test_repeated_batch_is_the_first_half_of_each_probe_row_twice():
+    idx = torch.randint(50, (3, 41), generator=torch.Generator().manual_seed(5))
+    x = repeated_batch(idx)
+    assert x.shape == (3, 40) and torch.equal(x[:, :20], idx[:, :20]) and torch.equal(x[:, 20:], idx[:, :20])
+
+
+def test_copy_losses_are_the_cross_entropy_of_each_copy():
+    torch.manual_seed(6)
+    n, V = 7, 11
+    x = torch.randint(V, (2, 2 * n))
+    logits = torch.randn(2, 2 * n, V)
+    first, second = copy_losses(logits, x, n)
+    ce = torch.nn.functional.cross_entropy
+    assert first == pytest.approx(ce(logits[:, : n - 1].reshape(-1, V), x[:, 1:n].reshape(-1)).item(), rel=1e-6)
+    assert second == pytest.approx(ce(logits[:, n:-1].reshape(-1, V), x[:, n + 1:].reshape(-1)).item(), rel=1e-6)
+
+
+def test_probe_logs_roles_induction_and_gain_per_head_and_layer():
+    torch.manual_seed(7)
+    model = GPT(GPTConfig(vocab_size=30, block_size=32, n_layer=2, n_head=2, n_embd=32)).eval()
+    idx = torch.randint(30, (3, 32))
+    state = torch.get_rng_state()
+    probe = AttentionProbe(idx, block=7)
+    stats = probe.run(model)
+    assert torch.equal(torch.get_rng_state(), state)  # the probe draws from no global stream
+    for name in ("prev", "first", "self", "dist", "induction"):
+        for l in range(2):
+            heads = [stats[f"attn_{name}/L{l}/H{h}"] for h in range(2)]
+            assert stats[f"attn_{name}/L{l}"] == pytest.approx(sum(heads) / 2)
+    assert stats["attn_induction/max"] == max(v for k, v in stats.items() if k.startswith("attn_induction/L") and k.count("/") == 2)
+    assert stats["incontext/gain"] == pytest.approx(stats["incontext/loss_first"] - stats["incontext/loss_second"])
+    # the same numbers from the full matrices of the repeated batch
+    x, n = probe.repeated, probe.repeated.size(1) // 2
+    for layer, (q, k, scale) in capture_qk(model, x).items():
+        want = full_matrix_roles(q, k, scale, n)["induction"]
+        for h in range(2):
+            assert stats[f"attn_induction/L{layer}/H{h}"] == pytest.approx(want[h].item(), abs=1e-5)
+    with torch.no_grad():
+        assert stats["incontext/loss_first"] == pytest.approx(copy_losses(model(x), x, n)[0])
+
+
+def test_training_logs_head_roles_and_writes_maps_and_figure(train_cfg, tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wandb_env"))
+    train(train_cfg("train.max_iters=10", "train.log_attn_interval=5", "logger.wandb.mode=offline"))
+    run = tmp_path / "run"
+    probes = [m for m in read_metrics(run) if "attn_entropy/mean" in m]
+    assert [m["step"] for m in probes] == [0, 5, 10]
+    for m in probes:
+        for l in range(2):
+            for name in ("prev", "first", "self", "dist", "induction"):
+                assert f"attn_{name}/L{l}/H0" in m and f"attn_{name}/L{l}" in m
+        assert {"incontext/gain", "incontext/loss_first", "incontext/loss_second", "attn_induction/max"} <= m.keys()
+    for name in ("attn_heads.png", "attention.png", "attention.html"):
+        assert (run / name).stat().st_size > 1000, name
+    # the end-of-run maps are in the W&B run too, as an image and as the HTML viewer
+    offline = next((run / "wandb").glob("offline-run-*"))
+    for _ in range(60):  # on a loaded machine wandb-core may still be writing the run's last records
+        if any(r.WhichOneof("record_type") == "exit" for r in wandb_log.records(next(offline.glob("run-*.wandb")))):
+            break
+        time.sleep(0.5)
+    summary = wandb_log.summary(offline)
+    assert summary["attention/maps._type"] == "image-file" and summary["attention/viewer._type"] == "html-file"
+    assert "attn_induction/L1/H1" in summary and "incontext/gain" in summary
+    assert (tmp_path / "report" / "attn_heads.png") in report([str(run)], tmp_path / "report")["files"]
+
+
+def test_repeated_spans_source_is_lines_of_a_span_twice():
+    from data.prepare import python_docs_text, repeated_spans_text, source_of
+    from conftest import compose_cfg
+    cfg = compose_cfg("config", ["experiment=induction_cpu"])
+    assert source_of(cfg.data) == ("repeated_spans", "generated") and cfg.model.n_layer == 2
+    text = repeated_spans_text(n_lines=400)
+    assert text == repeated_spans_text(n_lines=400)  # the same corpus every time (it is cached by content)
+    prose = " ".join(python_docs_text().split())
+    lines = text.splitlines()
+    assert len(lines) == 400
+    kinds = []
+    for line in lines:
+        n = (len(line) - 1) // 2
+        span = line[:n]
+        assert 10 <= n <= 30 and span == line[n + 1:] and line[n] == " "
+        kinds.append("prose" if span in prose else "letters")
+        assert kinds[-1] == "prose" or span.isalpha()
+    assert 150 < kinds.count("letters") < 250  # half and half
+    val_prose = [l[:(len(l) - 1) // 2] for l, k in zip(lines[360:], kinds[360:]) if k == "prose"]
+    assert val_prose and all(s in prose[int(len(prose) * 0.9) - 30:] for s in val_prose)  # val: the prose's tail

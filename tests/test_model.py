@@ -191,3 +191,16 @@ def test_bad_model_config_is_one_line_error(kw, needle):
     with pytest.raises(UserError, match=needle) as e:
         GPTConfig(**{**dict(vocab_size=10, n_layer=2, n_head=2, n_embd=16), **kw})
     assert "\n" not in str(e.value)
+
+
+def test_a_model_cast_to_bf16_keeps_its_rope_table_in_float32():
+    """model.to(torch.bfloat16), as users do for inference, must not cast the RoPE table: complex
+    bf16 does not exist (view_as_complex raised) and bf16 cos/sin of large angles are wrong."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=30, block_size=16, n_layer=2, n_head=2, n_embd=32)).eval()
+    idx = torch.randint(30, (2, 16))
+    want = model(idx)
+    half = model.to(torch.bfloat16)
+    assert half.rope.dtype == torch.float32 and half.wte.weight.dtype == torch.bfloat16
+    got = half(idx)
+    assert got.dtype == torch.bfloat16 and (got.float() - want).abs().max() < 0.1

@@ -94,6 +94,9 @@ def test_resume_continues_in_process_and_keeps_the_wandb_run(train_cfg, tmp_path
     import wandb_log
     first = train(train_cfg("train.max_iters=20", "logger.wandb.mode=offline"))
     assert first["steps"] == 20
+    # W&B names an offline run's folder by the second it started and the run id: a resume within
+    # the same second would write into the first run's folder (wandb's layout, not ours)
+    time.sleep(1.0 - time.time() % 1.0 + 0.05)
     again = train(train_cfg("train.max_iters=30", "logger.wandb.mode=offline", "resume=true"))
     assert again["steps"] == 30
     steps = [json.loads(l)["step"] for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]

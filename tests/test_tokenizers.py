@@ -154,7 +154,8 @@ def test_streamed_source_stops_at_the_token_budget(tmp_path, monkeypatch):
     from datasets import Dataset
     import data.prepare as dp
     docs = [f"story {i}: " + "once upon a time " * (5 + i % 7) for i in range(400)]
-    monkeypatch.setattr(dp, "_load", lambda cfg, kind, location, split: Dataset.from_dict({"text": docs}).to_iterable_dataset())
+    monkeypatch.setattr(dp, "_load", lambda cfg, kind, location, split, *files_cache:
+                        Dataset.from_dict({"text": docs}).to_iterable_dataset())
     cfg = data_cfg(tmp_path, "data=fineweb_edu", "data.tokenizer=gpt2_test", "data.max_tokens=3000", "data.val_fraction=0.1")
     monkeypatch.setattr(dp, "train_tokenizer", lambda name, texts, vocab_size=None: hand_made())
     d = TokenData(prepare(cfg))

@@ -1,0 +1,341 @@
+"""What does attention cost? Parameters, compute and memory of a model config at a sequence length.
+
+    python cost.py model=llama3_8b_shape seq_len=8192              # a Llama-3-8B-like shape at 8k
+    python cost.py model=gpt2_124m model.vocab_size=50304 seq_len=1024 batch_size=8 dtype=float32
+    python cost.py model=default model.n_kv_head=1 seq_len=4096 format=json
+
+Everything is counted from the config; no model is built, so any shape runs on a laptop. The
+counting convention is the one the texts and PaLM's estimate use (Chowdhery et al. 2022, arXiv
+2204.02311, appendix B; Kaplan et al. 2020, arXiv 2001.08361): per token and layer, a matrix of
+m x n weights costs m*n multiply-accumulates (MACs, 1 MAC = 2 FLOPs) forward, and attention costs
+2*N*d MACs (q.k for N keys, then weights.V) over the full N x N table, although a causal kernel
+computes only the visible half. Backward costs twice the forward, so training is 3 x forward =
+6 FLOPs per weight per token plus 12*n_layer*N*d: exactly GPT.flops_per_token.
+"""
+import json
+import math
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Optional
+
+import hydra
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+from common import DTYPES, UserError, cli, run_app
+from config import model_config
+from model import GPTConfig
+
+ADAMW_BYTES_PER_PARAM = 8  # exp_avg + exp_avg_sq, fp32: train.py keeps fp32 weights and autocasts
+
+
+@dataclass
+class CostConfig:
+    model: GPTConfig = MISSING
+    seq_len: Optional[int] = None  # N, tokens per sequence; unset: model.block_size
+    batch_size: int = 1  # B, sequences (for the attention table, the KV cache and a step's FLOPs)
+    dtype: str = "bfloat16"  # bytes per weight, activation and cached K/V: bfloat16 | float16 | float32
+    vocab_size: int = 50304  # used when model.vocab_size is unset: GPT-2's BPE padded to a multiple of 64
+    format: str = "text"  # text | json (one JSON object on stdout)
+    plot: Optional[str] = "cost.png"  # the figure's path; null: no figure
+
+
+ConfigStore.instance().store(name="base_cost", node=CostConfig)
+
+
+# ----------------------------------------------------------------------------- counting
+
+def mlp_matrices(c: GPTConfig) -> int:
+    """Weight matrices of one MLP, in units of n_embd x d_ff: gate, up and down for SwiGLU."""
+    return 3 if c.mlp == "swiglu" else 2
+
+
+def layer_params(c: GPTConfig) -> dict:
+    """One block's parameters, matrices apart from the rest (biases, norm weights, QK-Norm gains),
+    in the layout GPT builds (tests hold the totals equal to num_params())."""
+    d, kv, b = c.n_embd, c.n_kv_head * c.head_dim, int(c.bias)
+    gain = {"none": 0, "head": 1, "channel": c.head_dim}[c.attn.qk_norm_gain] if c.attn.qk_norm else 0
+    k = mlp_matrices(c)
+    return {
+        "attn_matrices": d * (d + 2 * kv) + d * d,  # c_attn (q, k, v fused), c_proj
+        "attn_other": b * (d + 2 * kv + d) + gain * (c.n_head + c.n_kv_head),  # biases; q_gain, k_gain per head
+        "mlp_matrices": k * d * c.d_ff,  # c_fc (gate|up fused for swiglu), c_proj
+        "mlp_other": b * ((k - 1) * c.d_ff + d),  # their biases
+        "norm": d * (2 if c.norm == "layernorm" and c.bias else 1),  # one norm: weight (+ LayerNorm bias)
+    }
+
+
+def count_params(c: GPTConfig) -> dict:
+    """Parameters by kind, read off the config; `non_embedding` is what 6N counts: every weight a
+    token's forward multiplies by (the tied wte is the LM head), not the lookup tables."""
+    d, L, lp = c.n_embd, c.n_layer, layer_params(c)
+    p = {
+        "embedding": c.vocab_size * d + (c.block_size * d if c.pos == "learned" else 0),  # wte (+ wpe)
+        "lm_head": 0 if c.tie_embeddings else c.vocab_size * d,
+        "attention": L * (lp["attn_matrices"] + lp["attn_other"]),
+        "mlp": L * (lp["mlp_matrices"] + lp["mlp_other"]),
+        "norms": L * 2 * lp["norm"] + (lp["norm"] if c.norm_position == "pre" else 0),  # ln_1, ln_2 (+ ln_f)
+    }
+    p["total"] = sum(p.values())
+    p["non_embedding"] = p["total"] - p["embedding"] + (c.vocab_size * d if c.tie_embeddings else 0)
+    return p
+
+
+def macs_per_token(c: GPTConfig, seq_len) -> dict:
+    """Forward MACs per token at length seq_len: per layer (q, k, v, o, scores, weighted_sum, mlp,
+    other; sums proj, attn, layer) and for the model (lm_head, other_final, forward). `other` is
+    one MAC per parameter outside a matrix (norm weights, biases, QK-Norm gains), the 6N
+    convention. seq_len may be a Fraction (the crossovers are checked exactly)."""
+    d, kv, lp = c.n_embd, c.n_kv_head * c.head_dim, layer_params(c)
+    m = {
+        "q": d * d, "k": d * kv, "v": d * kv, "o": d * d,  # projections: one MAC per weight
+        "scores": seq_len * d,  # q.k with each of N keys: N * head_dim per head, n_head heads
+        "weighted_sum": seq_len * d,  # sum of N weighted rows of V: the same count
+        "mlp": lp["mlp_matrices"],
+        "other": lp["attn_other"] + lp["mlp_other"] + 2 * lp["norm"],
+        "lm_head": d * c.vocab_size,
+        "other_final": lp["norm"] if c.norm_position == "pre" else 0,  # ln_f
+    }
+    m["proj"] = m["q"] + m["k"] + m["v"] + m["o"]
+    m["attn"] = m["scores"] + m["weighted_sum"]
+    m["layer"] = m["proj"] + m["attn"] + m["mlp"] + m["other"]
+    m["forward"] = c.n_layer * m["layer"] + m["lm_head"] + m["other_final"]
+    return m
+
+
+def training_flops_per_token(c: GPTConfig, seq_len) -> int:
+    """Forward 2 FLOPs per MAC, backward twice the forward: 6 x forward MACs (= GPT.flops_per_token)."""
+    return 6 * macs_per_token(c, seq_len)["forward"]
+
+
+def crossovers(c: GPTConfig) -> dict:
+    """Exact lengths N where attention's 2*N*d MACs per token equal (a) the projections
+    2*d*(d + d_kv), (b) the MLP k*d*d_ff (k = 2, or 3 for SwiGLU), (c) both: divide by 2*d."""
+    kv = c.n_kv_head * c.head_dim
+    proj = Fraction(c.n_embd + kv)
+    mlp = Fraction(mlp_matrices(c) * c.d_ff, 2)
+    return {"attn_vs_proj": proj, "attn_vs_mlp": mlp, "attn_vs_proj_mlp": proj + mlp}
+
+
+def kv_bytes_per_token(c: GPTConfig, dtype_bytes: int, n_kv_head=None) -> int:
+    """K and V of one token in every layer: 2 * n_layer * n_kv_head * head_dim numbers."""
+    return 2 * c.n_layer * (n_kv_head or c.n_kv_head) * c.head_dim * dtype_bytes
+
+
+def memory_bytes(c: GPTConfig, seq_len: int, batch_size: int, dtype_bytes: int) -> dict:
+    total = count_params(c)["total"]
+    table = batch_size * c.n_head * seq_len * seq_len * dtype_bytes  # one (B, H, N, N) softmax output
+    return {
+        "weights": total * dtype_bytes,
+        "adamw_state": total * ADAMW_BYTES_PER_PARAM,
+        "attn_weights_per_layer": table,
+        "attn_weights_all_layers": c.n_layer * table,
+        "kv_cache_per_token": kv_bytes_per_token(c, dtype_bytes),
+        "kv_cache": kv_bytes_per_token(c, dtype_bytes) * seq_len * batch_size,
+        "kv_cache_mha": kv_bytes_per_token(c, dtype_bytes, c.n_head) * seq_len * batch_size,
+    }
+
+
+def round_half_up(x: Fraction) -> int:
+    return math.floor(x + Fraction(1, 2))
+
+
+# ----------------------------------------------------------------------------- the report
+
+def cost(cfg) -> dict:
+    """The JSON object of `format=json` (integers: counts, MACs, bytes); prints it, or the text
+    report, and writes the plot."""
+    fallback = cfg.model.vocab_size is None  # no data is loaded: any vocabulary may be asked about
+    c = model_config(cfg.model, cfg.vocab_size if fallback else None)
+    N = c.block_size if cfg.seq_len is None else cfg.seq_len
+    if N <= 0:
+        raise UserError(f"seq_len={N} must be a positive integer")
+    if cfg.batch_size <= 0:
+        raise UserError(f"batch_size={cfg.batch_size} must be a positive integer")
+    if cfg.dtype not in DTYPES:
+        raise UserError(f"dtype={cfg.dtype!r} is unknown: use {', '.join(DTYPES)}")
+    if cfg.format not in ("text", "json"):
+        raise UserError(f"format={cfg.format!r} is unknown: use text or json")
+    nbytes = DTYPES[cfg.dtype].itemsize
+    p, m, x = count_params(c), macs_per_token(c, N), crossovers(c)
+    mem = memory_bytes(c, N, cfg.batch_size, nbytes)
+    result = {
+        "params": p["total"],
+        "macs_per_token": {k: m[k] for k in ("proj", "attn", "mlp", "lm_head")},
+        "crossover": {k: round_half_up(v) for k, v in x.items()},
+        "memory_bytes": mem,
+    }
+    if cfg.format == "json":
+        print(json.dumps(result))
+    else:
+        if fallback:
+            print(f"(model.vocab_size unset: vocab_size={cfg.vocab_size} assumed; set model.vocab_size=V)")
+        print(report(c, N, cfg.batch_size, cfg.dtype, p, m, x, mem))
+    if cfg.plot:
+        plot_cost(c, N, cfg.batch_size, cfg.dtype, x, mem, cfg.plot)
+        if cfg.format == "text":
+            print(f"wrote {cfg.plot}: per-layer MACs against N with the crossovers, memory at N={N:,}")
+    return result
+
+
+def short(n) -> str:
+    """A count in words: 8.03 billion, 33.6 million."""
+    for scale, word in ((1e12, "trillion"), (1e9, "billion"), (1e6, "million"), (1e3, "thousand")):
+        if abs(n) >= scale:
+            return f"{n / scale:.3g} {word}"
+    return f"{n:g}"
+
+
+def size(nbytes) -> str:
+    """Bytes in binary units (KiB = 2^10 B, MiB = 2^20 B, GiB = 2^30 B, TiB = 2^40 B)."""
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.2f} {unit}"
+    return f"{nbytes} B"
+
+
+def heads_word(n: int) -> str:
+    return f"{n} K/V head" + ("" if n == 1 else "s")
+
+
+def describe(c: GPTConfig) -> str:
+    heads = (f"{c.n_head} heads of {c.head_dim}" if c.n_kv_head == c.n_head else
+             f"{c.n_head} query heads of {c.head_dim} sharing {heads_word(c.n_kv_head)} "
+             f"({'MQA' if c.n_kv_head == 1 else 'GQA'})")
+    return (f"{c.n_layer} layers x {c.n_embd} wide, {heads}, {c.mlp} MLP d_ff={c.d_ff}, vocab "
+            f"{c.vocab_size}, {c.norm} ({c.norm_position}), positions {c.pos}, "
+            f"{'tied' if c.tie_embeddings else 'untied'} LM head, block {c.block_size}")
+
+
+def report(c, N, B, dtype, p, m, x, mem) -> str:
+    d, L = c.n_embd, c.n_layer
+    nbytes = DTYPES[dtype].itemsize
+    k = mlp_matrices(c)
+    out = [f"cost of {describe(c)}",
+           f"at N={N:,} tokens per sequence, batch B={B}, {dtype} ({nbytes} bytes per number); "
+           "counted from the config, no model built"
+           + (f"; N > block_size={c.block_size}: the cost the model would have at N" if N > c.block_size else ""),
+           "", "parameters (count)"]
+    rows = [("embedding (wte" + (" + wpe)" if c.pos == "learned" else ")"), p["embedding"]),
+            ("LM head" + (" (tied to wte: 0 extra)" if c.tie_embeddings else " (untied)"), p["lm_head"]),
+            (f"attention ({L} layers: Q,K,V,O" + (", QK-Norm gains)" if c.attn.qk_norm and
+                                                  c.attn.qk_norm_gain != "none" else ")"), p["attention"]),
+            (f"MLP ({L} layers, {c.mlp})", p["mlp"]), ("norms", p["norms"])]
+    for name, n in rows:
+        out.append(f"  {name:<46}{n:>17,}  {100 * n / p['total']:5.1f}%")
+    out.append(f"  {'total':<46}{p['total']:>17,}  ({short(p['total'])})")
+
+    mlp_formula = {2: "2*d*d_ff", 3: "3*d*d_ff"}[k]
+    out += ["", f"forward cost per token at N={N:,}, in MACs (multiply-accumulates; 1 MAC = 2 FLOPs), "
+                "attention over the full N x N table",
+            f"  per layer (d={d}, d_kv=n_kv_head*head_dim={c.n_kv_head * c.head_dim}, d_ff={c.d_ff})"]
+    lines = [("Q projection", "d*d", m["q"]), ("K projection", "d*d_kv", m["k"]),
+             ("V projection", "d*d_kv", m["v"]), ("O projection", "d*d", m["o"]),
+             ("attention scores q.k^T", "N*d", m["scores"]), ("attention weights.V", "N*d", m["weighted_sum"]),
+             (f"MLP ({c.mlp})", mlp_formula, m["mlp"]),
+             ("norms, biases, gains", "1 per param", m["other"]), ("layer total", "", m["layer"])]
+    for name, formula, n in lines:
+        out.append(f"    {name:<24}{formula:<14}{n:>17,} MACs")
+    out.append(f"  {'LM head':<26}{'d*vocab':<14}{m['lm_head']:>17,} MACs")
+    if m["other_final"]:
+        out.append(f"  {'final norm':<26}{'1 per param':<14}{m['other_final']:>17,} MACs")
+    fwd = m["forward"]
+    train = 6 * fwd
+    out += [f"  forward, {L} layers + head: {fwd:,} MACs = {2 * fwd:,} FLOPs per token ({short(2 * fwd)} FLOPs)",
+            f"  training (backward = 2 x forward): {train:,} FLOPs per token ({short(train)} FLOPs)",
+            f"    = GPT.flops_per_token({N}) = 6 x {p['non_embedding']:,} params + 12*n_layer*N*d (6N counts every",
+            "    parameter but the lookup tables: an untied wte, learned positions)",
+            f"    per step of B*N = {B * N:,} tokens: {short(train * B * N)} FLOPs",
+            f"  attention's N^2 part (scores + weights.V) is {100 * L * m['attn'] / fwd:.1f}% of the forward "
+            "at this N;",
+            "  a causal kernel (SDPA is_causal, FlashAttention) skips the masked keys, about half of that",
+            "  part: a query sees (N+1)/2 keys on average"]
+
+    mlp_x = "d_ff" if k == 2 else "3*d_ff/2"
+    cross = [("(a) the projections", "2*d*(d+d_kv)", "d + d_kv", x["attn_vs_proj"]),
+             ("(b) the MLP", mlp_formula, mlp_x, x["attn_vs_mlp"]),
+             ("(c) projections + MLP", "", f"d + d_kv + {mlp_x}", x["attn_vs_proj_mlp"])]
+    out += ["", "crossovers: the N at which attention's N^2 part, 2*N*d MACs per token and layer, equals"]
+    for name, formula, closed, n in cross:
+        out.append(f"  {name:<22}{formula:<14}N = {closed:<22}= {fmt_len(n):>9} tokens")
+    out.append(f"  at N={N:,} attention is {float(N / x['attn_vs_proj_mlp']):.2f}x projections + MLP "
+               "(the ratio grows linearly with N)")
+
+    items = [("weights", f"{p['total']:,} params x {nbytes} B", mem["weights"]),
+             ("AdamW state", f"exp_avg + exp_avg_sq in fp32, {ADAMW_BYTES_PER_PARAM} B/param", mem["adamw_state"]),
+             ("naive attention weights, one layer", f"B*n_head*N*N x {nbytes} B", mem["attn_weights_per_layer"]),
+             (f"naive attention weights, {L} layers", "kept for backward", mem["attn_weights_all_layers"]),
+             ("KV cache per token (one sequence)", f"2*n_layer*n_kv_head*head_dim x {nbytes} B",
+              mem["kv_cache_per_token"]),
+             (f"KV cache at N, batch {B}", f"x N x B, {heads_word(c.n_kv_head)}", mem["kv_cache"]),
+             (f"KV cache with MHA ({c.n_head} K/V heads)", "same config, n_kv_head=n_head", mem["kv_cache_mha"])]
+    out += ["", f"memory at N={N:,}, batch {B}, {dtype}, in bytes (KiB, MiB, GiB = 2^10, 2^20, 2^30 bytes)"]
+    for name, how, n in items:
+        out.append(f"  {name:<38}{how:<42}{size(n):>11}  ({n:,} B)")
+    if c.n_kv_head != c.n_head:
+        out.append(f"  {'MQA' if c.n_kv_head == 1 else 'GQA'}: {heads_word(c.n_kv_head)} instead of {c.n_head} "
+                   f"make the cache {c.n_head // c.n_kv_head}x smaller, saving "
+                   f"{size(mem['kv_cache_mha'] - mem['kv_cache'])} at N={N:,}, batch {B}")
+    out.append("  a fused kernel (FlashAttention) never materialises the N x N table: O(N) memory, not O(N^2)")
+    return "\n".join(out)
+
+
+def fmt_len(n: Fraction) -> str:
+    return f"{int(n):,}" if n.denominator == 1 else f"{float(n):,.1f}"
+
+
+# ----------------------------------------------------------------------------- the plot
+
+def plot_cost(c, N, B, dtype, x, mem, path):
+    """Left: per-layer forward MACs for one sequence of n tokens against n (log-log), the
+    projections and MLP linear in n, attention quadratic, crossovers marked. Right: memory at N."""
+    from plots import save_figure  # selects the Agg backend (files only) before pyplot is imported
+    import matplotlib.pyplot as plt
+
+    top = 2 ** math.ceil(math.log2(4 * max(N, float(x["attn_vs_proj_mlp"]))))
+    ns = [2 ** (i / 8) for i in range(4 * 8, 8 * int(math.log2(top)) + 1)]
+    per_seq = lambda n: {key: n * v for key, v in macs_per_token(c, n).items()}  # noqa: E731
+    curves = [("projections Q,K,V,O", "proj", "C0"), (f"MLP ({c.mlp})", "mlp", "C1"),
+              ("attention q.k^T + weights.V", "attn", "C3")]
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(13, 5), gridspec_kw={"width_ratios": [1.2, 1]})
+    for label, key, color in curves:
+        ax.plot(ns, [per_seq(n)[key] for n in ns], color=color, label=label)
+    ax.plot(ns, [per_seq(n)["proj"] + per_seq(n)["mlp"] for n in ns], "k--", lw=1, label="projections + MLP")
+    names = {"attn_vs_proj": "= projections", "attn_vs_mlp": "= MLP", "attn_vs_proj_mlp": "= proj. + MLP"}
+    for key, label in names.items():  # (c) is the largest: its label right of its line, the others left
+        n = float(x[key])
+        ax.plot([n], [n * float(macs_per_token(c, x[key])["attn"])], "o", color="C3")
+        ax.axvline(n, color="C3", lw=0.6, alpha=0.5)
+        right = key == "attn_vs_proj_mlp"
+        ax.text(n, 0.02, f" attention {label} at N={fmt_len(x[key])} ", transform=ax.get_xaxis_transform(),
+                rotation=90, fontsize=8, va="bottom", ha="left" if right else "right", color="C3")
+    ax.axvline(N, color="gray", ls=":", label=f"N={N:,}")
+    ax.set(xscale="log", yscale="log", xlabel="sequence length N (tokens)",
+           ylabel="forward MACs per layer per sequence (1 MAC = 2 FLOPs)",
+           title="per-layer cost: attention's N^2 against the N terms (full N x N)")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8, loc="upper left")
+    bars = [("weights", mem["weights"]), ("AdamW state (fp32)", mem["adamw_state"]),
+            ("attn table, 1 layer", mem["attn_weights_per_layer"]),
+            (f"attn table, {c.n_layer} layers", mem["attn_weights_all_layers"]),
+            (f"KV cache ({heads_word(c.n_kv_head)})", mem["kv_cache"]),
+            (f"KV cache, MHA ({c.n_head})", mem["kv_cache_mha"])]
+    labels, values = zip(*bars)
+    bx.barh(range(len(bars)), values, color=["C0", "C0", "C3", "C3", "C2", "C7"])
+    for i, v in enumerate(values):
+        bx.text(v, i, f" {size(v)}", va="center", fontsize=8)
+    bx.set_yticks(range(len(bars)), labels)
+    bx.invert_yaxis()
+    bx.set(xscale="log", xlabel="bytes (log)", title=f"memory at N={N:,}, batch {B}, {dtype}")
+    bx.set_xlim(right=max(values) * 8)  # room for the labels
+    return save_figure(fig, path)
+
+
+@hydra.main(version_base="1.3", config_path="configs", config_name="cost")
+@cli
+def main(cfg):
+    cost(cfg)
+
+
+if __name__ == "__main__":
+    run_app(main)

@@ -1,0 +1,516 @@
+"""Export a checkpoint to a Hugging Face transformers model directory, exactly (issue 19).
+
+    python export.py ckpt=outputs/runs/X out=hf/X      # a run dir (its best.pt) or a checkpoint file
+    python export.py ckpt=best.pt out=hf/X overwrite=true
+
+The directory holds config.json, model.safetensors, generation_config.json, the tokenizer
+(tokenizer.json, tokenizer_config.json) and a README.md model card, and loads offline with
+`AutoModelForCausalLM.from_pretrained(DIR)` and `AutoTokenizer.from_pretrained(DIR)`: no custom
+code, no trust_remote_code. Each attnlab model maps onto one stock architecture that computes the
+same function (the opposite of nanoGPT's from_pretrained):
+
+    attnlab model (Pre-LN, no logit soft-cap)            transformers class
+    layernorm, gelu|relu2, RoPE, MHA/GQA/MQA             GPTNeoXForCausalLM (sequential residual, rotary_pct 1)
+    layernorm, gelu|relu2, learned|sinusoidal|no pos.    GPT2LMHeadModel (the table in wpe)
+    rmsnorm, swiglu, RoPE, MHA/GQA/MQA                   LlamaForCausalLM
+    rmsnorm, swiglu, RoPE, per-head RMS QK-Norm (no gain) Qwen3ForCausalLM
+    (every row: bias or not, tied or untied head, any attn.scale, rope_base and d_ff)
+
+How the weights move (all exact; the export reloads itself and compares logits before it keeps
+the directory):
+- RoPE: attnlab rotates interleaved channel pairs (2j, 2j+1) by p*theta_j, theta_j = base^(-2j/hs);
+  these three rotate halves (j, j + hs/2) by the same angle in the same direction (x*cos + rot(x)*sin
+  with rot = (-x2, x1)). So each head's q and k rows are permuted [0, 2, 4, ..., 1, 3, 5, ...]; q.k
+  is a sum over channels, unchanged by permuting both (Meta's Llama conversion does the same).
+- Scale: transformers divides logits by sqrt(hs); a non-default model.attn.scale is folded into
+  the q rows (or, with QK-Norm, into q_norm's gain, which the norm does not undo).
+- QK-Norm eps: attnlab's per-head norm adds 1e-6, Qwen3's q_norm/k_norm use rms_norm_eps (1e-5,
+  the block norms'). rms(a*x) with eps E equals rms(x) with eps E/a^2, so q and k rows are scaled
+  by a = sqrt(1e-5 / 1e-6) before the norm, which then computes exactly attnlab's.
+- GPT-NeoX and GPT-2 have no grouped-query attention: K and V heads are repeated for each query
+  head of their group (the function GQA computes). NeoX fuses query_key_value per head
+  [q_h, k_h, v_h]; GPT-2's Conv1D weights are (in, out). Biases these always have (MLP, LayerNorm,
+  GPT-2's attention) are written as zeros where attnlab has none (model.bias=false).
+- Positions: GPT-2's wpe table holds the learned table, the sinusoidal one, or zeros (NoPE).
+Options no stock class computes (Post-LN, logit soft-cap, layer/l2 QK-Norm, per-head QK gains,
+SwiGLU with LayerNorm, ...) stop the export with one line naming the option.
+Past block_size attnlab's sampler slides a block_size window; transformers attends to the whole
+context, so generation agrees while prompt plus continuation fit in block_size tokens.
+"""
+import dataclasses
+import inspect
+import json
+import logging
+import math
+import os
+import shutil
+from pathlib import Path
+from typing import Optional
+
+import hydra
+import torch
+from hydra.core.config_store import ConfigStore
+
+from checkpoint import find_checkpoint, load_checkpoint, model_from_checkpoint
+from common import UserError, cli, dir_mode, private_mode, run_app, temp_suffix
+from model import GPT, NORM_EPS, GPTConfig, qk_normalize
+from tokenizer import EOT, tokenizer_from_dict
+
+log = logging.getLogger("attnlab")
+QK_NORM_EPS = inspect.signature(qk_normalize).parameters["eps"].default  # attnlab's per-head norm eps
+LOGIT_TOL = 1e-4  # |exported - attnlab| logits allowed, times max(1, |logit|) for large models
+
+
+@dataclasses.dataclass
+class ExportConfig:
+    ckpt: Optional[str] = None  # checkpoint file or run dir; default: the newest run under outputs/
+    out: Optional[str] = None  # the directory to write (required)
+    overwrite: bool = False  # replace `out` if it already holds an export
+    verify: bool = True  # reload the export with transformers and compare its logits with attnlab's
+
+
+ConfigStore.instance().store(name="base_export", node=ExportConfig)
+
+
+class NoCounterpart(UserError):
+    """An attnlab option that no stock transformers architecture computes."""
+
+
+def no_counterpart(option: str, why: str):
+    raise NoCounterpart(f"{option} has no exact counterpart in transformers ({why}): cannot export this model")
+
+
+# ----------------------------------------------------------------------------- which architecture
+
+def pick_target(c: GPTConfig) -> str:
+    """gpt2, gpt_neox, llama or qwen3: the stock architecture that computes the model `c` describes."""
+    if c.norm_position != "pre":
+        no_counterpart(f"model.norm_position={c.norm_position}", "GPT-2, GPT-NeoX, Llama and Qwen3 are Pre-LN")
+    if c.logit_softcap:
+        no_counterpart(f"model.logit_softcap={c.logit_softcap}", "GPT-2, GPT-NeoX, Llama and Qwen3 do not cap logits")
+    if c.pos != "rope":  # a table added to the embeddings: GPT-2's wpe holds any (zeros for none)
+        if c.attn.qk_norm:
+            no_counterpart(f"model.attn.qk_norm=true with model.pos={c.pos}",
+                           "GPT-2, the absolute-position architecture, has no QK-Norm")
+        if c.norm != "layernorm":
+            no_counterpart(f"model.norm={c.norm} with model.pos={c.pos}",
+                           "GPT-2, the absolute-position architecture, normalises with LayerNorm")
+        if c.mlp == "swiglu":
+            no_counterpart(f"model.mlp=swiglu with model.pos={c.pos}", "GPT-2's MLP is not gated")
+        return "gpt2"
+    if c.attn.qk_norm:
+        if c.attn.qk_norm_type != "rms":
+            no_counterpart(f"model.attn.qk_norm_type={c.attn.qk_norm_type}",
+                           "Qwen3, the per-head QK-Norm architecture, normalises q and k with RMSNorm")
+        if c.attn.qk_norm_gain != "none":
+            no_counterpart(f"model.attn.qk_norm_gain={c.attn.qk_norm_gain}",
+                           "Qwen3's q_norm/k_norm hold one gain vector shared by all heads, attnlab one per head")
+        if (c.norm, c.mlp) != ("rmsnorm", "swiglu"):
+            no_counterpart(f"model.attn.qk_norm=true with model.norm={c.norm} model.mlp={c.mlp}",
+                           "Qwen3, the per-head QK-Norm architecture, has RMSNorm blocks and a SwiGLU MLP")
+        if c.bias:
+            no_counterpart("model.bias=true with model.attn.qk_norm=true", "Qwen3's MLP has no biases")
+        return "qwen3"
+    if c.norm == "layernorm":
+        if c.mlp == "swiglu":
+            no_counterpart("model.mlp=swiglu with model.norm=layernorm",
+                           "GPT-NeoX's MLP is not gated and Llama normalises with RMSNorm")
+        return "gpt_neox"
+    if c.mlp != "swiglu":
+        no_counterpart(f"model.mlp={c.mlp} with model.norm=rmsnorm",
+                       "Llama's MLP is SwiGLU and GPT-NeoX normalises with LayerNorm")
+    return "llama"
+
+
+def hf_config(c: GPTConfig, target: str, eot):
+    """The transformers config of the model `c` describes."""
+    from transformers import GPT2Config, GPTNeoXConfig, LlamaConfig, Qwen3Config
+
+    if target == "gpt2":
+        return GPT2Config(vocab_size=c.vocab_size, n_positions=c.block_size, n_embd=c.n_embd, n_layer=c.n_layer,
+                          n_head=c.n_head, n_inner=c.d_ff, activation_function=c.mlp, resid_pdrop=c.dropout,
+                          embd_pdrop=c.dropout, attn_pdrop=c.dropout, layer_norm_epsilon=NORM_EPS,
+                          tie_word_embeddings=c.tie_embeddings, bos_token_id=eot, eos_token_id=eot,
+                          pad_token_id=None, dtype="float32")
+
+    common = dict(vocab_size=c.vocab_size, hidden_size=c.n_embd, num_hidden_layers=c.n_layer,
+                  num_attention_heads=c.n_head, intermediate_size=c.d_ff, max_position_embeddings=c.block_size,
+                  tie_word_embeddings=c.tie_embeddings, attention_dropout=c.dropout, bos_token_id=eot,
+                  eos_token_id=eot, pad_token_id=None, attention_bias=c.bias, dtype="float32",
+                  rope_parameters={"rope_type": "default", "rope_theta": c.rope_base})
+    if target == "gpt_neox":
+        common["rope_parameters"]["partial_rotary_factor"] = 1.0  # its default rotates only a quarter
+        return GPTNeoXConfig(**common, hidden_act=c.mlp, layer_norm_eps=NORM_EPS, hidden_dropout=c.dropout,
+                             use_parallel_residual=False)  # its default adds attn and MLP of one input
+    gqa = dict(num_key_value_heads=c.n_kv_head, head_dim=c.head_dim, hidden_act="silu", rms_norm_eps=NORM_EPS)
+    if target == "llama":
+        return LlamaConfig(**common, **gqa, mlp_bias=c.bias)
+    return Qwen3Config(**common, **gqa, use_sliding_window=False)
+
+
+# ----------------------------------------------------------------------------- weights
+
+def rope_halves(rows, heads: int, hs: int):
+    """q or k rows (heads*hs, ...) reordered per head from interleaved pairs (2j, 2j+1) to halves
+    (j, j + hs/2): new channel j is old 2j, new j + hs/2 is old 2j+1."""
+    perm = torch.cat((torch.arange(0, hs, 2), torch.arange(1, hs, 2)))
+    return rows.unflatten(0, (heads, hs))[:, perm].flatten(0, 1)  # (heads, hs, ...) -> (heads*hs, ...)
+
+
+def qkv_parts(sd: dict, prefix: str, c: GPTConfig, kind: str):
+    """c_attn's q, k, v `kind` (weight or bias) of one block in transformers' order: q and k rows
+    in halves order (with RoPE) and scaled (see module docstring), v as is. None without biases."""
+    t = sd.get(f"{prefix}.attn.c_attn.{kind}")
+    if t is None:
+        return None
+    hs = c.head_dim
+    q, k, v = t.split([c.n_head * hs, c.n_kv_head * hs, c.n_kv_head * hs])  # [Q | K | V]
+    if c.pos == "rope":
+        q, k = rope_halves(q, c.n_head, hs), rope_halves(k, c.n_kv_head, hs)
+    if c.attn.qk_norm:  # pre-scale so Qwen3's eps (the block norms') acts as attnlab's QK eps
+        q_mult = k_mult = math.sqrt(NORM_EPS / QK_NORM_EPS)
+    else:  # attention logits * scale = (q * scale * sqrt(hs)) . k / sqrt(hs)
+        q_mult, k_mult = c.attn_scale * math.sqrt(hs), 1.0
+    return q * q_mult, k * k_mult, v
+
+
+def mha_parts(sd: dict, prefix: str, c: GPTConfig, kind: str):
+    """qkv_parts with K and V heads repeated for each query head of their group (GQA -> MHA, the
+    same function), each as (n_head, hs, ...)."""
+    parts = qkv_parts(sd, prefix, c, kind)
+    if parts is None:
+        return None
+    group = c.n_head // c.n_kv_head
+    q, k, v = (t.unflatten(0, (-1, c.head_dim)) for t in parts)  # (heads, hs, ...)
+    return q, k.repeat_interleave(group, dim=0), v.repeat_interleave(group, dim=0)
+
+
+def gpt2_weights(sd: dict, model: GPT) -> dict:
+    """GPT-2's names and layout: Conv1D weights are (in, out), transposed from Linear's; c_attn is
+    [Q | K | V] like ours; the position table is the learned one, the sinusoidal one or zeros (NoPE)."""
+    c = model.config
+    zeros = torch.zeros(c.n_embd)
+    table = sd.get("positions.wpe.weight")
+    if table is None:
+        table = model.positions.table.float().cpu() if c.pos == "sinusoidal" else torch.zeros(c.block_size, c.n_embd)
+    w = {"transformer.wte.weight": sd["wte.weight"], "transformer.wpe.weight": table,
+         "lm_head.weight": sd["lm_head.weight"], "transformer.ln_f.weight": sd["ln_f.weight"],
+         "transformer.ln_f.bias": sd.get("ln_f.bias", zeros)}
+    for i in range(c.n_layer):
+        p, h = f"blocks.{i}", f"transformer.h.{i}"
+        for ln in ("ln_1", "ln_2"):
+            w[f"{h}.{ln}.weight"], w[f"{h}.{ln}.bias"] = sd[f"{p}.{ln}.weight"], sd.get(f"{p}.{ln}.bias", zeros)
+        for kind in ("weight", "bias"):
+            parts = mha_parts(sd, p, c, kind)
+            fused = torch.zeros(3 * c.n_embd) if parts is None else torch.cat([t.flatten(0, 1) for t in parts])
+            w[f"{h}.attn.c_attn.{kind}"] = fused.t()  # weight (C, 3C) from (3C, C); bias (3C,) as is
+        for name, width in (("attn.c_proj", c.n_embd), ("mlp.c_fc", c.d_ff), ("mlp.c_proj", c.n_embd)):
+            w[f"{h}.{name}.weight"] = sd[f"{p}.{name}.weight"].t()
+            w[f"{h}.{name}.bias"] = sd.get(f"{p}.{name}.bias", torch.zeros(width))
+    return w
+
+
+def neox_weights(sd: dict, c: GPTConfig) -> dict:
+    """GPT-NeoX's names and layout: LayerNorm and MLP biases always exist (zeros where we have none)."""
+    zeros = torch.zeros(c.n_embd)
+    w = {"gpt_neox.embed_in.weight": sd["wte.weight"], "lm_head.weight": sd["lm_head.weight"],
+         "gpt_neox.final_layer_norm.weight": sd["ln_f.weight"],
+         "gpt_neox.final_layer_norm.bias": sd.get("ln_f.bias", zeros)}
+    for i in range(c.n_layer):
+        p, h = f"blocks.{i}", f"gpt_neox.layers.{i}"
+        for ours, theirs in (("ln_1", "input_layernorm"), ("ln_2", "post_attention_layernorm")):
+            w[f"{h}.{theirs}.weight"] = sd[f"{p}.{ours}.weight"]
+            w[f"{h}.{theirs}.bias"] = sd.get(f"{p}.{ours}.bias", zeros)
+        for kind in ("weight", "bias"):
+            parts = mha_parts(sd, p, c, kind)
+            if parts is None:
+                continue
+            w[f"{h}.attention.query_key_value.{kind}"] = torch.stack(parts, dim=1).flatten(0, 2)  # per head [q|k|v]
+            w[f"{h}.attention.dense.{kind}"] = sd[f"{p}.attn.c_proj.{kind}"]
+        w[f"{h}.mlp.dense_h_to_4h.weight"] = sd[f"{p}.mlp.c_fc.weight"]
+        w[f"{h}.mlp.dense_h_to_4h.bias"] = sd.get(f"{p}.mlp.c_fc.bias", torch.zeros(c.d_ff))
+        w[f"{h}.mlp.dense_4h_to_h.weight"] = sd[f"{p}.mlp.c_proj.weight"]
+        w[f"{h}.mlp.dense_4h_to_h.bias"] = sd.get(f"{p}.mlp.c_proj.bias", zeros)
+    return w
+
+
+def llama_weights(sd: dict, c: GPTConfig, qwen3: bool) -> dict:
+    """Llama's (and Qwen3's, which adds q_norm and k_norm) parameter names and layout."""
+    w = {"model.embed_tokens.weight": sd["wte.weight"], "model.norm.weight": sd["ln_f.weight"],
+         "lm_head.weight": sd["lm_head.weight"]}
+    for i in range(c.n_layer):
+        p, h = f"blocks.{i}", f"model.layers.{i}"
+        w[f"{h}.input_layernorm.weight"] = sd[f"{p}.ln_1.weight"]
+        w[f"{h}.post_attention_layernorm.weight"] = sd[f"{p}.ln_2.weight"]
+        for kind in ("weight", "bias"):
+            parts = qkv_parts(sd, p, c, kind)
+            if parts is None:
+                continue
+            for name, t in zip(("q_proj", "k_proj", "v_proj"), parts):
+                w[f"{h}.self_attn.{name}.{kind}"] = t
+            w[f"{h}.self_attn.o_proj.{kind}"] = sd[f"{p}.attn.c_proj.{kind}"]
+            gate, up = sd[f"{p}.mlp.c_fc.{kind}"].chunk(2)  # [gate | up]
+            w[f"{h}.mlp.gate_proj.{kind}"], w[f"{h}.mlp.up_proj.{kind}"] = gate, up
+            w[f"{h}.mlp.down_proj.{kind}"] = sd[f"{p}.mlp.c_proj.{kind}"]
+        if qwen3:  # parameter-free per-head RMS norm; the attention scale rides on q's gain
+            w[f"{h}.self_attn.q_norm.weight"] = torch.full((c.head_dim,), c.attn_scale * math.sqrt(c.head_dim))
+            w[f"{h}.self_attn.k_norm.weight"] = torch.ones(c.head_dim)
+    return w
+
+
+def hf_weights(model: GPT, target: str) -> dict:
+    """attnlab's weights under the target's names and layout, in float32."""
+    sd = {k: v.detach().float().cpu() for k, v in model.state_dict().items()}
+    if target == "gpt2":
+        w = gpt2_weights(sd, model)
+    elif target == "gpt_neox":
+        w = neox_weights(sd, model.config)
+    else:
+        w = llama_weights(sd, model.config, qwen3=target == "qwen3")
+    bad = [k for k, t in w.items() if not torch.isfinite(t).all()]
+    if bad:
+        raise UserError(f"the exported weight {bad[0]} is not finite: refusing to write it")
+    return {k: t.contiguous().clone() for k, t in w.items()}
+
+
+def hf_model(c: GPTConfig, model: GPT, target: str, eot):
+    """The transformers model, its weights loaded by name (strict: a missing or extra name fails)."""
+    from transformers import AutoModelForCausalLM
+
+    config = hf_config(c, target, eot)
+    out = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    out.load_state_dict(hf_weights(model, target), strict=True)
+    if c.tie_embeddings:
+        out.tie_weights()
+    return out.eval()
+
+
+# ----------------------------------------------------------------------------- tokenizer
+
+def byte_symbols() -> dict:
+    """GPT-2's bytes-to-unicode table: byte-level BPE vocabularies spell each byte as one printable
+    character (the printable ASCII/Latin-1 bytes as themselves, the rest shifted past 255)."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    shifted = [b for b in range(256) if b not in keep]
+    return {**{b: chr(b) for b in keep}, **{b: chr(256 + n) for n, b in enumerate(shifted)}}
+
+
+def bpe_tokenizer(ranks: dict, pattern: str, specials: dict):
+    """A `tokenizers` byte-level BPE that encodes as tiktoken does with these ranks: tiktoken
+    splits text with `pattern`, then in each piece repeatedly merges the adjacent pair whose
+    concatenation has the lowest rank. So every (a, b) with a + b in the vocabulary is a merge,
+    ordered by the rank of a + b, and a piece that is itself a token is taken whole
+    (ignore_merges), as tiktoken does."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    sym = byte_symbols()
+    spell = lambda b: "".join(sym[x] for x in b)  # noqa: E731
+    merges = []
+    for token, rank in ranks.items():
+        splits = [(token[:i], token[i:]) for i in range(1, len(token)) if token[:i] in ranks and token[i:] in ranks]
+        merges += [(rank, spell(a), spell(b)) for a, b in sorted(splits, key=lambda s: (ranks[s[0]], ranks[s[1]]))]
+    merges.sort(key=lambda m: m[0])  # stable: a token's splits keep their order
+    vocab = {spell(t): r for t, r in ranks.items()} | dict(specials)
+    tk = Tokenizer(models.BPE(vocab=vocab, merges=[(a, b) for _, a, b in merges], ignore_merges=True))
+    tk.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
+                                                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tk.decoder = decoders.ByteLevel()
+    tk.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in specials])
+    return tk
+
+
+def char_tokenizer(chars: str):
+    """One token per character, ids in attnlab's order: a BPE with no merges over the whole text
+    (no pre-tokenizer), decoded by joining the characters (Fuse)."""
+    from tokenizers import Tokenizer, decoders, models
+
+    tk = Tokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(chars)}, merges=[]))
+    tk.decoder = decoders.Fuse()
+    return tk
+
+
+def hf_tokenizer(tok_dict: dict, block_size: int):
+    """attnlab's tokenizer as a transformers fast tokenizer (PreTrainedTokenizerFast)."""
+    from transformers import PreTrainedTokenizerFast
+
+    tok = tokenizer_from_dict(tok_dict)
+    if tok.kind == "char":
+        tk, special = char_tokenizer(tok.chars), {}
+    else:  # a named tiktoken encoding or our trained BPE: both are tiktoken Encodings, whose ranks,
+        enc = tok.enc  # pattern and special tokens tiktoken keeps in attributes without a public getter
+        tk = bpe_tokenizer(enc._mergeable_ranks, enc._pat_str, enc._special_tokens)
+        special = {"bos_token": EOT, "eos_token": EOT} if EOT in enc._special_tokens else {}
+    fast = PreTrainedTokenizerFast(tokenizer_object=tk, model_max_length=block_size,
+                                   clean_up_tokenization_spaces=False, **special)
+    return tok, fast
+
+
+def check_tokenizer(tok, fast):
+    """The same ids for a text using the whole vocabulary (char) or a mixed sample with
+    <|endoftext|> (BPE): a cheap guard; tests compare whole val splits."""
+    if tok.kind == "char":
+        text, want = tok.chars, list(range(len(tok.chars)))
+    else:
+        docs = ["Hello, world! It's 2024:\n\tcafé, naïve, 日本語, emoji 😀 and    spaces.",
+                "def f(x):\n    return x**2\n"]
+        want = [i for d in docs for i in [*tok.encode(d).tolist(), tok.eot]]
+        text = EOT.join(docs) + EOT
+    got = fast(text)["input_ids"]
+    if got != want:
+        first = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+        raise UserError(f"the exported tokenizer encodes differently from attnlab's (first at token {first}): "
+                        "not writing it; please report this")
+
+
+# ----------------------------------------------------------------------------- writing
+
+def update_json(path: Path, **entries):
+    conf = json.loads(path.read_text(encoding="utf-8"))
+    path.write_text(json.dumps({**conf, **entries}, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+def make_portable(out: Path, c: GPTConfig, target: str):
+    """Also loadable by transformers 4.x: it reads RoPE settings from rope_theta (and GPT-NeoX's
+    from rotary_pct, default 0.25, and rotary_emb_base), not from 5.x's rope_parameters, and knows
+    the fast tokenizer as PreTrainedTokenizerFast (5.x: TokenizersBackend, an alias of it)."""
+    if target != "gpt2":
+        legacy = {"rotary_pct": 1.0, "rotary_emb_base": c.rope_base} if target == "gpt_neox" else {}
+        update_json(out / "config.json", rope_theta=c.rope_base, **legacy)
+    update_json(out / "tokenizer_config.json", tokenizer_class="PreTrainedTokenizerFast")
+
+
+def flat_fields(c: GPTConfig) -> dict:
+    fields = dataclasses.asdict(c)
+    attn = fields.pop("attn")
+    return {**fields, **{f"attn.{k}": v for k, v in attn.items()}}
+
+
+def model_card(state: dict, model: GPT, target_cls: str, ckpt: Path, tok) -> str:
+    c, run = model.config, state.get("config") or {}
+    data = run.get("data") or {}
+    val = state.get("val_loss")
+    ours, base = (flat_fields(x) for x in (c, GPTConfig(vocab_size=c.vocab_size)))
+    changed = ", ".join(f"{k}={v}" for k, v in ours.items() if v != base[k] and k != "attn.impl") or "the defaults"
+    positions = f"RoPE (base {c.rope_base:g})" if c.pos == "rope" else f"{c.pos} positions (in wpe)"
+    tokenizer = tok.spec["name"] if tok.kind == "tiktoken" else tok.kind
+    rows = [("architecture", f"`{target_cls}`: {c.n_layer} layers, {c.n_head} heads ({c.n_kv_head} key/value), "
+                             f"width {c.n_embd}, {c.mlp} MLP of {c.d_ff}, {c.norm}, {positions}, "
+                             f"context {c.block_size}"),
+            ("attnlab model", changed),
+            ("parameters", f"{model.num_params():,}"),
+            ("training data", f"{data.get('name', 'unknown')} (tokenizer: {tokenizer}, vocabulary {tok.vocab_size})"),
+            ("steps", str(state.get("step", "unknown"))),
+            ("val loss", f"{val:.4f}" if isinstance(val, (int, float)) else "unknown")]
+    table = "\n".join(f"| {k} | {v} |" for k, v in rows)
+    return f"""---
+library_name: transformers
+pipeline_tag: text-generation
+tags: [attnlab]
+---
+# {ckpt.parent.name}
+
+A GPT trained with attnlab (checkpoint `{ckpt.name}`) and exported by its `export.py` to a stock
+transformers architecture: its logits equal attnlab's (fp32) within the trained context of
+{c.block_size} tokens.
+
+| | |
+| --- | --- |
+{table}
+
+```python
+from transformers import pipeline
+generate = pipeline("text-generation", model="PATH/TO/THIS/DIR")
+print(generate("{'ROMEO:' if tok.kind == 'char' else 'Once upon a time'}", max_new_tokens=100)[0]["generated_text"])
+```
+
+Generation defaults (generation_config.json) are attnlab's sampler's: temperature 0.8, top-k 200.
+The model was trained on {c.block_size}-token contexts: past that, attnlab's sampler slides a
+{c.block_size}-token window while transformers attends to the whole context, so the two agree on
+prompt plus continuation up to {c.block_size} tokens.
+"""
+
+
+def prepare_out(out: Optional[str], overwrite: bool) -> Path:
+    if not out:
+        raise UserError("out=DIR is required: the directory to write the transformers model to")
+    path = Path(out).expanduser()
+    if path.exists() and not path.is_dir():
+        raise UserError(f"out={out} is a file: pass a directory")
+    if path.is_dir() and any(path.iterdir()):
+        if not overwrite:
+            raise UserError(f"out={out} is not empty: pass overwrite=true to replace an earlier export, or another dir")
+        if not (path / "config.json").is_file():
+            raise UserError(f"out={out} is not empty and holds no config.json: not an export, so not replacing it")
+    return path
+
+
+def export(cfg) -> Path:
+    """Write the checkpoint cfg.ckpt names as a transformers model directory cfg.out; return it.
+    It is written under a temporary name, checked, then renamed: `out` is whole or absent."""
+    out = prepare_out(cfg.out, cfg.overwrite)
+    ckpt = find_checkpoint(cfg.ckpt)
+    state = load_checkpoint(ckpt)  # refuses non-finite weights
+    model = model_from_checkpoint(state).eval()
+    c = model.config
+    target = pick_target(c)
+    try:
+        from transformers import GenerationConfig
+        from transformers.utils import logging as hf_logging
+    except ImportError:
+        raise UserError("export needs transformers: pip install -r requirements.txt") from None
+    hf_logging.disable_progress_bar()  # "Loading weights" bars on every save and load
+    tok, fast = hf_tokenizer(state["tokenizer"], c.block_size)
+    check_tokenizer(tok, fast)
+    eot = tok.eot if tok.eot is not None and tok.eot < c.vocab_size else None
+    hf = hf_model(c, model, target, eot)
+    gen = GenerationConfig(do_sample=True, temperature=0.8, top_k=200, bos_token_id=eot, eos_token_id=eot,
+                           pad_token_id=eot)  # sample.py's defaults
+    mode = private_mode([ckpt])  # an export is no more readable than the checkpoint it came from
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}{temp_suffix()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        hf.save_pretrained(tmp, safe_serialization=True)
+        gen.save_pretrained(tmp)
+        fast.save_pretrained(tmp)
+        make_portable(tmp, c, target)
+        (tmp / "README.md").write_text(model_card(state, model, type(hf).__name__, ckpt, tok), encoding="utf-8")
+        diff = verify(model, tmp) if cfg.verify else None
+        for f in tmp.iterdir():
+            os.chmod(f, mode)
+        os.chmod(tmp, dir_mode(mode))
+        if out.exists():
+            shutil.rmtree(out)
+        os.rename(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    log.info("exported %s as %s to %s%s", ckpt, type(hf).__name__, out,
+             "" if diff is None else f" (logits within {diff:.1e} of attnlab's)")
+    return out
+
+
+@torch.no_grad()
+def verify(model: GPT, path: Path) -> float:
+    """Reload the export from disk (fp32, eager attention) and compare its logits with attnlab's on
+    random tokens at full block_size; refuse it if they differ. Returns the largest difference."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+    idx = torch.randint(model.config.vocab_size, (2, model.config.block_size),
+                        generator=torch.Generator().manual_seed(0))
+    want, got = model(idx), hf(idx).logits
+    diff = (want - got).abs().max().item()
+    if not diff <= LOGIT_TOL * max(1.0, want.abs().max().item()):
+        raise UserError(f"the exported model's logits differ from attnlab's by up to {diff:.2e}: not writing it; "
+                        "please report this")
+    return diff
+
+
+@hydra.main(version_base="1.3", config_path="configs", config_name="export")
+@cli
+def main(cfg):
+    print(export(cfg))
+
+
+if __name__ == "__main__":
+    run_app(main)

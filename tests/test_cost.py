@@ -1,0 +1,293 @@
+"""cost.py (issue 16): counts derived by hand for two small configs, the same counts from real
+models (num_params, flops_per_token, torch's FlopCounterMode, a real KV cache), the crossovers
+plugged back in, and one-line errors."""
+import json
+import subprocess
+import sys
+from fractions import Fraction
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from common import UserError
+from conftest import REPO, compose_cfg
+from config import model_config
+from cost import (count_params, cost, crossovers, macs_per_token, memory_bytes, round_half_up,
+                  training_flops_per_token)
+from model import GPT, GPTConfig
+
+# MHA + GELU, everything else the defaults (LayerNorm without bias, Pre-LN, RoPE, tied head):
+# d=64, 4 heads of 16, d_kv = 4*16 = 64, d_ff = 4*64 = 256, vocab 100, 2 layers.
+MHA_GELU = dict(vocab_size=100, block_size=32, n_layer=2, n_head=4, n_embd=64)
+# GQA + SwiGLU with RMSNorm and an untied head: d=80, 4 query heads of 20 sharing 2 K/V heads,
+# d_kv = 2*20 = 40, d_ff = 64*ceil(8*80/3/64) = 64*ceil(3.33) = 256, vocab 100, 2 layers.
+GQA_SWIGLU = dict(vocab_size=100, block_size=32, n_layer=2, n_head=4, n_kv_head=2, n_embd=80, mlp="swiglu",
+                  norm="rmsnorm", tie_embeddings=False)
+
+
+def test_mha_gelu_by_hand():
+    c = GPTConfig(**MHA_GELU)
+    # parameters
+    #   wte 100*64 = 6,400 (tied: it is the LM head too, counted once)
+    #   per layer: c_attn 64*(64+2*64) = 12,288 + c_proj 64*64 = 4,096 -> attention 16,384
+    #              c_fc 64*256 = 16,384 + c_proj 256*64 = 16,384      -> MLP 32,768
+    #              ln_1, ln_2: 64 weights each (no bias)              -> norms 128
+    #   2 layers: attention 32,768, MLP 65,536, norms 256; ln_f 64 -> norms 320
+    #   total 6,400 + 32,768 + 65,536 + 320 = 105,024
+    assert count_params(c) == {"embedding": 6400, "lm_head": 0, "attention": 32768, "mlp": 65536, "norms": 320,
+                               "total": 105024, "non_embedding": 105024}
+    # MACs per token and layer at N=32: Q, K, V, O 64*64 = 4,096 each -> 16,384 = 4*d^2 (MHA);
+    # scores N*d = 32*64 = 2,048, weights.V 2,048 -> 4,096; MLP 2*64*256 = 32,768; norms 128.
+    # Layer 16,384 + 4,096 + 32,768 + 128 = 53,376; LM head 64*100 = 6,400; ln_f 64.
+    # Forward 2*53,376 + 6,400 + 64 = 113,216 MACs; training 6*113,216 = 679,296 FLOPs
+    # = PaLM's 6*105,024 + 12*2*32*64 = 630,144 + 49,152.
+    m = macs_per_token(c, 32)
+    assert (m["q"], m["k"], m["v"], m["o"], m["proj"]) == (4096, 4096, 4096, 4096, 16384)
+    assert (m["scores"], m["weighted_sum"], m["attn"], m["mlp"], m["other"]) == (2048, 2048, 4096, 32768, 128)
+    assert (m["layer"], m["lm_head"], m["other_final"], m["forward"]) == (53376, 6400, 64, 113216)
+    assert training_flops_per_token(c, 32) == 679296 == 6 * 105024 + 12 * 2 * 32 * 64
+    # crossovers: 2*N*d = 2*d*(d+d_kv) -> N = 64+64 = 128; 2*N*d = 2*d*d_ff -> N = d_ff = 256; both: 384
+    assert crossovers(c) == {"attn_vs_proj": 128, "attn_vs_mlp": 256, "attn_vs_proj_mlp": 384}
+    # memory at N=32, batch 2, float32 (4 B): weights 105,024*4 = 420,096; AdamW 105,024*8 = 840,192;
+    # one layer's N x N table 2*4*32*32*4 = 32,768, two layers 65,536; KV per token
+    # 2 (K, V) * 2 layers * 4 heads * 16 * 4 B = 1,024; at N, batch 2: 1,024*32*2 = 65,536 (MHA: the same)
+    assert memory_bytes(c, 32, 2, 4) == {
+        "weights": 420096, "adamw_state": 840192, "attn_weights_per_layer": 32768,
+        "attn_weights_all_layers": 65536, "kv_cache_per_token": 1024, "kv_cache": 65536, "kv_cache_mha": 65536}
+
+
+def test_gqa_swiglu_by_hand():
+    c = GPTConfig(**GQA_SWIGLU)
+    assert c.d_ff == 256  # the default SwiGLU width, rounded up to a multiple of 64
+    # parameters
+    #   wte 100*80 = 8,000; untied LM head 80*100 = 8,000
+    #   per layer: c_attn 80*(80+2*40) = 12,800 + c_proj 80*80 = 6,400      -> attention 19,200
+    #              c_fc (gate|up) 80*2*256 = 40,960 + c_proj 256*80 = 20,480 -> MLP 61,440
+    #              ln_1, ln_2: RMSNorm weights 80 each                      -> norms 160
+    #   2 layers: attention 38,400, MLP 122,880, norms 320; ln_f 80 -> norms 400
+    #   total 8,000 + 8,000 + 38,400 + 122,880 + 400 = 177,680; non-embedding (no wte) 169,680
+    assert count_params(c) == {"embedding": 8000, "lm_head": 8000, "attention": 38400, "mlp": 122880,
+                               "norms": 400, "total": 177680, "non_embedding": 169680}
+    # MACs per token and layer at N=32: Q 80*80 = 6,400, K 80*40 = 3,200, V 3,200, O 6,400 -> 19,200
+    # (MHA would be 4*80^2 = 25,600); scores 32*80 = 2,560, weights.V 2,560 -> 5,120 (GQA shares K/V
+    # heads, every query head still scores every key); MLP 3*80*256 = 61,440; norms 160.
+    # Layer 19,200 + 5,120 + 61,440 + 160 = 85,920; LM head 8,000; ln_f 80.
+    # Forward 2*85,920 + 8,000 + 80 = 179,920 MACs; training 6*179,920 = 1,079,520 FLOPs
+    # = 6*169,680 + 12*2*32*80 = 1,018,080 + 61,440.
+    m = macs_per_token(c, 32)
+    assert (m["q"], m["k"], m["v"], m["o"], m["proj"]) == (6400, 3200, 3200, 6400, 19200)
+    assert (m["scores"], m["weighted_sum"], m["attn"], m["mlp"], m["other"]) == (2560, 2560, 5120, 61440, 160)
+    assert (m["layer"], m["lm_head"], m["other_final"], m["forward"]) == (85920, 8000, 80, 179920)
+    assert training_flops_per_token(c, 32) == 1079520 == 6 * 169680 + 12 * 2 * 32 * 80
+    # crossovers: N = d + d_kv = 80 + 40 = 120; 2*N*d = 3*d*d_ff -> N = 3*256/2 = 384; both: 504
+    assert crossovers(c) == {"attn_vs_proj": 120, "attn_vs_mlp": 384, "attn_vs_proj_mlp": 504}
+    # memory at N=32, batch 2, bfloat16 (2 B): weights 177,680*2 = 355,360; AdamW 177,680*8 = 1,421,440;
+    # table 2*4*32*32*2 = 16,384, two layers 32,768; KV per token 2*2 layers*2 K/V heads*20*2 B = 320,
+    # at N, batch 2: 320*64 = 20,480; with 4 K/V heads (MHA) twice that, 40,960
+    assert memory_bytes(c, 32, 2, 2) == {
+        "weights": 355360, "adamw_state": 1421440, "attn_weights_per_layer": 16384,
+        "attn_weights_all_layers": 32768, "kv_cache_per_token": 320, "kv_cache": 20480, "kv_cache_mha": 40960}
+
+
+def cost_cfg(*overrides, tmp_path=None):
+    plot = f"plot={tmp_path / 'cost.png'}" if tmp_path else "plot=null"
+    return compose_cfg("cost", [plot, *overrides])
+
+
+def model_overrides(fields):
+    return [f"model.{k}={v}" for k, v in fields.items()]
+
+
+def test_json_output_has_the_issue_keys_and_the_hand_numbers(capsys, tmp_path):
+    cfg = cost_cfg("model=debug", *model_overrides(GQA_SWIGLU), "seq_len=32", "batch_size=2", "dtype=bfloat16",
+                   "format=json", tmp_path=tmp_path)
+    result = cost(cfg)
+    printed = json.loads(capsys.readouterr().out)  # one JSON object, nothing else on stdout
+    assert printed == result == {
+        "params": 177680,
+        "macs_per_token": {"proj": 19200, "attn": 5120, "mlp": 61440, "lm_head": 8000},
+        "crossover": {"attn_vs_proj": 120, "attn_vs_mlp": 384, "attn_vs_proj_mlp": 504},
+        "memory_bytes": {"weights": 355360, "adamw_state": 1421440, "attn_weights_per_layer": 16384,
+                         "attn_weights_all_layers": 32768, "kv_cache_per_token": 320, "kv_cache": 20480,
+                         "kv_cache_mha": 40960}}
+    assert (tmp_path / "cost.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_text_report_names_units_and_conventions(capsys):
+    cost(cost_cfg("model=debug", *model_overrides(MHA_GELU), "seq_len=32", "dtype=float32"))
+    out = capsys.readouterr().out
+    for phrase in ("1 MAC = 2 FLOPs", "113,216 MACs = 226,432 FLOPs per token", "679,296 FLOPs per token",
+                   "GPT.flops_per_token(32)", "full N x N table", "about half", "N = d + d_kv", "128 tokens",
+                   "256 tokens", "384 tokens", "float32 (4 bytes per number)", "(420,096 B)", "105,024",
+                   "KV cache with MHA"):
+        assert phrase in out, phrase
+    assert "GQA:" not in out  # MHA: no saving to report
+
+
+# ----------------------------------------------------------------------------- against real models
+
+VARIANTS = [  # each a small change from MHA_GELU (every option that changes a parameter count)
+    {}, {"bias": True}, {"n_kv_head": 2}, {"n_kv_head": 1, "bias": True}, {"mlp": "swiglu"}, {"mlp": "relu2"},
+    {"mlp": "swiglu", "d_ff": 100, "bias": True}, {"d_ff": 96}, {"norm": "rmsnorm", "bias": True},
+    {"norm_position": "post"}, {"norm_position": "post", "bias": True}, {"pos": "learned"},
+    {"pos": "sinusoidal"}, {"pos": "none"}, {"tie_embeddings": False}, {"tie_embeddings": False, "pos": "learned"},
+    {"attn": {"qk_norm": True}}, {"attn": {"qk_norm": True, "qk_norm_gain": "head"}, "n_kv_head": 2},
+    {"attn": {"qk_norm": True, "qk_norm_gain": "channel"}, "n_kv_head": 1, "bias": True},
+    GQA_SWIGLU,
+]
+
+
+def by_kind(model) -> dict:
+    """The model's own parameters grouped by name, as cost.count_params groups them."""
+    kinds = dict.fromkeys(("embedding", "lm_head", "attention", "mlp", "norms"), 0)
+    for name, p in model.named_parameters():  # a tied lm_head.weight is wte.weight, listed once
+        kind = ("embedding" if name.startswith(("wte.", "positions.")) else "lm_head" if name.startswith("lm_head.")
+                else "attention" if ".attn." in name else "mlp" if ".mlp." in name else "norms")
+        assert kind != "norms" or "ln_" in name, name
+        kinds[kind] += p.numel()
+    return kinds
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: ",".join(f"{k}={v[k]}" for k in v) or "base")
+def test_counts_equal_a_real_model(variant):
+    """Parameters by kind equal the built model's; training FLOPs equal GPT.flops_per_token; the
+    forward's matmul FLOPs, as torch's FlopCounterMode measures them on the reference attention path
+    (explicit q·kᵀ and weights·V over the full table), equal 2 x the MACs counted here, per module."""
+    fields = {**MHA_GELU, **variant, "attn": {**variant.get("attn", {}), "impl": "reference"}}
+    c = GPTConfig(**fields)
+    torch.manual_seed(0)
+    model = GPT(c).eval()
+    p = count_params(c)
+    assert p["total"] == model.num_params()
+    assert {k: p[k] for k in by_kind(model)} == by_kind(model)
+    for N in (1, 17, 32, 100):
+        assert training_flops_per_token(c, N) == model.flops_per_token(N)
+    B, N = 2, c.block_size
+    with FlopCounterMode(display=False) as counter:  # with grad: its module tracker trips on no_grad views
+        model(torch.randint(0, c.vocab_size, (B, N)))
+    flops = {k: sum(v.values()) for k, v in counter.get_flop_counts().items()}
+    m = macs_per_token(c, N)
+    assert flops["GPT.blocks.0.attn"] == 2 * B * N * (m["proj"] + m["attn"])
+    assert flops["GPT.blocks.0.mlp"] == 2 * B * N * m["mlp"]
+    assert flops["GPT.lm_head"] == 2 * B * N * m["lm_head"]
+    # everything else (norms, biases, gains) does no matmul: the 6N convention counts 1 MAC each
+    assert flops["Global"] == 2 * B * N * (m["forward"] - c.n_layer * m["other"] - m["other_final"])
+
+
+MODEL_PRESETS = sorted(p.stem for p in (REPO / "configs" / "model").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("preset", MODEL_PRESETS)
+def test_every_model_preset_counts_like_its_model(preset):
+    """Built on the meta device (shapes, no memory: llama3_8b_shape has 8B parameters); presets
+    without a vocabulary get a small one."""
+    cfg = cost_cfg(f"model={preset}")
+    c = model_config(cfg.model, None if cfg.model.vocab_size else 96)
+    with torch.device("meta"):
+        model = GPT(c)
+    assert count_params(c)["total"] == model.num_params()
+    for N in (1, c.block_size, 3 * c.block_size):
+        assert training_flops_per_token(c, N) == model.flops_per_token(N)
+    for key, n in crossovers(c).items():  # and the crossovers hold for every preset
+        assert_crossover(c, key, n)
+
+
+def test_llama3_8b_shape_is_llama_3_8b():
+    c = model_config(cost_cfg("model=llama3_8b_shape").model)
+    assert count_params(c)["total"] == 8_030_261_248  # Meta's published count for Llama 3 8B
+    assert (c.n_layer, c.n_embd, c.n_head, c.n_kv_head, c.head_dim, c.d_ff, c.vocab_size) == \
+        (32, 4096, 32, 8, 128, 14336, 128256)
+    # per token and layer: 4096 + 1024 = 5120 (projections), 3*14336/2 = 21504 (MLP)
+    assert crossovers(c) == {"attn_vs_proj": 5120, "attn_vs_mlp": 21504, "attn_vs_proj_mlp": 26624}
+    # KV per token: 2 * 32 layers * 8 heads * 128 * 2 B = 128 KiB; MHA 4x that
+    mem = memory_bytes(c, 8192, 1, 2)
+    assert mem["kv_cache_per_token"] == 2**17 and mem["kv_cache"] == 2**30 and mem["kv_cache_mha"] == 2**32
+
+
+@pytest.mark.parametrize("fields", [MHA_GELU, GQA_SWIGLU, {**GQA_SWIGLU, "n_kv_head": 1}])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kv_bytes_equal_a_real_cache_after_prefill(fields, dtype):
+    c = GPTConfig(**fields)
+    B, N = 3, 20
+    for n_kv_head, key in ((c.n_kv_head, "kv_cache"), (c.n_head, "kv_cache_mha")):
+        model = GPT(GPTConfig(**{**fields, "n_kv_head": n_kv_head})).to(dtype).eval()
+        caches = model.new_kv_cache(B, N)  # in the model's dtype
+        assert caches[0].k.dtype == dtype
+        with torch.no_grad():
+            model(torch.randint(0, c.vocab_size, (B, N)), kv_cache=caches, pos=0)  # prefill of N tokens
+        assert all(cache.k[:, :, N - 1].abs().sum() > 0 for cache in caches)  # filled to the last slot
+        cached = sum(t.numel() * t.element_size() for cache in caches for t in (cache.k, cache.v))
+        assert cached == memory_bytes(c, N, B, dtype.itemsize)[key]
+    per_token = memory_bytes(c, N, B, dtype.itemsize)["kv_cache_per_token"]
+    assert per_token * N * B == memory_bytes(c, N, B, dtype.itemsize)["kv_cache"]
+
+
+# ----------------------------------------------------------------------------- crossovers
+
+def assert_crossover(c, key, n):
+    """Plugged back in at the exact length, attention's MACs equal the other side's."""
+    m = macs_per_token(c, n)
+    other = {"attn_vs_proj": m["proj"], "attn_vs_mlp": m["mlp"], "attn_vs_proj_mlp": m["proj"] + m["mlp"]}[key]
+    assert m["attn"] == other, (key, n, m["attn"], other)
+    # and the sides differ on either side of it: below, attention is cheaper; above, dearer
+    below, above = macs_per_token(c, n - 1), macs_per_token(c, n + 1)
+    assert below["attn"] < other < above["attn"]
+
+
+@pytest.mark.parametrize("fields", [MHA_GELU, GQA_SWIGLU, {**GQA_SWIGLU, "d_ff": 101}, {**MHA_GELU, "n_kv_head": 1},
+                                    {**MHA_GELU, "mlp": "relu2", "d_ff": 50}])
+def test_crossovers_make_the_two_terms_equal(fields):
+    c = GPTConfig(**fields)
+    for key, n in crossovers(c).items():
+        assert_crossover(c, key, n)
+        assert isinstance(n, Fraction)
+
+
+def test_crossovers_round_to_the_nearest_integer(capsys):
+    # SwiGLU with d_ff=101: 3*101/2 = 151.5 (exact), reported as 152; + d + d_kv = 80 + 40 -> 271.5 -> 272
+    c = GPTConfig(**{**GQA_SWIGLU, "d_ff": 101})
+    assert crossovers(c)["attn_vs_mlp"] == Fraction(303, 2)
+    assert round_half_up(Fraction(303, 2)) == 152 and round_half_up(Fraction(7, 3)) == 2
+    result = cost(cost_cfg("model=debug", *model_overrides(GQA_SWIGLU), "model.d_ff=101", "format=json"))
+    assert result["crossover"] == {"attn_vs_proj": 120, "attn_vs_mlp": 152, "attn_vs_proj_mlp": 272}
+
+
+# ----------------------------------------------------------------------------- errors
+
+@pytest.mark.parametrize("override, message", [
+    ("seq_len=0", "seq_len=0 must be a positive integer"),
+    ("seq_len=-8", "seq_len=-8 must be a positive integer"),
+    ("batch_size=0", "batch_size=0 must be a positive integer"),
+    ("dtype=fp8", "dtype='fp8' is unknown"),
+    ("format=yaml", "format='yaml' is unknown"),
+    ("model.n_kv_head=3", "model.n_kv_head=3 must divide model.n_head=2"),
+    ("model.n_embd=33", "model.n_embd=33 is not divisible"),
+])
+def test_bad_values_are_user_errors(override, message):
+    with pytest.raises(UserError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        cost(cost_cfg("model=debug", override))
+
+
+def run_cost(*args, cwd=REPO):
+    return subprocess.run([sys.executable, str(REPO / "cost.py"), *args], cwd=cwd, capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_cli_prints_one_line_errors(tmp_path):
+    r = run_cost("model=debug", "model.n_kv_head=3", cwd=tmp_path)
+    assert r.returncode == 1 and r.stdout == ""
+    assert r.stderr.startswith("error: model.n_kv_head=3 must divide model.n_head=2") and r.stderr.count("\n") == 1
+    assert list(tmp_path.iterdir()) == []  # refused before the plot
+
+
+def test_cli_llama3_8b_json(tmp_path):
+    """The README's command, in JSON, through the real CLI; the figure lands in the working directory."""
+    r = run_cost("model=llama3_8b_shape", "seq_len=8192", "format=json", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["params"] == 8_030_261_248
+    assert out["macs_per_token"] == {"proj": 41_943_040, "attn": 67_108_864, "mlp": 176_160_768,
+                                     "lm_head": 525_336_576}
+    assert out["memory_bytes"]["attn_weights_per_layer"] == 32 * 8192**2 * 2  # 4 GiB for one layer
+    assert (tmp_path / "cost.png").is_file()

@@ -1,0 +1,321 @@
+"""export.py: a checkpoint as a transformers model directory with the same logits, the same greedy
+continuations and the same tokenization (issue 19). CPU, offline, fp32, eager attention. The
+reference is always attnlab itself (model.py's forward, sample.generate, tokenizer.py), never the
+export's own code."""
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import transformers
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import export  # registers its config schema
+from checkpoint import model_from_checkpoint, save_checkpoint
+from common import UserError
+from conftest import REPO, SHAKESPEARE, TIKTOKEN_CACHE, compose_cfg, requires_shared
+from data.prepare import prepare
+from model import GPT, GPTConfig, apply_rope, rope_freqs
+from sample import generate
+from tokenizer import EOT, CharTokenizer, tokenizer_from_dict
+from train import train
+
+CHARS = CharTokenizer("".join(sorted(set("abcdefghijklmnopqrstuvwxyz ABCDEFGHIJ.,:;!?'\n0123456789"))))
+BLOCK = 64  # a 5-token prompt and 50 new tokens fit: both sides then see the same context
+LLAMA = dict(norm="rmsnorm", mlp="swiglu")
+
+# the three families the issue names, then variants of each (bias, GQA/MQA, relu2, tied or not, scales)
+MAIN = {
+    "default": ({}, "GPTNeoXForCausalLM"),
+    "llama_gqa": (dict(norm="rmsnorm", mlp="swiglu", n_kv_head=2, tie_embeddings=False), "LlamaForCausalLM"),
+    "qk_norm": (dict(norm="rmsnorm", mlp="swiglu", n_kv_head=2, attn={"qk_norm": True}), "Qwen3ForCausalLM"),
+}
+VARIANTS = {
+    **MAIN,
+    "default_bias_gqa_relu2_scale": (dict(bias=True, n_kv_head=2, mlp="relu2", attn={"scale": "0.3"}),
+                                     "GPTNeoXForCausalLM"),
+    "default_untied_scale_none": (dict(tie_embeddings=False, rope_base=500.0, attn={"scale": "none"}),
+                                  "GPTNeoXForCausalLM"),
+    "llama_mqa_bias_tied_scale_dk": (dict(norm="rmsnorm", mlp="swiglu", n_kv_head=1, bias=True, d_ff=40,
+                                          attn={"scale": "dk"}), "LlamaForCausalLM"),
+    "qk_norm_mha_untied_scale": (dict(norm="rmsnorm", mlp="swiglu", tie_embeddings=False,
+                                      attn={"qk_norm": True, "scale": "2.5"}), "Qwen3ForCausalLM"),
+    "gpt2_learned": (dict(pos="learned"), "GPT2LMHeadModel"),
+    "gpt2_sinusoidal_gqa_bias_relu2": (dict(pos="sinusoidal", n_kv_head=2, bias=True, mlp="relu2",
+                                            attn={"scale": "0.3"}), "GPT2LMHeadModel"),
+    "gpt2_nope_untied_scale_dk": (dict(pos="none", tie_embeddings=False, attn={"scale": "dk"}), "GPT2LMHeadModel"),
+    # q and k so small that the norms' eps (1e-6 in attnlab, 1e-5 in Qwen3) decides the result
+    "qk_norm_tiny_qk": (dict(norm="rmsnorm", mlp="swiglu", n_kv_head=2, attn={"qk_norm": True}, tiny_qk=True),
+                        "Qwen3ForCausalLM"),
+}
+
+
+@pytest.fixture(autouse=True)
+def offline(monkeypatch):
+    """Exports must load from their directory alone: any Hub request fails at once."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+
+def random_model(seed=0, tiny_qk=False, **kw) -> GPT:
+    """A tiny model with trained-looking random weights: norm weights and biases away from 1 and 0,
+    projections larger than at init (so the attention is far from uniform)."""
+    torch.manual_seed(seed)
+    model = GPT(GPTConfig(vocab_size=CHARS.vocab_size, block_size=BLOCK, n_layer=2, n_head=4, n_embd=32, **kw))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                p.uniform_(-0.5, 0.5) if name.endswith("bias") else p.uniform_(0.5, 1.5)
+            else:
+                p.mul_(3.0)
+            if tiny_qk and "c_attn" in name:
+                p.mul_(0.005)
+    return model.eval()
+
+
+def write_checkpoint(path: Path, model: GPT, tokenizer=CHARS, **extra) -> Path:
+    state = {"model": model.state_dict(), "model_config": dataclasses.asdict(model.config),
+             "tokenizer": tokenizer.to_dict(), "step": 0, "val_loss": None, "config": {"data": {"name": "unit"}},
+             **extra}
+    return save_checkpoint(path, state)
+
+
+def run_export(ckpt, out, *overrides):
+    """export.export through the Hydra config (configs/export.yaml and its schema)."""
+    return export.export(compose_cfg("export", [f"ckpt={ckpt}", f"out={out}", *overrides]))
+
+
+def load_hf(path):
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+
+
+def assert_close(got, want, what, tol=1e-4):
+    d = (got - want).abs()
+    assert d.max() < tol, f"{what}: max diff {d.max():.2e}, mean {d.mean():.2e}"
+
+
+def check_logits(model: GPT, hf, what):
+    """Random token batches at full block_size: every position, every vocabulary entry."""
+    c = model.config
+    idx = torch.randint(c.vocab_size, (3, c.block_size), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert_close(hf(idx).logits, model(idx), what)
+
+
+def check_greedy(model: GPT, hf, prompt, what):
+    """transformers' greedy generate == attnlab's sample.generate at temperature 0, 50 tokens."""
+    want = generate(model, prompt, 50, temperature=0)
+    hf.generation_config.eos_token_id = None  # never stop early: compare all 50 tokens
+    with torch.no_grad():
+        got = hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=50, do_sample=False,
+                          top_k=None, temperature=None)
+    assert got.tolist() == want.tolist(), f"{what}: greedy continuations differ"
+
+
+# ----------------------------------------------------------------------------- the mapping
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_random_weights_give_equal_logits(name, tmp_path):
+    kw, cls = VARIANTS[name]
+    model = random_model(**kw)
+    out = run_export(write_checkpoint(tmp_path / "ckpt.pt", model), tmp_path / "hf")
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == [cls]
+    check_logits(model, load_hf(out), name)
+
+
+@pytest.mark.parametrize("name", [*MAIN, "gpt2_learned"])
+def test_greedy_generation_equals_sample_py(name, tmp_path):
+    kw, _ = VARIANTS[name]
+    model = random_model(seed=3, **kw)
+    out = run_export(write_checkpoint(tmp_path / "ckpt.pt", model), tmp_path / "hf")
+    prompt = torch.tensor([CHARS.encode("the c").tolist()])
+    check_greedy(model, load_hf(out), prompt, name)
+
+
+TRAINED = {
+    "default": [],
+    "llama_gqa": ["model.norm=rmsnorm", "model.mlp=swiglu", "model.n_head=4", "model.n_kv_head=2",
+                  "model.tie_embeddings=false"],
+    "qk_norm": ["model.norm=rmsnorm", "model.mlp=swiglu", "model.n_head=4", "model.n_kv_head=2",
+                "model.attn.qk_norm=true", "model.attn.scale=0.5"],
+}
+
+
+@pytest.mark.parametrize("name", list(TRAINED))
+def test_trained_model_exports_exactly(name, train_cfg, text_file, tmp_path):
+    """A few real training steps (AdamW moves every weight, norms and biases included), exported
+    from the run dir as a user would; then logits, greedy text and the model card."""
+    cfg = train_cfg("data=text", f"data.path={text_file}", f"model.block_size={BLOCK}", "train.max_iters=10",
+                    "train.eval_interval=5", "train.warmup_iters=0", *TRAINED[name])
+    result = train(cfg)
+    out = run_export(result["out_dir"], tmp_path / "hf")
+    state = torch.load(Path(result["ckpt"]).parent / "best.pt", weights_only=True)
+    model = model_from_checkpoint(state).eval()
+    hf = load_hf(out)
+    check_logits(model, hf, name)
+    tok = tokenizer_from_dict(state["tokenizer"])
+    check_greedy(model, hf, torch.tensor([tok.encode("line 1").tolist()]), name)
+    card = (out / "README.md").read_text()
+    assert "| training data | text (tokenizer: char" in card
+    assert f"| steps | {state['step']} |" in card and f"| val loss | {state['val_loss']:.4f} |" in card
+
+
+def test_rope_permutation_turns_pairs_into_halves():
+    """The rotation alone: attnlab's interleaved-pair RoPE followed by the export's row permutation
+    equals transformers' rotate-half RoPE of the permuted vector (same angles, same direction) at
+    every position; q.k, a sum over channels, then does not change."""
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+    hs, T, base = 16, 40, 500.0
+    x = torch.randn(T, hs)  # one head's q at positions 0..T-1
+    halves = lambda t: export.rope_halves(t.T, 1, hs).T  # noqa: E731  the export's permutation, (T, hs)
+    ours = apply_rope(x, rope_freqs(hs, T, base))  # (T, hs)
+    config = transformers.LlamaConfig(hidden_size=hs, num_attention_heads=1, head_dim=hs,
+                                      rope_parameters={"rope_type": "default", "rope_theta": base})
+    cos, sin = LlamaRotaryEmbedding(config)(x, torch.arange(T).unsqueeze(0))  # (1, T, hs)
+    theirs, _ = apply_rotary_pos_emb(halves(x)[None, None], halves(x)[None, None], cos, sin)
+    assert_close(theirs[0, 0], halves(ours), "RoPE")
+    assert halves(x)[:, :4].tolist() == x[:, [0, 2, 4, 6]].tolist()  # pairs (2j, 2j+1) -> (j, j + hs/2)
+
+
+# ----------------------------------------------------------------------------- tokenizers
+
+
+def export_tokenizer(tok, tmp_path) -> Path:
+    """A tiny random model over `tok`'s vocabulary, exported; the directory's tokenizer is what
+    AutoTokenizer loads."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=tok.vocab_size, block_size=16, n_layer=1, n_head=2, n_embd=16))
+    return run_export(write_checkpoint(tmp_path / "tok.pt", model, tok), tmp_path / "tok_hf")
+
+
+def check_val_split(data_dir: Path, tmp_path):
+    """The whole val split: transformers' encoding of its text (documents joined by <|endoftext|>
+    where the vocabulary has it) equals attnlab's, and decoding gives the text back."""
+    meta = json.loads((data_dir / "meta.json").read_text())
+    tok = tokenizer_from_dict(meta["tokenizer"])
+    val = np.fromfile(data_dir / "val.bin", dtype=meta["dtype"]).astype(np.int64)
+    fast = AutoTokenizer.from_pretrained(export_tokenizer(tok, tmp_path))
+    pieces = [(val, False)]  # (ids of a document, followed by <|endoftext|>)
+    if tok.eot is not None:
+        cuts = np.flatnonzero(val == tok.eot).tolist()
+        pieces = [(val[a:b], b < len(val)) for a, b in zip([0, *(i + 1 for i in cuts)], [*cuts, len(val)])]
+        pieces = [(ids, eot) for ids, eot in pieces if len(ids) or eot]  # no empty piece after the last EOT
+        assert len(cuts) > 1 or tok.kind == "tiktoken", "a multi-document val split should hold <|endoftext|>"
+    docs = [(tok.decode(ids), eot) for ids, eot in pieces]
+    text = "".join(doc + EOT * eot for doc, eot in docs)
+    want = [i for doc, eot in docs for i in [*tok.encode(doc).tolist(), *[tok.eot] * eot]]
+    got = fast(text)["input_ids"]
+    first = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+    assert got == want, f"{tok.kind}: encodings differ from token {first} of {len(want)}"
+    assert fast.decode(got) == text
+    assert fast.decode(val.tolist()) == tok.decode(val)  # the stored ids too (a tail split may start mid-word)
+    if tok.eot is not None:
+        assert fast.eos_token == EOT and fast.eos_token_id == tok.eot
+    return len(want)
+
+
+def prepared(train_cfg, *overrides):
+    return prepare(train_cfg(*overrides).data)
+
+
+def test_char_tokenizer_matches_on_val_split(train_cfg, text_file, tmp_path):
+    assert check_val_split(prepared(train_cfg, "data=text", f"data.path={text_file}"), tmp_path) > 100
+
+
+def test_bpe_tokenizer_matches_on_val_split(train_cfg, tmp_path):
+    """Our trained BPE (rustbpe ranks and its GPT-4-style pattern) on several documents, so val
+    holds <|endoftext|> between them; the text mixes scripts, digits, contractions and odd spaces."""
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    for i in range(12):
+        lines = [f"Doc {i}: It's {i * 1234} o'clock; we'll see. Ünïcödé café, 日本語 {i}, emoji 😀{'!' * i}",
+                 "\tindented\r\n  two  spaces\u00a0nbsp\u2003em\u3000ideographic",
+                 "def f(x):\n    return x ** 2  # comment\n\n\n"] * (3 + i)
+        (docs / f"{i:02d}.txt").write_text("\n".join(lines), encoding="utf-8")
+    data = prepared(train_cfg, "data=text", f"data.path={docs}/*.txt", "data.tokenizer=bpe", "data.vocab_size=300",
+                    "data.val_fraction=0.3")
+    assert check_val_split(data, tmp_path) > 100
+
+
+@requires_shared(TIKTOKEN_CACHE)
+def test_r50k_tokenizer_matches_on_val_split(train_cfg, tmp_path, monkeypatch):
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(TIKTOKEN_CACHE))
+    data = prepared(train_cfg, "data=shakespeare", f"data.path={SHAKESPEARE}")
+    assert check_val_split(data, tmp_path) > 10_000
+
+
+@requires_shared(SHAKESPEARE)
+def test_char_tokenizer_matches_on_shakespeare_val_split(train_cfg, tmp_path):
+    assert check_val_split(prepared(train_cfg, "data=shakespeare_char", f"data.path={SHAKESPEARE}"), tmp_path) > 10_000
+
+
+# ----------------------------------------------------------------------------- refusals
+
+
+@pytest.mark.parametrize("kw,option", [
+    (dict(pos="learned", norm="rmsnorm", mlp="swiglu"), "model.norm=rmsnorm with model.pos=learned"),
+    (dict(pos="sinusoidal", attn={"qk_norm": True}), "model.attn.qk_norm=true with model.pos=sinusoidal"),
+    (dict(pos="none", mlp="swiglu"), "model.mlp=swiglu with model.pos=none"),
+    (dict(norm_position="post"), "model.norm_position=post"),
+    (dict(logit_softcap=30.0), "model.logit_softcap=30.0"),
+    (dict(LLAMA, attn={"qk_norm": True, "qk_norm_type": "layer"}), "model.attn.qk_norm_type=layer"),
+    (dict(LLAMA, attn={"qk_norm": True, "qk_norm_type": "l2"}), "model.attn.qk_norm_type=l2"),
+    (dict(LLAMA, attn={"qk_norm": True, "qk_norm_gain": "channel"}), "model.attn.qk_norm_gain=channel"),
+    (dict(LLAMA, attn={"qk_norm": True, "qk_norm_gain": "head"}), "model.attn.qk_norm_gain=head"),
+    (dict(attn={"qk_norm": True}), "model.attn.qk_norm=true with model.norm=layernorm"),
+    (dict(mlp="swiglu"), "model.mlp=swiglu with model.norm=layernorm"),
+    (dict(norm="rmsnorm"), "model.mlp=gelu with model.norm=rmsnorm"),
+    (dict(LLAMA, bias=True, attn={"qk_norm": True}), "model.bias=true with model.attn.qk_norm"),
+    (dict(norm="rmsnorm", mlp="relu2"), "model.mlp=relu2 with model.norm=rmsnorm"),
+], ids=lambda v: v if isinstance(v, str) else None)
+def test_option_without_counterpart_is_a_one_line_error(kw, option, tmp_path):
+    ckpt = write_checkpoint(tmp_path / "ckpt.pt", random_model(**kw))
+    with pytest.raises(UserError) as e:
+        run_export(ckpt, tmp_path / "hf")
+    assert option in str(e.value) and "\n" not in str(e.value)
+    assert not (tmp_path / "hf").exists()
+
+
+def test_cli_refuses_with_one_line(tmp_path):
+    ckpt = write_checkpoint(tmp_path / "ckpt.pt", random_model(norm_position="post"))
+    r = subprocess.run([sys.executable, str(REPO / "export.py"), f"ckpt={ckpt}", f"out={tmp_path / 'hf'}"],
+                       capture_output=True, text=True, cwd=REPO, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert r.returncode == 1 and r.stderr.strip().count("\n") == 0, r.stderr
+    assert r.stderr.startswith("error: model.norm_position=post has no exact counterpart")
+
+
+def test_non_finite_checkpoint_is_refused(tmp_path):
+    model = random_model()
+    with torch.no_grad():
+        model.blocks[1].mlp.c_fc.weight[3, 4] = float("nan")
+    ckpt = write_checkpoint(tmp_path / "ckpt.pt", model)
+    with pytest.raises(UserError, match="non-finite"):
+        run_export(ckpt, tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()
+
+
+def test_out_dir_is_never_clobbered_and_keeps_the_checkpoint_private(tmp_path):
+    ckpt = write_checkpoint(tmp_path / "ckpt.pt", random_model())
+    precious = tmp_path / "mine"
+    precious.mkdir()
+    (precious / "notes.txt").write_text("keep me")
+    for overrides in ([], ["overwrite=true"]):
+        with pytest.raises(UserError, match="not empty"):
+            run_export(ckpt, precious, *overrides)
+    assert (precious / "notes.txt").read_text() == "keep me"
+    with pytest.raises(UserError, match="out=DIR is required"):
+        export.export(compose_cfg("export", [f"ckpt={ckpt}"]))
+    out = run_export(ckpt, tmp_path / "hf")
+    ckpt.chmod(0o600)  # a private checkpoint gives a private export (as checkpoints follow their data)
+    run_export(ckpt, out, "overwrite=true")  # an earlier export may be replaced
+    assert {p.stat().st_mode & 0o777 for p in out.iterdir()} == {0o600} and out.stat().st_mode & 0o777 == 0o700
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", "config.json", "generation_config.json",
+                                                     "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary dir left

@@ -1,0 +1,248 @@
+"""The CUDA training path, checked on CPU (issue 13): each test reproduces on CPU a failure that a
+first GPU run would have hit, with the GPU part stood in for: a monkeypatched device capability,
+device name or world size, the CPU GradScaler with fp16 autocast, the meta device, gloo processes."""
+import json
+import os
+import socket
+import subprocess
+import sys
+import types
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import common
+import train as train_module
+from checkpoint import load_checkpoint, step_name
+from common import Dist, Runtime, UserError, peak_flops_for, pick_dtype
+from conftest import REPO, compose_cfg
+from model import GPT
+from optim import train_step
+from test_resume import poison_training_loss
+from train import train
+
+CUDA = torch.device("cuda")  # only named, never used: no test here touches a GPU
+
+
+# ----------------------------------------------------------------------------- bug 1: resume on a GPU
+
+def test_resume_restores_rng_states_on_a_device_other_than_the_cpu(train_cfg, tmp_path, monkeypatch):
+    """The checkpoint is read to CPU: read to the run's device, the sampler and RNG byte tensors
+    would land there and Generator.set_state / torch.set_rng_state would raise. The meta device
+    stands in for the GPU (the same failure); the model stays on the CPU."""
+    train(train_cfg("train.max_iters=10"))
+
+    class StaysOnCpu(GPT):
+        def to(self, *args, **kwargs):
+            return self
+    monkeypatch.setattr(train_module, "GPT", StaysOnCpu)
+    monkeypatch.setattr(train_module, "setup_runtime", lambda device, dtype: Runtime(torch.device("meta"), torch.float32))
+    run = train_module.setup(train_cfg("train.max_iters=20", "resume=true", "train.log_attn_interval=0"))
+    try:
+        assert run.step == 10 and run.rt.device.type == "meta"
+        saved = load_checkpoint(tmp_path / "run" / step_name(10))
+        assert torch.equal(run.sampler.get_state(), saved["sampler"])  # the data position was restored
+        assert torch.equal(torch.get_rng_state(), saved["rng"]["torch"])
+    finally:
+        run.tracker.close()
+        run.lock.close()
+
+
+# ----------------------------------------------------------------------------- bug 2: MFU under DDP
+
+def test_mfu_is_per_gpu_when_tokens_per_sec_counts_every_process():
+    logged = []
+    run = types.SimpleNamespace(model=types.SimpleNamespace(flops_per_token=lambda: 6e6), step=10,
+                                dist=Dist(0, 4), tracker=types.SimpleNamespace(log=lambda line, step: logged.append(line)),
+                                cfg=types.SimpleNamespace(train=types.SimpleNamespace(max_iters=100)))
+    meter = train_module.Throughput(tokens_per_step=4 * 8 * 1024)  # the global batch: 4 processes' tokens
+    meter.steps = 10
+    train_module.log_progress(run, meter, torch.tensor(3.0), torch.tensor(1.0), 1e-3, peak=1e12)
+    line = logged[0]
+    assert line["mfu"] == pytest.approx(6e6 * line["tokens_per_sec"] / (4 * 1e12), rel=1e-12)
+
+
+# ----------------------------------------------------------------------------- bug 4: a compile sweep
+
+COMPILE_SWEEP = """
+import functools, json, os, runpy, sys
+import torch
+from hydra.core.hydra_config import HydraConfig
+
+compiled = []
+def backend(gm, example_inputs):  # dynamo's guards and recompile limit as with inductor, no code generation
+    compiled.append([HydraConfig.get().job.num, torch.is_grad_enabled()])
+    return gm.forward
+torch.compile = functools.partial(torch.compile, backend=backend)
+sys.argv = ["train.py"] + sys.argv[1:]
+try:
+    runpy.run_path("train.py", run_name="__main__")
+finally:
+    with open(os.environ["COMPILED_LOG"], "w") as f:
+        json.dump(compiled, f)
+"""
+
+
+@pytest.mark.slow
+def test_every_point_of_a_seven_point_compile_sweep_really_compiles(tmp_path):
+    """`python train.py -m ... compile=true` runs the sweep's jobs in one process: without a dynamo
+    reset per run, each point's model.dropout is one more guard on the same code, the 5th point
+    hits dynamo's recompile limit and later points silently run eager (while recording compiled)."""
+    log = tmp_path / "compiled.json"
+    env = {**os.environ, "WANDB_SILENT": "true", "COMPILED_LOG": str(log)}
+    r = subprocess.run([sys.executable, "-c", COMPILE_SWEEP, "-m", "model=debug", "device=cpu", "compile=true",
+                        "logger.wandb.mode=disabled", "train.max_iters=2", "train.eval_interval=2",
+                        "train.eval_iters=1", "train.log_interval=1", "train.batch_size=4", "train.log_attn_interval=0",
+                        "model.dropout=0.01,0.02,0.03,0.04,0.05,0.06,0.07", f"data.cache_dir={tmp_path / 'cache'}",
+                        f"hydra.sweep.dir={tmp_path / 'sweep'}"],
+                       cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "recompile_limit" not in r.stderr and "cache_size_limit" not in r.stderr
+    assert len(list((tmp_path / "sweep").glob("[0-9]_*"))) == 7
+    compiled = json.loads(log.read_text())
+    trained = sorted({job for job, grad in compiled if grad})  # the training forward, per job
+    evaluated = sorted({job for job, grad in compiled if not grad})  # the eval forward (no_grad)
+    assert trained == list(range(7)) and evaluated == list(range(7)), compiled
+
+
+# ----------------------------------------------------------------------------- bug 5: dtype=auto
+
+@pytest.mark.parametrize("capability, gpu, dtype", [((7, 0), "V100", torch.float16), ((7, 5), "T4", torch.float16),
+                                                    ((8, 0), "A100", torch.bfloat16), ((8, 9), "L4", torch.bfloat16),
+                                                    ((9, 0), "H100", torch.bfloat16)])
+def test_auto_dtype_is_bf16_only_where_the_gpu_has_it(monkeypatch, capability, gpu, dtype):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)  # what V100 and T4 report (emulation)
+    assert pick_dtype("auto", CUDA) == dtype, gpu
+    assert pick_dtype("auto", torch.device("cpu")) == torch.float32
+    assert pick_dtype("bfloat16", CUDA) == torch.bfloat16  # asked for, given
+
+
+# ----------------------------------------------------------------------------- bug 6: fp16 skipping a step
+
+def test_fp16_run_skips_a_nonfinite_step_and_goes_on(train_cfg, tmp_path, monkeypatch):
+    """The GradScaler's unscale_ of a skipped step must be closed by update(), or the next step's
+    unscale_ raises. CPU autocast has fp16 and the CPU GradScaler is the CUDA one's logic."""
+    poison_training_loss(monkeypatch, {5: float("nan")})
+    result = train(train_cfg("dtype=float16", "train.max_iters=12", "train.eval_interval=6", "train.skip_nonfinite=1"))
+    assert result["steps"] == 12
+    scaler = load_checkpoint(tmp_path / "run" / step_name(12))["scaler"]
+    assert scaler["scale"] < 2.0 ** 16  # the NaN step lowered the scale: update() saw its inf gradients
+
+
+# ----------------------------------------------------------------------------- bug 7: fp32 -> fp16 resume
+
+def test_resume_a_float32_checkpoint_in_float16(train_cfg, tmp_path):
+    train(train_cfg("train.max_iters=10", "dtype=float32"))
+    assert load_checkpoint(tmp_path / "run" / step_name(10))["scaler"] == {}  # a disabled scaler's state
+    result = train(train_cfg("train.max_iters=14", "dtype=float16", "resume=true"))
+    assert result["steps"] == 14
+    assert load_checkpoint(tmp_path / "run" / step_name(14))["scaler"]["scale"] > 0  # a fresh scaler from here
+
+
+# ----------------------------------------------------------------------------- bug 8: peak FLOP/s
+
+@pytest.mark.parametrize("name, dtype, peak", [
+    ("NVIDIA H100 80GB HBM3", torch.bfloat16, 989e12), ("NVIDIA H100 PCIe", torch.bfloat16, 756e12),
+    ("NVIDIA H100 PCIe", torch.float32, 378e12), ("NVIDIA H100 NVL", torch.bfloat16, 835e12),
+    ("NVIDIA H200", torch.bfloat16, 989e12), ("NVIDIA H200 NVL", torch.bfloat16, 835e12),
+    ("NVIDIA GH200 480GB", torch.bfloat16, 989e12), ("NVIDIA A100-SXM4-80GB", torch.float32, 156e12),
+    ("NVIDIA L40", torch.bfloat16, 181e12), ("NVIDIA L40S", torch.bfloat16, 362e12), ("NVIDIA L4", torch.bfloat16, 121e12),
+    ("NVIDIA L4", torch.float32, 60e12), ("Tesla V100-SXM2-16GB", torch.float16, 125e12),
+    ("Tesla V100-SXM2-16GB", torch.float32, 15.7e12), ("Tesla V100-SXM2-16GB", torch.bfloat16, 15.7e12),
+    ("Tesla T4", torch.float16, 65e12), ("NVIDIA GeForce RTX 4090", torch.bfloat16, 165e12),
+    ("NVIDIA A10G", torch.bfloat16, None), ("NVIDIA B200", torch.bfloat16, None),
+])
+def test_peak_flops_match_whole_names_and_the_dtype(name, dtype, peak):
+    assert peak_flops_for(name, dtype) == peak
+
+
+def test_peak_flops_of_a_run_follow_its_dtype(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 PCIe")
+    assert common.peak_flops(Runtime(CUDA, torch.float32)) == 378e12  # fp32 runs use TF32 tensor cores
+    assert common.peak_flops(Runtime(CUDA, torch.bfloat16)) == 756e12
+    assert common.peak_flops(Runtime(CUDA, torch.bfloat16), override=1e12) == 1e12
+
+
+# ----------------------------------------------------------------------------- torchrun on GPUs
+
+@pytest.mark.parametrize("device, backend, expected", [("cuda:0", "nccl", "cuda:1"), ("cuda", "nccl", "cuda:1"),
+                                                       ("auto", "nccl", "cuda:1"), ("cpu", "gloo", None)])
+def test_under_torchrun_each_rank_takes_its_local_gpu_over_nccl(monkeypatch, device, backend, expected):
+    calls = {}
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("LOCAL_RANK", "1")  # the second process of the second machine
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda i: calls.setdefault("set_device", i))
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", lambda backend: calls.setdefault("backend", backend))
+    d = common.init_distributed(device)
+    assert (d.rank, d.world, d.device_name) == (3, 4, expected)
+    assert calls["backend"] == backend and calls.get("set_device") == (1 if backend == "nccl" else None)
+
+
+class Tiny(torch.nn.Module):
+    """(None, loss) like GPT; the loss is multiplied by y, so a rank can be given a NaN loss."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 1)
+
+    def forward(self, x, y):
+        return None, self.lin(x).sum() * y
+
+
+def two_ranks(rank, port, cfg_overrides, out):
+    """One of two gloo processes: setup() as under torchrun, the finite-step decision, and the CUDA
+    RNG states (torch.cuda's functions replaced by stand-ins that name the rank)."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE="2")
+    seeds = []
+    torch.cuda.manual_seed = seeds.append
+    run = train_module.setup(compose_cfg("config", cfg_overrides))  # opens the gloo process group
+    try:
+        # each GPU its own CUDA seed (dropout masks differ per rank); the CPU's (weights, batches) alike
+        assert seeds == [1337 + rank], seeds
+        # DDP first, then compile: the compiled graph overlaps the all-reduce with backward
+        assert isinstance(run.fwd_model, torch._dynamo.eval_frame.OptimizedModule)
+        assert isinstance(run.fwd_model._orig_mod, torch.nn.parallel.DistributedDataParallel)
+
+        # a NaN loss on rank 1 alone: both ranks skip the step (no rank steps while another skips)
+        torch.manual_seed(0)
+        model, rt = Tiny(), Runtime(torch.device("cpu"), torch.float32)
+        before = model.lin.weight.detach().clone()
+        y = torch.tensor(float("nan") if rank == 1 else 1.0)
+        _, _, finite = train_step(model, torch.optim.SGD(model.parameters(), lr=0.1), [(torch.ones(2, 4), y)], 1, 1.0,
+                                  rt, torch.amp.GradScaler("cpu", enabled=False), world=2)
+        assert finite is False and torch.equal(model.lin.weight, before)
+
+        # every rank's CUDA RNG state goes into the checkpoint; rank r restores its own
+        restored = []
+        torch.cuda.get_rng_state = lambda device="cuda": torch.full((16,), 10 + rank, dtype=torch.uint8)
+        torch.cuda.set_rng_state = lambda state, device="cuda": restored.append((int(state[0]), device))
+        gpu = torch.device("cuda", rank)
+        state = train_module.rng_state(gpu, world=2)
+        assert [int(s[0]) for s in state["cuda"]] == [10, 11]
+        train_module.set_rng_state(state, gpu, rank)
+        assert restored == [(10 + rank, gpu)]
+        (out / f"rank{rank}.ok").write_text("ok")
+    finally:
+        run.tracker.close()
+        if run.lock is not None:
+            run.lock.close()
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_two_ranks_seed_their_gpus_apart_agree_on_skipping_and_save_every_ranks_cuda_rng(tmp_path):
+    from data.prepare import prepare
+    overrides = ["model=debug", "device=cpu", "compile=true", "logger.wandb.mode=disabled",
+                 f"out_dir={tmp_path / 'run'}", f"data.cache_dir={tmp_path / 'cache'}"]
+    prepare(compose_cfg("config", overrides).data)  # once, before two processes read it
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    torch.multiprocessing.spawn(two_ranks, args=(port, overrides, tmp_path), nprocs=2, join=True)
+    assert sorted(p.name for p in tmp_path.glob("rank*.ok")) == ["rank0.ok", "rank1.ok"]

@@ -1,0 +1,267 @@
+"""train.optimizer=muon: which parameters Muon takes, that its step is torch.optim.Muon's, that the schedule
+scales every group, that GradScaler and checkpoints see one optimizer, exact resume and DDP through the CLI."""
+import copy
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from checkpoint import load_checkpoint, step_name
+from common import UserError, setup_runtime
+from conftest import REPO, compose_cfg
+from model import GPT, GPTConfig
+from optim import MuonAdamW, build_optimizer, lr_at, set_lr, split_params, train_step
+from test_resume import cli_args, metrics_without_timing
+from tracking import read_metrics
+
+CPU = torch.device("cpu")
+VARIANTS = {  # every kind of parameter a model can have: gains (1-D and 2-D), biases, untied head, positions
+    "default": {},
+    "bias_untied_learned_pos": {"bias": True, "tie_embeddings": False, "pos": "learned"},
+    "qk_gain_per_channel_gqa": {"attn": {"qk_norm": True, "qk_norm_gain": "channel"}, "n_head": 4, "n_kv_head": 2},
+    "qk_gain_per_head_rmsnorm_swiglu": {"attn": {"qk_norm": True, "qk_norm_gain": "head"}, "norm": "rmsnorm",
+                                        "mlp": "swiglu"},
+}
+
+
+def tcfg(*overrides):
+    return compose_cfg("config", ["train.optimizer=muon", *overrides]).train
+
+
+def tiny_model(seed=0, **kw):
+    torch.manual_seed(seed)
+    return GPT(GPTConfig(**{"vocab_size": 17, "block_size": 8, "n_layer": 2, "n_head": 2, "n_embd": 16, **kw}))
+
+
+def backward(model, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(17, (3, 8), generator=g)
+    _, loss = model(x, torch.roll(x, -1, 1))
+    loss.backward()
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_muon_groups_cover_every_parameter_once_and_muon_takes_only_block_matrices(variant):
+    model = tiny_model(**VARIANTS[variant])
+    opt = build_optimizer(model, tcfg(), CPU)
+    in_groups = [p for g in opt.param_groups for p in g["params"]]
+    assert len(in_groups) == len({id(p) for p in in_groups}), "a parameter is in two groups"
+    assert {id(p) for p in in_groups} == {id(p) for p in model.parameters()}, "a parameter is in no group"
+    muon = {id(p) for g in opt.muon.param_groups for p in g["params"]}
+    expected = {id(m.weight) for m in model.blocks.modules() if isinstance(m, torch.nn.Linear)}
+    assert muon == expected
+    names = {id(p): n for n, p in model.named_parameters()}
+    for p in opt.muon.param_groups[0]["params"]:
+        assert p.dim() == 2, f"{names[id(p)]} {tuple(p.shape)} went to Muon"
+    assert not any("gain" in names[i] or "wte" in names[i] or "lm_head" in names[i] for i in muon)
+    # AdamW decays the remaining matrices (embedding, head, positions) and nothing 1-D
+    decay, no_decay = opt.adamw.param_groups
+    assert decay["weight_decay"] > 0 and no_decay["weight_decay"] == 0
+    assert all(p.dim() == 2 for p in decay["params"]) and model.wte.weight in decay["params"]
+
+
+def reference_muon(W, t, lr):
+    """torch.optim.Muon on a copy of one matrix, the hyperparameters written out from the config."""
+    p = torch.nn.Parameter(W.detach().clone())
+    return p, torch.optim.Muon([p], lr=lr, weight_decay=t.muon_weight_decay, momentum=t.muon_momentum,
+                               nesterov=True, ns_steps=t.muon_ns_steps, adjust_lr_fn=t.muon_adjust_lr)
+
+
+def test_a_muon_step_equals_torch_muon_applied_by_hand_to_the_same_matrix():
+    t = tcfg("train.lr=1e-3", "train.muon_lr=4e-3", "train.muon_weight_decay=0.05", "train.warmup_iters=2")
+    model = tiny_model()
+    opt = build_optimizer(model, t, CPU)
+    W = model.blocks[1].mlp.c_fc.weight
+    ref, ref_opt = reference_muon(W, t, lr=0.0)
+    emb = torch.nn.Parameter(model.wte.weight.detach().clone())  # AdamW's side, by hand too
+    emb_opt = torch.optim.AdamW([emb], lr=0.0, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay)
+    for step in range(3):  # warmup steps and beyond; from step 1 on the momentum buffer counts
+        lr = lr_at(step, t)
+        set_lr(opt, lr)
+        opt.zero_grad()
+        backward(model, seed=step)
+        ref.grad, emb.grad = W.grad.clone(), model.wte.weight.grad.clone()
+        opt.step()
+        ref_opt.param_groups[0]["lr"] = lr * 4  # muon_lr / lr: the schedule scales Muon's base lr
+        emb_opt.param_groups[0]["lr"] = lr
+        ref_opt.step()
+        emb_opt.step()
+        d = (W - ref).abs()
+        assert torch.equal(W, ref), f"step {step}: max diff {d.max():.3e}, mean {d.mean():.3e}"
+        assert torch.equal(model.wte.weight, emb), f"step {step}: AdamW side differs"
+    assert opt.muon.param_groups[0]["lr"] == pytest.approx(4 * opt.adamw.param_groups[0]["lr"])
+
+
+def newton_schulz_fp32(G, steps=5, a=3.4445, b=-4.7750, c=2.0315):
+    """Jordan's quintic Newton-Schulz iteration written out in float32 (torch's runs in bfloat16)."""
+    X = G.T if G.size(0) > G.size(1) else G
+    X = X / X.norm()
+    for _ in range(steps):
+        A = X @ X.T
+        X = a * X + (b * A + c * A @ A) @ X
+    return X.T if G.size(0) > G.size(1) else X
+
+
+def test_the_muon_update_is_the_orthogonalised_gradient_scaled_to_adamw_rms():
+    """Independent of torch's code: from zero momentum the Nesterov update is (1 - m^2) g, so W moves by
+    0.2 * sqrt(max(A, B)) * lr * NS(g). NS(g) is near g's polar factor U V^T with singular values in
+    Jordan's band (~0.7..1.2, by design not 1), and equals a float32 Newton-Schulz up to bfloat16 rounding.
+    g is a random (well-conditioned) matrix: a tiny model's gradient has near-zero singular values that
+    five iterations, by design, leave small."""
+    model = tiny_model()
+    opt = build_optimizer(model, tcfg("train.muon_weight_decay=0.0"), CPU)
+    W = model.blocks[0].attn.c_attn.weight  # (3C, C) = (48, 16)
+    before = W.detach().clone()
+    W.grad = torch.randn(W.shape, generator=torch.Generator().manual_seed(0))
+    opt.step()
+    O = (before - W.detach()) / (0.2 * max(W.shape) ** 0.5 * opt.muon.param_groups[0]["lr"])
+    s = torch.linalg.svdvals(O)
+    assert 0.6 < s.min() and s.max() < 1.25, f"singular values of the update {s.min():.3f}..{s.max():.3f}"
+    U, _, Vh = torch.linalg.svd(W.grad, full_matrices=False)
+    cos = (O * (U @ Vh)).sum() / (O.norm() * (U @ Vh).norm())
+    assert cos > 0.97, f"update vs polar factor of the gradient: cosine {cos:.4f}"
+    ref = newton_schulz_fp32(W.grad)
+    d = (O - ref).norm() / ref.norm()
+    assert d < 0.03, f"vs float32 Newton-Schulz: relative difference {d:.4f}, max {(O - ref).abs().max():.3e}"
+
+
+def test_momentum_warmup_rises_linearly_then_holds():
+    model = tiny_model()
+    opt = build_optimizer(model, tcfg("train.muon_momentum_warmup=4", "train.muon_momentum_start=0.85",
+                                      "train.muon_momentum=0.95"), CPU)
+    seen = []
+    for _ in range(6):
+        backward(model)
+        opt.step()
+        seen.append(opt.muon.param_groups[0]["momentum"])
+        opt.zero_grad()
+    assert seen == pytest.approx([0.85, 0.875, 0.9, 0.925, 0.95, 0.95])
+
+
+def test_grad_scaler_unscales_and_steps_the_combined_optimizer():
+    """fp16's GradScaler reaches Muon's and AdamW's gradients through param_groups: a scaled step
+    (power-of-two scale, exact in fp32) gives the same weights as an unscaled one."""
+    rt = setup_runtime("cpu", "float32")
+    x = torch.randint(17, (3, 8), generator=torch.Generator().manual_seed(0))
+    after = []
+    for enabled in (False, True):
+        model = tiny_model()
+        opt = build_optimizer(model, tcfg(), CPU)
+        scaler = torch.amp.GradScaler("cpu", enabled=enabled, init_scale=2.0 ** 12)
+        for _ in range(2):
+            *_, finite = train_step(model, opt, [(x, torch.roll(x, -1, 1))], 1, 1.0, rt, scaler)
+            assert finite
+        after.append(copy.deepcopy(model.state_dict()))
+    for name, w in after[0].items():
+        assert torch.equal(w, after[1][name]), name
+
+
+def test_state_dict_round_trips_through_a_checkpoint_file_and_continues_exactly(tmp_path):
+    t = tcfg("train.muon_momentum_warmup=5")
+    a = tiny_model()
+    opt_a = build_optimizer(a, t, CPU)
+    for step in range(3):
+        set_lr(opt_a, lr_at(step, t))
+        backward(a, seed=step)
+        opt_a.step()
+        opt_a.zero_grad()
+    torch.save({"model": a.state_dict(), "optimizer": opt_a.state_dict()}, tmp_path / "opt.pt")
+    state = torch.load(tmp_path / "opt.pt", weights_only=True)  # as checkpoints load: plain tensors and containers
+    b = tiny_model(seed=5)
+    b.load_state_dict(state["model"])
+    opt_b = build_optimizer(b, t, CPU)
+    opt_b.load_state_dict(state["optimizer"])
+    assert opt_b.steps == 3
+    for model, opt in ((a, opt_a), (b, opt_b)):
+        set_lr(opt, lr_at(3, t))
+        backward(model, seed=3)
+        opt.step()
+    for name, w in a.state_dict().items():
+        assert torch.equal(w, b.state_dict()[name]), name
+
+
+def test_resuming_an_adamw_checkpoint_with_muon_says_so_in_one_line():
+    model = tiny_model()
+    adamw_state = build_optimizer(model, tcfg("train.optimizer=adamw"), CPU).state_dict()
+    with pytest.raises(UserError, match="optimizer state is AdamW's"):
+        build_optimizer(model, tcfg(), CPU).load_state_dict(adamw_state)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("train.optimizer=sgd", "train.optimizer='sgd' is unknown"),
+    ("train.muon_lr=0", "train.muon_lr=0.0 must be > 0"),
+    ("train.muon_momentum=1.0", r"train.muon_momentum=1.0 must be in \[0, 1\)"),
+    ("train.muon_adjust_lr=spectral", "train.muon_adjust_lr='spectral' is unknown"),
+])
+def test_bad_optimizer_settings_are_one_line_errors(override, message):
+    with pytest.raises(UserError, match=message):
+        build_optimizer(tiny_model(), tcfg(override), CPU)
+
+
+def test_adamw_default_is_unchanged():
+    model = tiny_model()
+    opt = build_optimizer(model, compose_cfg("config").train, CPU)
+    assert isinstance(opt, torch.optim.AdamW) and not isinstance(opt, MuonAdamW)
+    muon, decay, no_decay = split_params(model)
+    assert len(opt.param_groups[0]["params"]) == len(muon) + len(decay)  # AdamW decays the same matrices
+
+
+MUON_CLI = ["train.optimizer=muon", "train.muon_lr=4e-3", "train.muon_momentum_warmup=40", "train.lr_decay_iters=60"]
+
+
+def run_cli(args, timeout=300, torchrun=False):
+    env = {**os.environ, "WANDB_SILENT": "true", "OMP_NUM_THREADS": "1"}
+    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"] if torchrun else []
+    r = subprocess.run([sys.executable, *launcher, str(REPO / "train.py"), *args], cwd=REPO, capture_output=True,
+                       text=True, timeout=timeout, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r
+
+
+@pytest.mark.slow
+def test_muon_run_stopped_and_resumed_is_bitwise_identical(tmp_path):
+    """60 steps straight vs 30 steps, a new process, resume to 60: every metric, weight and both optimizers'
+    states equal. Momentum warmup (40 steps) spans the resume point; dropout draws from the restored RNG."""
+    cache = tmp_path / "cache"
+    a, b = tmp_path / "a", tmp_path / "b"
+    run_cli([*cli_args(a, cache), *MUON_CLI])
+    first = [x if x != "train.max_iters=60" else "train.max_iters=30" for x in cli_args(b, cache)]
+    run_cli([*first, *MUON_CLI])
+    r = run_cli([*cli_args(b, cache), *MUON_CLI, "resume=true"])
+    assert f"resuming from {b / step_name(30)} at step 30" in r.stderr
+    assert metrics_without_timing(b) == metrics_without_timing(a)
+    wa, wb = load_checkpoint(a / step_name(60)), load_checkpoint(b / step_name(60))
+    for name, tensor in wa["model"].items():
+        assert torch.equal(tensor, wb["model"][name]), name
+    oa, ob = wa["optimizer"], wb["optimizer"]
+    assert oa["steps"] == ob["steps"] == 60
+    for kind, key in (("muon", "momentum_buffer"), ("adamw", "exp_avg_sq")):
+        assert oa[kind]["state"].keys() == ob[kind]["state"].keys()
+        for i, s in oa[kind]["state"].items():
+            assert s[key].equal(ob[kind]["state"][i][key]), f"{kind} state {i}"
+
+
+DDP_COMMON = ["model=debug", "model.dropout=0.0", "train.max_iters=10", "train.eval_interval=5", "train.eval_iters=2",
+              "train.log_interval=5", "train.batch_size=4", "device=cpu", "logger.wandb.mode=disabled",
+              "train.optimizer=muon"]
+
+
+@pytest.mark.slow
+def test_muon_under_torchrun_equals_one_process_with_the_same_global_batch(tmp_path):
+    """DDP averages gradients before the step, so every rank runs the same Muon on the same matrices:
+    2 processes x 1 micro-batch = 1 process x 2. Here the two are bitwise equal (halving a sum of two is
+    exact); the tolerance leaves room for another reduction order, whose ~1e-7 differences Muon's
+    bfloat16 Newton-Schulz could round to one bf16 step of an update entry (~lr * 1e-3)."""
+    cache = tmp_path / "cache"
+    single, multi = tmp_path / "single", tmp_path / "multi"
+    run_cli([*DDP_COMMON, "train.grad_accum=2", f"data.cache_dir={cache}", f"hydra.run.dir={single}"])
+    run_cli([*DDP_COMMON, f"data.cache_dir={cache}", f"hydra.run.dir={multi}"], torchrun=True)
+    a, b = load_checkpoint(single / step_name(10)), load_checkpoint(multi / step_name(10))
+    for name, t in a["model"].items():
+        d = (t - b["model"][name]).abs().max().item()
+        assert d < 1e-4, f"{name}: max diff {d:.2e}"
+    la = [m["val/loss"] for m in read_metrics(single) if "val/loss" in m]
+    lb = [m["val/loss"] for m in read_metrics(multi) if "val/loss" in m]
+    assert la == pytest.approx(lb, abs=1e-4)

@@ -1,0 +1,235 @@
+"""Attention maps of a prompt (issue 15): the weights against softmax(QKᵀ·scale + M) recomputed from
+the model's own q and k, the PNG, the self-contained HTML viewer in a real headless Chromium, the
+top-k keys on stdout, and one-line errors for bad input."""
+import base64
+import dataclasses
+import io
+import json
+import re
+import shutil
+import struct
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from attnstats import attention_maps
+from attnview import format_top_keys, label, pack_weights, token_pieces, top_keys, write_views
+from checkpoint import save_checkpoint
+from common import UserError
+from conftest import compose_cfg
+from model import GPT, GPTConfig
+from test_train import run_cli
+from tokenizer import CharTokenizer, TiktokenTokenizer
+from visualize import visualize
+
+VOCAB = "\n !',.:;?ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
+VARIANTS = {
+    "mha": {},
+    "gqa": {"n_head": 4, "n_kv_head": 2},
+    "mqa": {"n_head": 4, "n_kv_head": 1},
+    "qk_norm": {"attn": {"qk_norm": True, "qk_norm_type": "layer", "qk_norm_gain": "channel"}},
+    "scale_none_learned_postln": {"attn": {"scale": "none"}, "pos": "learned", "norm_position": "post"},
+}
+
+
+def make_model(seed=0, vocab=len(VOCAB), block_size=32, **over):
+    torch.manual_seed(seed)
+    fields = {"vocab_size": vocab, "block_size": block_size, "n_layer": 2, "n_head": 2, "n_embd": 32, **over}
+    model = GPT(GPTConfig(**fields))
+    with torch.no_grad():  # trained-looking weights: sharper attention, gains away from 1
+        for name, p in model.named_parameters():
+            if "gain" in name:
+                p.uniform_(0.5, 2.0)
+            elif "c_attn" in name:
+                p.mul_(6)
+    return model.eval()
+
+
+def save_tiny_checkpoint(path, **over):
+    model = make_model(**over)
+    state = {"model": model.state_dict(), "model_config": dataclasses.asdict(model.config),
+             "tokenizer": CharTokenizer(VOCAB).to_dict(), "step": 7}
+    return save_checkpoint(path, state)
+
+
+def independent_maps(model, idx):
+    """(L, nh, T, T) float64 weights from each layer's own q, k (CausalSelfAttention.qkv on the
+    input the layer received), with query head h reading kv head h // (nh / n_kv), a -inf upper
+    triangle and a softmax: no probe, no attention_scores, no repeat_kv."""
+    inputs = {}
+    hooks = [b.attn.register_forward_pre_hook(lambda mod, args, l=l: inputs.setdefault(l, args[:2]))
+             for l, b in enumerate(model.blocks)]
+    with torch.no_grad():
+        model(idx)
+    for h in hooks:
+        h.remove()
+    out = []
+    T = idx.size(1)
+    upper = torch.ones(T, T, dtype=torch.bool).triu(1)
+    for l, block in enumerate(model.blocks):
+        attn = block.attn
+        with torch.no_grad():
+            q, k, _ = attn.qkv(*inputs[l])  # (1, nh, T, hs), (1, n_kv, T, hs)
+        group = attn.n_head // attn.n_kv_head
+        heads = []
+        for h in range(attn.n_head):
+            s = (q[0, h].double() @ k[0, h // group].double().T) * attn.scale
+            heads.append(torch.softmax(s.masked_fill(upper, float("-inf")), dim=-1))
+        out.append(torch.stack(heads))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=list(VARIANTS))
+def test_maps_equal_softmax_of_the_models_own_q_and_k(variant):
+    model = make_model(**VARIANTS[variant])
+    idx = torch.randint(len(VOCAB), (1, 29), generator=torch.Generator().manual_seed(1))
+    maps, stats = attention_maps(model, idx)
+    want = independent_maps(model, idx)
+    d = (maps.double() - want).abs()
+    assert d.max() < 1e-5, f"{variant}: max diff {d.max():.2e}, mean {d.mean():.2e}"
+    assert torch.allclose(maps.sum(-1), torch.ones(maps.shape[:-1]), atol=1e-5)  # rows sum to 1
+    assert (maps.triu(1) == 0).all()  # nothing above the diagonal
+    assert maps.shape == (2, model.config.n_head, 29, 29) and stats["entropy"].shape == (2, model.config.n_head)
+
+
+def test_packed_weights_round_trip_to_1e_5():
+    maps = torch.softmax(torch.randn(2, 3, 7, 7).masked_fill(torch.ones(7, 7, dtype=torch.bool).triu(1), float("-inf")), -1)
+    raw = base64.b64decode(pack_weights(maps))
+    values = torch.tensor(struct.unpack(f"<{len(raw) // 2}H", raw), dtype=torch.float64) / 65535
+    rows, cols = torch.tril_indices(7, 7)
+    assert (values.view(2, 3, -1) - maps[..., rows, cols].double()).abs().max() < 1e-5
+
+
+def test_bpe_tokens_are_shown_readably():
+    tok = TiktokenTokenizer.train(["the cat sat on the mat. " * 50], vocab_size=300)
+    text = "the cat\n—é"
+    pieces = token_pieces(tok, tok.encode(text).tolist())
+    assert "".join(pieces).startswith("the cat\n")
+    assert any(p.startswith("\\x") for p in pieces)  # a byte of a UTF-8 character, spelled out
+    assert label("\n") == "↵" and label(" the") == "␣the" and label("\x07") == "\\x07"
+
+
+def test_visualize_writes_the_grid_and_the_viewer_and_prints_top_keys(tmp_path):
+    ckpt = save_tiny_checkpoint(tmp_path / "run" / "best.pt")
+    cfg = compose_cfg("visualize", [f"ckpt={tmp_path / 'run'}", "prompt=ROMEO: But soft", f"out={tmp_path / 'maps'}",
+                                    "top_k=3", "device=cpu"])
+    out = io.StringIO()
+    views = visualize(cfg, out=out)
+    lines = out.getvalue().splitlines()
+    assert lines[0].startswith("query 14 't' (of 15 tokens): top 3 keys per head")
+    assert len(lines) == 1 + 2 * 2 and lines[1].startswith("L0 H0  ") and lines[4].startswith("L1 H1  ")
+    maps = views["maps"]
+    for line, (l, h) in zip(lines[1:], [(0, 0), (0, 1), (1, 0), (1, 1)]):  # the largest weights of the last row
+        got = [(float(w), int(j)) for w, j in re.findall(r"(\d\.\d{3}) '.*?'@(\d+)", line)]
+        want = maps[l, h, 14].topk(3)
+        assert [j for _, j in got] == want.indices.tolist(), line
+        assert [w for w, _ in got] == pytest.approx(want.values.tolist(), abs=6e-4)
+    png = (tmp_path / "maps" / "attention.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and struct.unpack(">II", png[16:24])[0] >= 600
+    html = (tmp_path / "maps" / "attention.html").read_text(encoding="utf-8")
+    # one self-contained file: no external script, style, image or font
+    assert not re.search(r"""(src|href)\s*=|https?://|@import|url\(""", html, re.I), "the viewer reaches out"
+    assert str(ckpt) in html and html.count("<script") == 2
+    cfg.query = 3
+    views = visualize(cfg, out=io.StringIO())
+    assert views["query"] == 3
+
+
+def test_end_of_prompt_query_and_negative_query(tmp_path):
+    save_tiny_checkpoint(tmp_path / "run" / "best.pt")
+    base = [f"ckpt={tmp_path / 'run'}", "prompt=abcdef", f"out={tmp_path / 'maps'}", "device=cpu"]
+    assert visualize(compose_cfg("visualize", base + ["query=-2"]), out=io.StringIO())["query"] == 4
+    out = io.StringIO()
+    visualize(compose_cfg("visualize", base + ["query=0", "top_k=9"]), out=out)
+    assert "top 1 keys" in out.getvalue() and "1.000 'a'@0" in out.getvalue()  # token 0 sees only itself
+
+
+def test_top_keys_of_a_hand_made_map():
+    maps = torch.zeros(1, 2, 4, 4)
+    maps[0, 0, 3] = torch.tensor([0.1, 0.6, 0.3, 0.0])
+    maps[0, 1, 3] = torch.tensor([0.0, 0.0, 0.0, 1.0])
+    keys = top_keys(maps, 3, 2)
+    assert keys[0][0] == [(pytest.approx(0.6), 1), (pytest.approx(0.3), 2)] and keys[0][1][0] == (1.0, 3)
+    text = format_top_keys(maps, ["a", "b", "c", "d"], 3, 2)
+    assert "L0 H0  0.600 'b'@1  0.300 'c'@2" in text
+
+
+@pytest.mark.parametrize("args,message", [
+    (["ckpt={tmp}/nope"], "no checkpoint at"),
+    (["prompt=" + "abc" * 20], "the prompt is 60 tokens but the model's block_size is 32"),
+    (["prompt_file={tmp}/euro.txt"], "characters outside the vocabulary: '5€'"),
+    (["query=15"], "query=15 is out of range: the prompt has 15 tokens"),
+    (["top_k=0"], "top_k=0 must be a positive integer"),
+    (["prompt=null"], "no prompt"),
+    (["bogus_key=1"], "bogus_key"),
+], ids=["unknown-ckpt", "too-long", "outside-vocab", "query-range", "top-k", "no-prompt", "unknown-key"])
+def test_bad_input_is_a_one_line_error(tmp_path, args, message):
+    save_tiny_checkpoint(tmp_path / "run" / "best.pt")
+    (tmp_path / "euro.txt").write_text("ROMEO: 5 €", encoding="utf-8")
+    defaults = {"ckpt": f"ckpt={tmp_path / 'run'}", "prompt": "prompt=ROMEO: But soft", "out": f"out={tmp_path / 'maps'}"}
+    given = [a.replace("{tmp}", str(tmp_path)) for a in args]
+    for a in given:
+        defaults.pop(a.split("=")[0], None)
+    r = run_cli("visualize.py", *defaults.values(), *given, "device=cpu", timeout=120)
+    assert r.returncode == 1, r.stderr[-2000:]
+    errors = [line for line in r.stderr.splitlines() if line.strip()]
+    assert errors[-1].startswith("error:") and message in errors[-1], r.stderr[-2000:]
+    assert "Traceback" not in r.stderr and r.stdout == ""
+    assert not (tmp_path / "maps").exists()
+
+
+# ----------------------------------------------------------------------------- the viewer in a real browser
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
+needs_chromium = pytest.mark.skipif(CHROMIUM is None, reason="no headless Chromium on PATH (apt-get install chromium; "
+                                    ".ci/run installs it where apt is available)")
+
+
+def chromium(*args, timeout=90):
+    r = subprocess.run([CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
+                        "--user-data-dir=" + args[0], *args[1:]], capture_output=True, text=True, timeout=timeout)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return r.stdout
+
+
+def cell_numbers(dom, cls):
+    return [float(x) for x in re.findall(rf'<t[dh] class="{cls}"[^>]*>([0-9.]+)</t[dh]>', dom)]
+
+
+@needs_chromium
+def test_viewer_builds_its_page_in_headless_chromium(tmp_path):
+    model = make_model(block_size=64, **VARIANTS["gqa"])  # 2 layers x 4 heads
+    tok = CharTokenizer(VOCAB)
+    text = "ROMEO: But soft, what light\nthrough yonder"
+    idx = torch.as_tensor(tok.encode(text))[None]
+    views = write_views(model, idx, tok, tmp_path, title="test <viewer>", meta="a tiny model", query=9)
+    html = views["html"].resolve()
+    profile = str(tmp_path / "profile")
+
+    dom = chromium(profile, "--dump-dom", html.as_uri())
+    assert 'data-ready="1"' in dom, "the script did not run to its end"
+    cells = re.findall(r'<td class="cell[^"]*" data-layer="(\d+)" data-head="(\d+)"', dom)
+    assert sorted((int(l), int(h)) for l, h in cells) == [(l, h) for l in range(2) for h in range(4)]
+    assert len(re.findall(r'<span class="tok', dom)) == idx.size(1)  # one panel: one span per token
+    assert re.search(r'id="numbers" data-query="9" data-layer="1" data-head="0"', dom)
+    weights = cell_numbers(dom, "w")
+    assert len(weights) == 10  # keys 0..9 of query 9
+    assert sum(weights) == pytest.approx(1.0, abs=2e-3)  # shown to 4 decimals
+    assert weights == pytest.approx(views["maps"][1, 0, 9, :10].flip(0).tolist(), abs=6e-5)  # nearest first
+    assert "<title>test &lt;viewer&gt;</title>" in html.read_text(encoding="utf-8")  # text, never markup
+
+    # a link to all heads of layer 0, query 20: one panel per head, each row of numbers sums to 1
+    dom = chromium(profile, "--dump-dom", html.as_uri() + "#L0Hallq20")
+    assert len(re.findall(r'<div class="panel" data-head="\d"', dom)) == 4
+    sums = cell_numbers(dom, "sum")
+    assert len(sums) == 4 and all(s == pytest.approx(1.0, abs=1e-3) for s in sums)
+    assert len(cell_numbers(dom, "w")) == 4 * 21
+
+    shot = tmp_path / "shot.png"
+    chromium(profile, f"--screenshot={shot}", "--window-size=1200,900", html.as_uri())
+    import matplotlib.image
+    img = matplotlib.image.imread(shot)[..., :3]  # (H, W, 3) floats
+    colors = {tuple(c) for c in (img[::7, ::7] * 255).astype(int).reshape(-1, 3).tolist()}
+    assert img.shape[:2] == (900, 1200) and img.std() > 0.05 and len(colors) > 50, "the screenshot looks blank"

@@ -1,0 +1,109 @@
+"""Look inside: the attention weights of every layer and head for a prompt you type.
+
+    python visualize.py prompt="ROMEO: But soft"                      # newest checkpoint under outputs/
+    python visualize.py ckpt=outputs/runs/X prompt_file=p.txt out=maps query=5 top_k=3
+
+Runs the prompt once through the model; its probe hook hands over each layer's q and k, and the
+weights are the reference path's softmax(q·kᵀ·scale + mask) of those (attnstats.attention_maps),
+so every model option (scale, QK-Norm, GQA, positions, norms) is covered with no second copy of
+the model. Writes `out`/attention.png (a layer x head grid of heatmaps) and `out`/attention.html
+(one self-contained file: opens from disk, no network), and prints the top-k keys of the last
+query (or `query=INDEX`) for every head on stdout.
+"""
+import logging
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import hydra
+import torch
+from hydra.core.config_store import ConfigStore
+
+from attnview import format_top_keys, write_views
+from checkpoint import find_checkpoint, load_checkpoint, model_from_checkpoint
+from common import UserError, cli, pick_device, run_app
+from tokenizer import tokenizer_from_dict
+
+log = logging.getLogger("attnlab")
+
+
+@dataclass
+class VisualizeConfig:
+    ckpt: Optional[str] = None  # checkpoint file or run dir; default: newest under outputs/
+    prompt: Optional[str] = None  # the text to look at (quote trailing spaces for Hydra: prompt="'def '")
+    prompt_file: Optional[str] = None  # read the prompt from this file instead (whitespace kept as is)
+    query: Optional[int] = None  # the query token whose top keys are printed and shown first; default the last; <0 counts from the end
+    top_k: int = 5  # keys printed per head
+    out: str = "attention"  # directory for attention.png and attention.html
+    device: str = "cpu"  # one forward pass of at most block_size tokens: the CPU takes seconds
+
+
+ConfigStore.instance().store(name="base_visualize", node=VisualizeConfig)
+
+
+def read_prompt(cfg) -> str:
+    """The prompt: `prompt_file` read as is (every space and newline kept), else `prompt`."""
+    if cfg.prompt_file is not None:
+        try:
+            return Path(cfg.prompt_file).expanduser().read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise UserError(f"prompt_file={cfg.prompt_file!r} cannot be read as UTF-8 text: "
+                            f"{type(e).__name__}: {getattr(e, 'strerror', None) or e}") from None
+    if not cfg.prompt:
+        raise UserError('no prompt: pass prompt="some text" or prompt_file=FILE')
+    return cfg.prompt
+
+
+def query_index(query, n_tokens: int) -> int:
+    if query is None:
+        return n_tokens - 1
+    if not -n_tokens <= query < n_tokens:
+        raise UserError(f"query={query} is out of range: the prompt has {n_tokens} tokens, so use 0..{n_tokens - 1} "
+                        f"(or -1..-{n_tokens} from the end)")
+    return query % n_tokens
+
+
+def visualize(cfg, out=None) -> dict:
+    """Maps of cfg.prompt for the checkpoint cfg.ckpt, written to cfg.out; returns write_views'
+    dict plus the query and the seconds the maps took (forward pass, PNG and HTML)."""
+    if cfg.top_k <= 0:
+        raise UserError(f"top_k={cfg.top_k} must be a positive integer")
+    prompt = read_prompt(cfg)
+    device = pick_device(cfg.device)
+    path = find_checkpoint(cfg.ckpt)
+    log.info("attention maps from %s", path)
+    state = load_checkpoint(path)
+    model = model_from_checkpoint(state, device)
+    tok = tokenizer_from_dict(state["tokenizer"])
+    ids = tok.encode(prompt)
+    block = model.config.block_size
+    if len(ids) == 0:
+        raise UserError("the prompt encodes to no tokens: give some text")
+    if len(ids) > block:
+        raise UserError(f"the prompt is {len(ids)} tokens but the model's block_size is {block}: shorten it "
+                        f"(the model never saw a longer context)")
+    query = query_index(cfg.query, len(ids))
+    c = model.config
+    meta = (f"{path} (step {state.get('step', '?')}) · {c.n_layer} layers × {c.n_head} heads"
+            f"{f' ({c.n_kv_head} kv heads)' if c.n_kv_head != c.n_head else ''} · block {block}"
+            f" · scale {c.attn.scale}{' · QK-Norm ' + c.attn.qk_norm_type if c.attn.qk_norm else ''}")
+    t0 = time.perf_counter()
+    views = write_views(model, torch.as_tensor(ids, dtype=torch.long, device=device)[None], tok, cfg.out,
+                        title=f"attention: {len(ids)} tokens", meta=meta, query=query)
+    views.update(query=query, seconds=time.perf_counter() - t0)
+    print(format_top_keys(views["maps"], views["labels"], query, cfg.top_k), file=out or sys.stdout)
+    log.info("wrote %s and %s (%.1f MB) in %.2f s", views["png"], views["html"],
+             views["html"].stat().st_size / 1e6, views["seconds"])
+    return views
+
+
+@hydra.main(version_base="1.3", config_path="configs", config_name="visualize")
+@cli
+def main(cfg):
+    visualize(cfg)
+
+
+if __name__ == "__main__":
+    run_app(main)
