@@ -120,8 +120,8 @@ def write_html(maps, stats, pieces, path, title="", meta="", query=None):
             "weights": pack_weights(maps),
             "stats": {name: [[round(float(v), 4) for v in row] for row in t.tolist()] for name, t in stats.items()},
             "initial": {"layer": L - 1, "head": 0, "query": T - 1 if query is None else query}}
-    blob = json.dumps(data, ensure_ascii=False).replace("</", "<\\/")  # no "</script>" inside the script
-    html = HTML.replace("__TITLE__", _escape(data["title"])).replace("__DATA__", blob)
+    blob = json.dumps(data, ensure_ascii=False).replace("<", "\\u003c")  # no "</script>" or "<!--" in the script
+    html = HTML.replace("__DATA__", blob, 1).replace("__TITLE__", _escape(data["title"]), 1)
     Path(path).write_text(html, encoding="utf-8")
     return Path(path)
 

@@ -9,8 +9,9 @@ a cached decode step must read every weight once and the cached keys and values,
 tokens/s <= batch x bandwidth / (weight bytes + KV bytes per step), with the bandwidth measured
 here by copying a large tensor.
 """
+import os
 from dataclasses import dataclass, field
-from typing import List
+from typing import List, Optional
 
 import hydra
 import torch
@@ -32,6 +33,7 @@ class BenchSampleConfig:
     batch_sizes: List[int] = field(default_factory=lambda: [1, 8])  # samples decoded together
     compile: List[bool] = field(default_factory=lambda: [False, True])  # cached decode step eager / compiled
     recompute: bool = True  # also time the no-cache path (batch 1, eager)
+    threads: Optional[int] = None  # intra-op CPU threads for the timed runs; unset: torch's default
     seed: int = 0
 
 
@@ -39,7 +41,11 @@ ConfigStore.instance().store(name="base_bench_sample", node=BenchSampleConfig)
 
 
 def memory_bandwidth(device, mib: int = 256, repeats: int = 5) -> float:
-    """Bytes/s of a large copy (read + write), the best of a few: what a decode step can stream."""
+    """Bytes/s of a large copy (read + write) with every core, the best of a few: about what a
+    decode step, which streams every weight once, could read at."""
+    threads = torch.get_num_threads()
+    if device.type == "cpu":
+        torch.set_num_threads(len(os.sched_getaffinity(0)))
     src = torch.empty(mib * 2**20 // 4, dtype=torch.float32, device=device).fill_(1.0)
     dst = torch.empty_like(src)
     best = float("inf")
@@ -47,6 +53,7 @@ def memory_bandwidth(device, mib: int = 256, repeats: int = 5) -> float:
         with Timer(device) as t:
             dst.copy_(src)
         best = min(best, t.seconds)
+    torch.set_num_threads(threads)
     return 2 * src.numel() * 4 / best
 
 
@@ -60,9 +67,12 @@ def decode_bytes(model: GPT, batch: int, context: int) -> int:
 
 
 def bench_sample(cfg) -> dict:
-    if cfg.tokens <= 0 or not cfg.batch_sizes or min(cfg.batch_sizes) <= 0:
-        raise UserError(f"tokens={cfg.tokens} and batch_sizes={list(cfg.batch_sizes)} must be positive")
+    if cfg.tokens <= 0 or not cfg.batch_sizes or min(cfg.batch_sizes) <= 0 or (cfg.threads or 1) <= 0:
+        raise UserError(f"tokens={cfg.tokens}, batch_sizes={list(cfg.batch_sizes)} and threads={cfg.threads} "
+                        "must be positive")
     device = pick_device(cfg.device)
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
     mcfg = model_config({**OmegaConf.to_container(cfg.model, resolve=True), "dropout": 0.0}, cfg.vocab_size)
     model = GPT(mcfg).to(device).eval()

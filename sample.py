@@ -191,6 +191,8 @@ def sample(cfg, out=None) -> list:
     check_sampling(cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.top_p, cfg.num_samples)
     if cfg.stream and cfg.num_samples != 1:
         raise UserError("stream=true prints one sample as it is produced: set num_samples=1")
+    if cfg.threads:  # a single-token step is dozens of tiny ops: syncing threads can cost more than it saves
+        torch.set_num_threads(cfg.threads)
     rt = setup_runtime(cfg.device, cfg.dtype)
     device = rt.device
     prompt = read_prompt(cfg)

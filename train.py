@@ -568,7 +568,7 @@ def write_plots(run: Run):
         run.tracker.log_image("attention/maps", views["png"], run.step)
         if run.tracker.run is not None:
             import wandb
-            run.tracker.run.log({"attention/viewer": wandb.Html(views["html"].read_text(encoding="utf-8"))},
+            run.tracker.run.log({"attention/viewer": wandb.Html(views["html"], inject=False)},  # as is: no CDN
                                 step=run.step)
     except Exception as e:
         log.warning("attention maps skipped: %s", e)

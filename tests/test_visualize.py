@@ -200,9 +200,9 @@ def cell_numbers(dom, cls):
 
 @needs_chromium
 def test_viewer_builds_its_page_in_headless_chromium(tmp_path):
-    model = make_model(block_size=64, **VARIANTS["gqa"])  # 2 layers x 4 heads
-    tok = CharTokenizer(VOCAB)
-    text = "ROMEO: But soft, what light\nthrough yonder"
+    tok = CharTokenizer("".join(sorted(set(VOCAB + "<>/!-"))))  # ids in code-point order
+    model = make_model(vocab=tok.vocab_size, block_size=96, **VARIANTS["gqa"])  # 2 layers x 4 heads
+    text = "ROMEO: But soft, what light\nthrough yonder </script><!--<script> window"  # markup stays text
     idx = torch.as_tensor(tok.encode(text))[None]
     views = write_views(model, idx, tok, tmp_path, title="test <viewer>", meta="a tiny model", query=9)
     html = views["html"].resolve()
@@ -213,6 +213,8 @@ def test_viewer_builds_its_page_in_headless_chromium(tmp_path):
     cells = re.findall(r'<td class="cell[^"]*" data-layer="(\d+)" data-head="(\d+)"', dom)
     assert sorted((int(l), int(h)) for l, h in cells) == [(l, h) for l in range(2) for h in range(4)]
     assert len(re.findall(r'<span class="tok', dom)) == idx.size(1)  # one panel: one span per token
+    shown = "".join(re.findall(r'<span class="tok[^"]*"[^>]*>([^<]*)</span>', dom))  # the tokens' text (not spaces)
+    assert "&lt;/script&gt;&lt;!--&lt;script&gt;" in shown  # the prompt's markup, shown as text
     assert re.search(r'id="numbers" data-query="9" data-layer="1" data-head="0"', dom)
     weights = cell_numbers(dom, "w")
     assert len(weights) == 10  # keys 0..9 of query 9
