@@ -594,7 +594,11 @@ def main(cfg):
     if not cfg.out_dir:
         cfg.out_dir = HydraConfig.get().runtime.output_dir
     name, group, overrides = hydra_run_info()
-    return train(cfg, run_name=name, run_group=group, overrides=overrides)["best_val_loss"]  # also when stopped
+    result = train(cfg, run_name=name, run_group=group, overrides=overrides)
+    if result["stopped"] and group is not None:  # a signal stops the whole sweep, not only this run
+        print("sweep stopped: the runs after this one were not started", file=sys.stderr)
+        sys.exit(0)
+    return result["best_val_loss"]  # also when stopped
 
 
 if __name__ == "__main__":

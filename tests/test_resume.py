@@ -150,3 +150,26 @@ def test_skip_nonfinite_skips_bad_steps_and_goes_on(train_cfg, tmp_path, monkeyp
     assert result["steps"] == 20
     for t in load_checkpoint(tmp_path / "run" / step_name(20))["model"].values():
         assert torch.isfinite(t).all()
+
+
+@pytest.mark.slow
+def test_sigterm_stops_a_whole_sweep_not_only_its_current_run(tmp_path):
+    """Was: the signalled run checkpointed and returned, and Hydra started the next point."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("".join(f"line {i}: the quick brown fox jumps over the lazy dog\n" for i in range(300)))
+    sweep = tmp_path / "sweep"
+    env = {**os.environ, "WANDB_SILENT": "true"}
+    proc = subprocess.Popen([sys.executable, str(REPO / "train.py"), "-m", "model=debug", "model.n_embd=32,64",
+                             "train.max_iters=100000", "train.ckpt_interval=100000", "train.eval_interval=1000",
+                             "train.eval_iters=1", "device=cpu", "logger.wandb.mode=disabled", f"data.path={corpus}",
+                             f"data.cache_dir={tmp_path / 'cache'}", f"hydra.sweep.dir={sweep}"],
+                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while not list(sweep.glob("0_*/metrics.jsonl")) or '"lr"' not in next(sweep.glob("0_*/metrics.jsonl")).read_text():
+        assert proc.poll() is None and time.time() < deadline
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0 and "sweep stopped" in err, err[-2000:]
+    assert [p.name[:2] for p in sweep.iterdir() if p.is_dir()] == ["0_"]  # the second point never started
+    assert len(list(sweep.glob("0_*/ckpt_*.pt"))) == 1
