@@ -352,3 +352,16 @@ class Timer:
     def __exit__(self, *exc):
         synchronize(self.device)
         self.seconds = time.perf_counter() - self.t0
+
+
+def read_prompt(cfg) -> str:
+    """The prompt of sample.py / visualize.py: `prompt_file` read as is (every space and newline
+    kept), else `prompt`."""
+    if cfg.prompt_file is None:
+        return cfg.prompt
+    from pathlib import Path
+    try:
+        return Path(cfg.prompt_file).expanduser().read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"prompt_file={cfg.prompt_file!r} cannot be read as UTF-8 text: "
+                        f"{type(e).__name__}: {getattr(e, 'strerror', None) or e}") from None

@@ -18,7 +18,7 @@ import torch
 
 import config  # noqa: F401  (registers the config schema with Hydra)
 from checkpoint import find_checkpoint, load_checkpoint, model_from_checkpoint
-from common import UserError, cli, compile_wanted, first_line, is_oom, memory_bytes, run_app, setup_runtime
+from common import UserError, cli, compile_wanted, read_prompt, first_line, is_oom, memory_bytes, run_app, setup_runtime
 from config import check_ranges
 from tokenizer import StreamDecoder, tokenizer_from_dict
 
@@ -132,17 +132,6 @@ class CachedDecoder:
                 self.logits = self.model(out[:, n - block_size:n], kv_cache=self.cache, pos=0)[:, -1]
             self.fed = n
         return self.logits
-
-
-def read_prompt(cfg) -> str:
-    """The prompt: `prompt_file` read as is (every space and newline kept), else `prompt`."""
-    if cfg.prompt_file is None:
-        return cfg.prompt
-    try:
-        return Path(cfg.prompt_file).expanduser().read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise UserError(f"prompt_file={cfg.prompt_file!r} cannot be read as UTF-8 text: "
-                        f"{type(e).__name__}: {getattr(e, 'strerror', None) or e}") from None
 
 
 class Interrupted(KeyboardInterrupt):

@@ -23,7 +23,7 @@ from hydra.core.config_store import ConfigStore
 
 from attnview import format_top_keys, write_views
 from checkpoint import find_checkpoint, load_checkpoint, model_from_checkpoint
-from common import UserError, cli, pick_device, run_app
+from common import UserError, cli, pick_device, read_prompt, run_app
 from tokenizer import tokenizer_from_dict
 
 log = logging.getLogger("attnlab")
@@ -43,17 +43,12 @@ class VisualizeConfig:
 ConfigStore.instance().store(name="base_visualize", node=VisualizeConfig)
 
 
-def read_prompt(cfg) -> str:
-    """The prompt: `prompt_file` read as is (every space and newline kept), else `prompt`."""
-    if cfg.prompt_file is not None:
-        try:
-            return Path(cfg.prompt_file).expanduser().read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as e:
-            raise UserError(f"prompt_file={cfg.prompt_file!r} cannot be read as UTF-8 text: "
-                            f"{type(e).__name__}: {getattr(e, 'strerror', None) or e}") from None
-    if not cfg.prompt:
+def prompt_of(cfg) -> str:
+    """The prompt to map (common.read_prompt); an empty one is an error here."""
+    prompt = read_prompt(cfg)
+    if not prompt:
         raise UserError('no prompt: pass prompt="some text" or prompt_file=FILE')
-    return cfg.prompt
+    return prompt
 
 
 def query_index(query, n_tokens: int) -> int:
@@ -70,7 +65,7 @@ def visualize(cfg, out=None) -> dict:
     dict plus the query and the seconds the maps took (forward pass, PNG and HTML)."""
     if cfg.top_k <= 0:
         raise UserError(f"top_k={cfg.top_k} must be a positive integer")
-    prompt = read_prompt(cfg)
+    prompt = prompt_of(cfg)
     device = pick_device(cfg.device)
     path = find_checkpoint(cfg.ckpt)
     log.info("attention maps from %s", path)
