@@ -296,15 +296,18 @@ class CausalSelfAttention(nn.Module):
         B, T, C = x.shape
         nq, hs = self.n_head * self.head_dim, self.head_dim
         qkv = self.c_attn(x)  # (B, T, (nh + 2 n_kv) hs)
+        nkv = self.n_kv_head * hs
+        # split, not qkv[..., a:b]: each slice's backward zero-fills a gradient the size of qkv
         if self.n_kv_head == self.n_head:  # q and k side by side: one norm and one rotation for both
-            qk = qkv[..., :2 * nq].view(B, T, 2, self.n_head, hs)
+            qk, v = qkv.split((2 * nq, nkv), dim=-1)
             gains = None if self.q_gain is None else torch.stack((self.q_gain, self.k_gain))  # (2, nh, 1 or hs)
-            q, k = self.rotate(self.normalize(qk, gains), freqs).unbind(2)  # (B, T, nh, hs) each
+            qk = self.rotate(self.normalize(qk.view(B, T, 2, self.n_head, hs), gains), freqs)
+            q, k = qk.unbind(2)  # (B, T, nh, hs) each
         else:  # grouped-query: fewer k heads than q heads
-            q = self.rotate(self.normalize(qkv[..., :nq].view(B, T, self.n_head, hs), self.q_gain), freqs)
-            k = qkv[..., nq:nq + self.n_kv_head * hs].view(B, T, self.n_kv_head, hs)
-            k = self.rotate(self.normalize(k, self.k_gain), freqs)
-        v = qkv[..., nq + self.n_kv_head * hs:].view(B, T, self.n_kv_head, hs)
+            q, k, v = qkv.split((nq, nkv, nkv), dim=-1)
+            q = self.rotate(self.normalize(q.view(B, T, self.n_head, hs), self.q_gain), freqs)
+            k = self.rotate(self.normalize(k.view(B, T, self.n_kv_head, hs), self.k_gain), freqs)
+        v = v.view(B, T, self.n_kv_head, hs)
         return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, hs)
 
     def normalize(self, x, gain):
