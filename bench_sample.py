@@ -7,9 +7,14 @@ compiled, batch 1 and batch 8, against the memory-bandwidth bound of a decode st
 Random weights (speed does not depend on what the model learned), greedy decoding. The bound:
 a cached decode step must read every weight once and the cached keys and values, so
 tokens/s <= batch x bandwidth / (weight bytes + KV bytes per step), with the bandwidth measured
-here by copying a large tensor.
+here by copying a large tensor. Each case is timed `repeats` times in interleaved rounds (this
+machine class is noisy) and the median printed with the range; a compiled case is warmed up at
+the timed length, so no compilation is timed. `layouts=[row,column]` also times the weights as
+training leaves them (row-major) against the layout sample.py uses on CPU.
 """
+import copy
 import os
+import statistics
 from dataclasses import dataclass, field
 from typing import List, Optional
 
@@ -21,7 +26,7 @@ from omegaconf import MISSING, OmegaConf
 from common import Timer, UserError, cli, pick_device, run_app
 from config import model_config
 from model import GPT, GPTConfig
-from sample import generate
+from sample import decode_layout, generate
 
 
 @dataclass
@@ -34,6 +39,8 @@ class BenchSampleConfig:
     compile: List[bool] = field(default_factory=lambda: [False, True])  # cached decode step eager / compiled
     recompute: bool = True  # also time the no-cache path (batch 1, eager)
     threads: Optional[int] = None  # intra-op CPU threads for the timed runs; unset: torch's default
+    layouts: List[str] = field(default_factory=lambda: ["column"])  # Linear weights as trained (row) or as sample.py lays them out on CPU (column)
+    repeats: int = 3  # timed runs per case, interleaved; the median is reported
     seed: int = 0
 
 
@@ -67,52 +74,71 @@ def decode_bytes(model: GPT, batch: int, context: int) -> int:
 
 
 def bench_sample(cfg) -> dict:
-    if cfg.tokens <= 0 or not cfg.batch_sizes or min(cfg.batch_sizes) <= 0 or (cfg.threads or 1) <= 0:
-        raise UserError(f"tokens={cfg.tokens}, batch_sizes={list(cfg.batch_sizes)} and threads={cfg.threads} "
-                        "must be positive")
+    if cfg.tokens <= 0 or not cfg.batch_sizes or min(cfg.batch_sizes) <= 0 or (cfg.threads or 1) <= 0 or cfg.repeats <= 0:
+        raise UserError(f"tokens={cfg.tokens}, batch_sizes={list(cfg.batch_sizes)}, threads={cfg.threads} and "
+                        f"repeats={cfg.repeats} must be positive")
+    if not cfg.layouts or any(x not in ("row", "column") for x in cfg.layouts) or len(set(cfg.layouts)) < len(cfg.layouts):
+        raise UserError(f"layouts={list(cfg.layouts)}: use [row], [column] or [row,column]")
     device = pick_device(cfg.device)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
     mcfg = model_config({**OmegaConf.to_container(cfg.model, resolve=True), "dropout": 0.0}, cfg.vocab_size)
     model = GPT(mcfg).to(device).eval()
+    models = {layout: decode_layout(copy.deepcopy(model)) if layout == "column" else model for layout in cfg.layouts}
     bandwidth = memory_bandwidth(device)
     print(f"{model.num_params() / 1e6:.1f}M params, block {mcfg.block_size}, {cfg.tokens} new tokens, "
-          f"device {device}, {torch.get_num_threads()} threads, memory bandwidth {bandwidth / 1e9:.1f} GB/s")
-    rows = {}
+          f"device {device}, {torch.get_num_threads()} threads, memory bandwidth {bandwidth / 1e9:.1f} GB/s, "
+          f"median of {cfg.repeats} interleaved runs")
 
-    def run(name, batch, **kw):
-        prompt = torch.zeros(batch, 1, dtype=torch.long, device=device)
-        generate(model, prompt, min(cfg.tokens, 20), temperature=0, **kw)  # warm-up (and compile)
-        with Timer(device) as t:
-            out = generate(model, prompt, cfg.tokens, temperature=0, **kw)
-        assert out.shape == (batch, cfg.tokens + 1)
-        rows[name] = {"batch": batch, "tokens_per_sec": batch * cfg.tokens / t.seconds, **kw}
-        if kw.get("kv_cache", True):  # mean bytes per step over the run: the cache fills up to a block
-            context = min(mcfg.block_size, (cfg.tokens + 1) // 2)
-            bound = batch * bandwidth / decode_bytes(model, batch, context)
-            rows[name]["fraction_of_bound"] = rows[name]["tokens_per_sec"] / bound
-        r = rows[name]
-        bound_note = f"  {100 * r['fraction_of_bound']:5.1f}% of the bandwidth bound" if "fraction_of_bound" in r else ""
-        print(f"{name:28s} {r['tokens_per_sec']:9.1f} tokens/s{bound_note}", flush=True)
+    def name(compiled, batch, layout):
+        return (f"cache{', compiled' if compiled else ''}, batch {batch}"
+                + (f", {layout}-major" if len(cfg.layouts) > 1 else ""))
 
+    cases = {}  # name -> (model, batch, generate's keywords)
     if cfg.recompute:
-        run("recompute, batch 1", 1, kv_cache=False)
-    for compiled in cfg.compile:
-        for batch in cfg.batch_sizes:
-            run(f"cache{', compiled' if compiled else ''}, batch {batch}", batch, kv_cache=True, compile=compiled)
-    eager1 = rows.get("cache, batch 1")
-    if eager1 and "recompute, batch 1" in rows:
-        print(f"cache vs recompute (batch 1, eager): {eager1['tokens_per_sec'] / rows['recompute, batch 1']['tokens_per_sec']:.1f}x")
-    if "cache, compiled, batch 1" in rows and "recompute, batch 1" in rows:
-        print(f"cache vs recompute (batch 1, compiled): "
-              f"{rows['cache, compiled, batch 1']['tokens_per_sec'] / rows['recompute, batch 1']['tokens_per_sec']:.1f}x")
-    for compiled in cfg.compile:
-        tag = ", compiled" if compiled else ""
-        for batch in cfg.batch_sizes:
-            if batch != 1 and f"cache{tag}, batch 1" in rows:
-                ratio = rows[f"cache{tag}, batch {batch}"]["tokens_per_sec"] / rows[f"cache{tag}, batch 1"]["tokens_per_sec"]
-                print(f"batch {batch} vs batch 1{tag}: {ratio:.1f}x tokens/s")
+        cases["recompute, batch 1"] = (models[cfg.layouts[0]], 1, {"kv_cache": False})
+    for layout in cfg.layouts:
+        for compiled in cfg.compile:
+            for batch in cfg.batch_sizes:
+                cases[name(compiled, batch, layout)] = (models[layout], batch, {"kv_cache": True, "compile": compiled})
+
+    def timed(case, tokens):
+        m, batch, kw = case
+        prompt = torch.zeros(batch, 1, dtype=torch.long, device=device)
+        with Timer(device) as t:
+            out = generate(m, prompt, tokens, temperature=0, **kw)
+        assert out.shape == (batch, tokens + 1)
+        return batch * tokens / t.seconds
+
+    for case in cases.values():  # warm-up; a compiled step at the timed length (its cache shape), else short
+        timed(case, cfg.tokens if case[2].get("compile") else min(cfg.tokens, 20))
+    speeds = {n: [] for n in cases}
+    for r in range(cfg.repeats):  # rounds alternate the order, so no case always runs first on a noisy machine
+        for n in (list(cases) if r % 2 == 0 else reversed(list(cases))):
+            speeds[n].append(timed(cases[n], cfg.tokens))
+    rows = {}
+    for n, (m, batch, kw) in cases.items():
+        rows[n] = {"batch": batch, "tokens_per_sec": statistics.median(speeds[n]), **kw}
+        note = ""
+        if kw["kv_cache"]:  # mean bytes per step over the run: the cache fills up to a block
+            context = min(mcfg.block_size, (cfg.tokens + 1) // 2)
+            rows[n]["fraction_of_bound"] = rows[n]["tokens_per_sec"] / (batch * bandwidth / decode_bytes(m, batch, context))
+            note = f"  {100 * rows[n]['fraction_of_bound']:5.1f}% of the bandwidth bound"
+        spread = f"({min(speeds[n]):.0f}-{max(speeds[n]):.0f})" if cfg.repeats > 1 else ""
+        print(f"{n:34s} {rows[n]['tokens_per_sec']:9.1f} tokens/s {spread:>12s}{note}")
+
+    recompute = rows.get("recompute, batch 1")
+    for layout in cfg.layouts:
+        for compiled in cfg.compile:
+            tag = (", compiled" if compiled else "") + (f", {layout}-major" if len(cfg.layouts) > 1 else "")
+            one = rows.get(name(compiled, 1, layout))
+            if one and recompute:
+                print(f"cache vs recompute (batch 1{tag}): {one['tokens_per_sec'] / recompute['tokens_per_sec']:.1f}x")
+            for batch in cfg.batch_sizes:
+                if batch != 1 and one:
+                    ratio = rows[name(compiled, batch, layout)]["tokens_per_sec"] / one["tokens_per_sec"]
+                    print(f"batch {batch} vs batch 1{tag}: {ratio:.1f}x tokens/s")
     return {"bandwidth": bandwidth, "rows": rows}
 
 

@@ -516,8 +516,9 @@ class GPT(nn.Module):
             return None
         if torch.is_tensor(start):  # a compiled decode step: the position is data (T = 1)
             return self.rope.index_select(0, start)
-        if start + T > self.rope.size(0):
-            self.rope = rope_freqs(self.config.head_dim, 2 * (start + T), self.config.rope_base, self.rope.device)
+        if start + T > self.rope.size(0):  # a normal tensor even when grown under inference_mode (sampling),
+            with torch.inference_mode(False):  # so a later forward with autograd can still use it
+                self.rope = rope_freqs(self.config.head_dim, 2 * (start + T), self.config.rope_base, self.rope.device)
         return self.rope[start:start + T]
 
     @property

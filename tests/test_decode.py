@@ -95,12 +95,43 @@ def test_stop_string_stops_every_sample_of_a_batch(run_dir, sample_cfg):
 def test_bench_sample_prints_ratios_and_the_bandwidth_bound(capsys):
     from conftest import compose_cfg
     from bench_sample import bench_sample, decode_bytes
-    cfg = compose_cfg("bench_sample", ["model=debug", "tokens=40", "batch_sizes=[1,2]", "compile=[false]"])
+    cfg = compose_cfg("bench_sample", ["model=debug", "tokens=40", "batch_sizes=[1,2]", "compile=[false]",
+                                       "layouts=[row,column]", "repeats=2"])
     result = bench_sample(cfg)
     text = capsys.readouterr().out
     assert "cache vs recompute" in text and "batch 2 vs batch 1" in text and "% of the bandwidth bound" in text
     rows = result["rows"]
-    assert set(rows) == {"recompute, batch 1", "cache, batch 1", "cache, batch 2"}
+    assert set(rows) == {"recompute, batch 1", "cache, batch 1, row-major", "cache, batch 2, row-major",
+                         "cache, batch 1, column-major", "cache, batch 2, column-major"}
     assert all(r["tokens_per_sec"] > 0 for r in rows.values()) and result["bandwidth"] > 1e8
     model = tiny()  # weights: params x 4 bytes; KV: 2 (k, v) x layers x batch x kv heads x context x head dim x 4
     assert decode_bytes(model, 3, 10) == model.num_params() * 4 + 2 * 2 * 3 * 4 * 10 * 8 * 4
+
+
+def test_column_major_weights_decode_the_same_tokens():
+    """sample.py's CPU layout changes only where the Linear weights' bytes sit, not what they hold."""
+    from sample import decode_layout
+    model = tiny()
+    prompt = torch.randint(model.config.vocab_size, (3, 5))
+    before = generate(model, prompt, 30, temperature=0)
+    logits = model(prompt)
+    decode_layout(model)
+    for m in model.modules():
+        if isinstance(m, torch.nn.Linear):
+            assert m.weight.t().is_contiguous() and not m.weight.is_contiguous()  # column-major now
+    assert model.lm_head.weight is model.wte.weight  # still tied
+    torch.testing.assert_close(model(prompt), logits, rtol=1e-5, atol=1e-5)
+    assert torch.equal(generate(model, prompt, 30, temperature=0), before)
+
+
+def test_training_forward_works_after_sampling_past_block_size():
+    """Sampling past block_size grows the RoPE table under inference_mode; a later training
+    forward (sampling between evals) must still be able to save it for backward."""
+    model = tiny()
+    prompt = torch.randint(model.config.vocab_size, (1, 4))
+    generate(model, prompt, 3 * model.config.block_size, temperature=0)
+    assert model.rope.size(0) > model.config.block_size  # grown by generation
+    model.train()
+    _, loss = model(prompt, torch.roll(prompt, -1, 1))
+    loss.backward()
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
