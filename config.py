@@ -58,6 +58,7 @@ class TrainConfig:
     muon_momentum_warmup: int = 0  # steps of linear momentum warmup from muon_momentum_start; 0 = off
     muon_adjust_lr: str = "match_rms_adamw"  # match_rms_adamw (0.2*sqrt(max(A,B))) | original (sqrt(max(1,A/B)))
     muon_ns_steps: int = 5  # Newton-Schulz iterations per matrix and step
+    muon_ns_dtype: str = "auto"  # auto (bfloat16 on GPUs with native bf16, else float32) | bfloat16 (torch's) | float32
     grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
     eval_interval: int = 250  # steps between evaluations (and checkpoints)
     eval_iters: int = 20  # fixed val (and train) batches per evaluation

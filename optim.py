@@ -8,6 +8,9 @@
   prescribe. Its default `adjust_lr_fn="match_rms_adamw"` (Liu et al. 2025, arXiv 2502.16982) scales
   each matrix's orthogonalised update to AdamW's RMS, so Muon's lr sits near AdamW's. The two are one
   object, MuonAdamW, so the loop, GradScaler and checkpoints treat them as one optimizer.
+Muon's Newton-Schulz iteration runs in `train.muon_ns_dtype` (optim.Muon): torch.optim.Muon always
+casts to bf16, right on GPUs with bf16 matrix units, but on a CPU without them (no AMX) a bf16 matmul
+is slower than an fp32 one, so `auto` picks fp32 there.
 The lr schedule (lr_at) gives train.lr's curve; every group follows it as a multiple of its own base lr
 (its `lr_scale`: muon_lr / lr for Muon's group, 1 for AdamW's).
 """
@@ -17,10 +20,11 @@ from contextlib import nullcontext
 import torch
 import torch.nn as nn
 
-from common import UserError, all_ranks_agree
+from common import UserError, all_ranks_agree, has_native_bf16
 
 OPTIMIZERS = ("adamw", "muon")
 MUON_ADJUST_LR = ("match_rms_adamw", "original")
+MUON_NS_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 def build_optimizer(model, tcfg, device):
@@ -36,9 +40,12 @@ def build_optimizer(model, tcfg, device):
     muon_params, decay, no_decay = split_params(model)
     muon_lr = tcfg.lr if tcfg.muon_lr is None else tcfg.muon_lr
     wd = tcfg.weight_decay if tcfg.muon_weight_decay is None else tcfg.muon_weight_decay
-    muon = torch.optim.Muon([{"params": muon_params, "lr_scale": muon_lr / tcfg.lr}], lr=muon_lr, weight_decay=wd,
-                            momentum=tcfg.muon_momentum, nesterov=True, ns_steps=tcfg.muon_ns_steps,
-                            adjust_lr_fn=tcfg.muon_adjust_lr)
+    ns_dtype = tcfg.muon_ns_dtype
+    if ns_dtype == "auto":  # bf16 where matmuls run natively in it (torch's choice), else fp32
+        ns_dtype = "bfloat16" if has_native_bf16(device) else "float32"
+    muon = Muon([{"params": muon_params, "lr_scale": muon_lr / tcfg.lr}], lr=muon_lr, weight_decay=wd,
+                momentum=tcfg.muon_momentum, nesterov=True, ns_steps=tcfg.muon_ns_steps,
+                adjust_lr_fn=tcfg.muon_adjust_lr, ns_dtype=MUON_NS_DTYPES[ns_dtype])
     adamw = torch.optim.AdamW([{"params": decay, "weight_decay": tcfg.weight_decay},
                                {"params": no_decay, "weight_decay": 0.0}],
                               lr=tcfg.lr, betas=(tcfg.beta1, tcfg.beta2), fused=fused)
@@ -55,6 +62,8 @@ def check_muon_config(tcfg):
             raise UserError(f"train.{key}={getattr(tcfg, key)} must be in [0, 1)")
     if tcfg.muon_momentum_warmup < 0 or tcfg.muon_ns_steps < 1:
         raise UserError("train.muon_momentum_warmup must be >= 0 and train.muon_ns_steps >= 1")
+    if tcfg.muon_ns_dtype not in ("auto", *MUON_NS_DTYPES):
+        raise UserError(f"train.muon_ns_dtype={tcfg.muon_ns_dtype!r} is unknown: use auto, bfloat16 or float32")
     if tcfg.muon_adjust_lr not in MUON_ADJUST_LR:
         raise UserError(f"train.muon_adjust_lr={tcfg.muon_adjust_lr!r} is unknown: use one of "
                         f"{', '.join(MUON_ADJUST_LR)}")
@@ -76,6 +85,62 @@ def split_params(model):
         else:
             no_decay.append(p)
     return muon, decay, no_decay
+
+
+def newton_schulz(G, steps: int, coefficients=(3.4445, -4.775, 2.0315), eps: float = 1e-7, dtype=torch.bfloat16):
+    """G (m, n) -> about U S' V^T where G = U S V^T and S' ~ [0.5, 1.5]: Muon's "orthogonalised" update,
+    by torch.optim.Muon's quintic iteration (Jordan et al. 2024), run in `dtype`. With bf16 the result
+    is torch's, bit for bit (tested); fp32 is what this iteration computes without bf16 rounding."""
+    a, b, c = coefficients
+    X = G.to(dtype)
+    tall = X.size(0) > X.size(1)
+    if tall:  # iterate on the wide side: X Xᵀ is then the smaller Gram matrix
+        X = X.T
+    X = X / X.norm().clamp(min=eps)  # Frobenius norm 1, so every singular value <= 1
+    for _ in range(steps):
+        A = X @ X.T
+        X = torch.addmm(X, torch.addmm(A, A, A, beta=b, alpha=c), X, beta=a)  # (a + b A + c A²) X
+    return X.T if tall else X
+
+
+class Muon(torch.optim.Muon):
+    """torch.optim.Muon with its Newton-Schulz iteration in `ns_dtype`: the same state, hyperparameters
+    and update, step for step, and with ns_dtype=bf16 the same bits (tested). torch's always runs it in
+    bf16; on these CPUs (no AMX) that is the slow choice: the 16 matrices of nanoGPT's CPU config took
+    55.7 ms per step in bf16 and 25.7 ms in fp32 (one thread)."""
+
+    def __init__(self, params, ns_dtype=torch.bfloat16, **kw):
+        super().__init__(params, **kw)
+        self.ns_dtype = ns_dtype
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if self.ns_dtype == torch.bfloat16:
+            return super().step(closure)
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            params, grads, bufs = [], [], []
+            self._init_group(group, params, grads, bufs)  # torch's: momentum buffers created as it does
+            lr, mu = group["lr"], group["momentum"]
+            for p, g, buf in zip(params, grads, bufs):
+                buf.lerp_(g, 1 - mu)  # momentum: an EMA of gradients
+                update = g.lerp(buf, mu) if group["nesterov"] else buf
+                update = newton_schulz(update, group["ns_steps"], group["ns_coefficients"], group["eps"], self.ns_dtype)
+                p.mul_(1 - lr * group["weight_decay"])  # decoupled weight decay
+                p.add_(update, alpha=-lr * muon_lr_ratio(group["adjust_lr_fn"], p.shape))
+        return loss
+
+
+def muon_lr_ratio(adjust_lr_fn, shape) -> float:
+    """torch.optim.Muon's per-matrix lr factor for a (A, B) weight: match_rms_adamw gives the update
+    AdamW's typical RMS (0.2 sqrt(max(A, B))); original (Keller Jordan's) sqrt(max(1, A / B))."""
+    A, B = shape[:2]
+    if adjust_lr_fn is None or adjust_lr_fn == "original":
+        return math.sqrt(max(1, A / B))
+    return 0.2 * math.sqrt(max(A, B)) if adjust_lr_fn == "match_rms_adamw" else 1.0
 
 
 class MuonAdamW:

@@ -25,7 +25,7 @@ COMMON=(data.path="$DATA" device=cpu logger.wandb.mode=disabled train.eval_inter
 ROWS=(
   "0_nanogpt_cpu        | -                    | experiment=nanogpt_cpu"
   "1_qknorm_lr2e-3      | 0_nanogpt_cpu        | model.attn.qk_norm=true train.lr=2e-3 train.min_lr=2e-4"
-  "2_muon               | 1_qknorm_lr2e-3      | train.optimizer=muon"
+  "2_muon               | 1_qknorm_lr2e-3      | train.optimizer=muon train.muon_ns_dtype=bfloat16"
   "3_muon_lr6e-3        | 2_muon               | train.muon_lr=6e-3"
   "4_modded_arch        | 3_muon_lr6e-3        | model.mlp=relu2 model.zero_init_proj=true model.tie_embeddings=false model.logit_softcap=15 train.muon_momentum_warmup=300"
   "4a_relu2             | 3_muon_lr6e-3        | model.mlp=relu2"
@@ -34,6 +34,14 @@ ROWS=(
   "4d_logit_softcap     | 3_muon_lr6e-3        | model.logit_softcap=15"
   "4e_momentum_warmup   | 3_muon_lr6e-3        | train.muon_momentum_warmup=300"
   "5_muon_lr1.2e-2      | 3_muon_lr6e-3        | train.muon_lr=1.2e-2"
+  "6_lr_to_zero         | 3_muon_lr6e-3        | train.min_lr=0"
+  "7_warmup_20          | 3_muon_lr6e-3        | train.warmup_iters=20"
+  "8_adamw_lr6e-3       | 3_muon_lr6e-3        | train.lr=6e-3 train.min_lr=6e-4"
+  "9_dropout0.1         | 3_muon_lr6e-3        | model.dropout=0.1"
+  "10_qk_gain_head      | 3_muon_lr6e-3        | model.attn.qk_norm_gain=head"
+  "11_attn_scale_x2     | 3_muon_lr6e-3        | model.attn.scale=0.35"
+  "12_muon_wd0          | 3_muon_lr6e-3        | train.muon_weight_decay=0"
+  "13_ns_float32        | 3_muon_lr6e-3        | train.muon_ns_dtype=float32"
 )
 
 declare -A PARENT ADD

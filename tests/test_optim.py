@@ -12,7 +12,7 @@ from checkpoint import load_checkpoint, step_name
 from common import UserError, setup_runtime
 from conftest import REPO, compose_cfg
 from model import GPT, GPTConfig
-from optim import MuonAdamW, build_optimizer, lr_at, set_lr, split_params, train_step
+from optim import MuonAdamW, build_optimizer, lr_at, newton_schulz, set_lr, split_params, train_step
 from test_resume import cli_args, metrics_without_timing
 from tracking import read_metrics
 
@@ -70,7 +70,9 @@ def reference_muon(W, t, lr):
 
 
 def test_a_muon_step_equals_torch_muon_applied_by_hand_to_the_same_matrix():
-    t = tcfg("train.lr=1e-3", "train.muon_lr=4e-3", "train.muon_weight_decay=0.05", "train.warmup_iters=2")
+    """With the Newton-Schulz iteration in bf16, as torch runs it, the step is torch.optim.Muon's, bit for bit."""
+    t = tcfg("train.lr=1e-3", "train.muon_lr=4e-3", "train.muon_weight_decay=0.05", "train.warmup_iters=2",
+             "train.muon_ns_dtype=bfloat16")
     model = tiny_model()
     opt = build_optimizer(model, t, CPU)
     W = model.blocks[1].mlp.c_fc.weight
@@ -102,6 +104,38 @@ def newton_schulz_fp32(G, steps=5, a=3.4445, b=-4.7750, c=2.0315):
         A = X @ X.T
         X = a * X + (b * A + c * A @ A) @ X
     return X.T if G.size(0) > G.size(1) else X
+
+
+def test_newton_schulz_in_bf16_is_torchs_bit_for_bit_and_in_fp32_the_same_iteration():
+    from torch.optim._muon import _zeropower_via_newtonschulz as torch_ns  # the reference, private to torch
+    g = torch.Generator().manual_seed(0)
+    for shape in [(48, 16), (16, 48), (32, 32)]:  # tall, wide, square
+        G = torch.randn(shape, generator=g)
+        assert torch.equal(newton_schulz(G, 5, dtype=torch.bfloat16), torch_ns(G, (3.4445, -4.775, 2.0315), 5, 1e-7))
+        torch.testing.assert_close(newton_schulz(G, 5, dtype=torch.float32), newton_schulz_fp32(G), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("momentum_warmup", [0, 2])
+def test_a_float32_muon_step_is_the_muon_update_written_out(momentum_warmup):
+    """train.muon_ns_dtype=float32 (auto on a CPU): momentum, Nesterov, decoupled decay and the per-matrix lr
+    factor as torch.optim.Muon applies them, with a float32 Newton-Schulz written out in this file."""
+    t = tcfg("train.lr=1e-3", "train.muon_lr=4e-3", "train.muon_weight_decay=0.05", "train.muon_momentum=0.9",
+             f"train.muon_momentum_warmup={momentum_warmup}", "train.muon_momentum_start=0.5")
+    model = tiny_model()
+    opt = build_optimizer(model, t, CPU)
+    assert opt.muon.ns_dtype == torch.float32  # auto, on a CPU
+    W = model.blocks[0].attn.c_attn.weight  # (48, 16): tall
+    ref, buf = W.detach().clone(), torch.zeros_like(W)
+    for step in range(4):
+        set_lr(opt, 1e-3)
+        opt.zero_grad()
+        backward(model, seed=step)
+        g, mu = W.grad.clone(), opt.momentum_at(step, 0.9)
+        opt.step()
+        buf = mu * buf + (1 - mu) * g  # torch's lerp form of momentum
+        update = newton_schulz_fp32((1 - mu) * g + mu * buf)  # Nesterov: g.lerp(buf, mu)
+        ref = ref * (1 - 4e-3 * 0.05) - 4e-3 * 0.2 * max(W.shape) ** 0.5 * update
+        torch.testing.assert_close(W.detach(), ref, rtol=1e-5, atol=1e-6, msg=f"step {step}")
 
 
 def test_the_muon_update_is_the_orthogonalised_gradient_scaled_to_adamw_rms():
