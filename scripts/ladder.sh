@@ -18,8 +18,8 @@ COMMON=(data.path="$DATA" device=cpu logger.wandb.mode=disabled train.eval_inter
         train.log_attn_interval=0 train.ckpt_interval=1000)
 
 # name | parent row (its overrides come first) | what this row adds
-# experiment=nanogpt_cpu_best composes to exactly row 3's config (train and model groups), so row 3's
-# runs are the preset's; it is not run twice.
+# experiment=nanogpt_cpu_best is row 3's recipe with train.muon_ns_dtype=auto: on a CPU that is row 13
+# (fp32 Newton-Schulz); rows 2-12 pin torch's bf16 iteration, as they were first run with it.
 # Rows 4a-4e are modded-nanogpt's architecture changes, each alone on row 3: all five together (row 4)
 # did not pay, so each is measured against row 3 rather than stacked.
 ROWS=(

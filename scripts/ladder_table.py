@@ -58,7 +58,12 @@ def read(path: Path, default=""):
 def rows(out: Path, target: float):
     """[(row name, parent row, overrides line, {seed: summary})] in row order (the names sort as the ladder)."""
     found = []
-    for row_dir in sorted(p for p in out.iterdir() if p.is_dir()):
+    def order(p):  # 2_x < 10_y: the number before the first "_", then the rest (4 < 4a < 4b)
+        number, _, rest = p.name.partition("_")
+        digits = number.rstrip("abcdefghijklmnopqrstuvwxyz")
+        return (int(digits) if digits.isdigit() else float("inf"), number, rest)
+
+    for row_dir in sorted((p for p in out.iterdir() if p.is_dir()), key=order):
         seeds = {p.name.removeprefix("seed"): run_summary(p, target)
                  for p in sorted(row_dir.glob("seed*")) if (p / "metrics.jsonl").exists()}
         if seeds:
@@ -80,12 +85,12 @@ def table(found, target: float) -> str:
         reached = median([s["reached"] for s in seeds.values()]) if all(s["reached"] for s in seeds.values()) else None
         base = final.get(parent, {})
         pairs = [v - base[seed] for seed, v in final[name].items() if v is not None and base.get(seed) is not None]
-        delta = median(pairs)
+        delta, plural = median(pairs), "s" if len(pairs) > 1 else ""
         verdict = "" if delta is None else (" paid" if delta <= -NOISE else " did not pay" if delta >= 0
                                             else " within noise")
         lines.append(f"| **{name}** | median of {len(seeds)} | " + " | ".join(f"**{fmt(v)}**" for v in med)
                      + f" | {fmt(reached, '.0f')} | {fmt(median([s['ms'] for s in seeds.values()]), '.1f')}"
-                     + f" | {fmt(delta, '+.3f')}{f' ({len(pairs)} seed)' if pairs else ''}{verdict} |")
+                     + f" | {fmt(delta, '+.3f')}{f' ({len(pairs)} seed{plural})' if pairs else ''}{verdict} |")
     return "\n".join(lines)
 
 
@@ -93,13 +98,19 @@ def plot(found, path: Path, target: float):
     import matplotlib.pyplot as plt
 
     fig, (ax, zoom) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for i, (name, _, _, seeds) in enumerate(found):
-        color = f"C{i % 10}"
+    built_on = {parent for _, parent, _, _ in found}  # rows another row adds to: the ladder's path, in colour
+    path_rows = [name for name, *_ in found if name in built_on]
+    leaf_label = "rows nothing was built on (see the table)"
+    for name, _, _, seeds in found:
+        on_path = name in built_on
         for j, s in enumerate(seeds.values()):
             steps = sorted(s["val"])
+            label = (name if on_path else leaf_label) if j == 0 else None
+            leaf_label = leaf_label if on_path or label is None else None  # one legend entry for all leaves
             for a in (ax, zoom):
-                a.plot(steps, [s["val"][k] for k in steps], "-", color=color, lw=1.2, alpha=0.85,
-                       label=name if j == 0 else None)
+                a.plot(steps, [s["val"][k] for k in steps], "-", lw=1.6 if on_path else 0.8,
+                       color=f"C{path_rows.index(name) % 10}" if on_path else "0.7", alpha=0.9,
+                       label=label, zorder=3 if on_path else 2)
     for a in (ax, zoom):
         a.axhline(target, color="k", ls=":", lw=1, label=f"nanoGPT's final val {target}" if a is ax else None)
         a.set(xlabel="step", ylabel="val loss (nats/char)")
