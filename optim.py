@@ -32,11 +32,9 @@ def build_optimizer(model, tcfg, device):
     kernel per tensor instead of ~10 foreach ops over all of them (on 2 CPU cores at nanoGPT's CPU
     config an AdamW step takes 0.55 ms fused against 1.8 ms, ~3% of a training step)."""
     fused = device.type in ("cuda", "cpu")
-    if tcfg.optimizer not in OPTIMIZERS:
-        raise UserError(f"train.optimizer={tcfg.optimizer!r} is unknown: use one of {', '.join(OPTIMIZERS)}")
+    check_optimizer_config(tcfg)
     if tcfg.optimizer == "adamw":
         return model.configure_optimizer(tcfg.lr, tcfg.weight_decay, (tcfg.beta1, tcfg.beta2), fused=fused)
-    check_muon_config(tcfg)
     muon_params, decay, no_decay = split_params(model)
     muon_lr = tcfg.lr if tcfg.muon_lr is None else tcfg.muon_lr
     wd = tcfg.weight_decay if tcfg.muon_weight_decay is None else tcfg.muon_weight_decay
@@ -50,6 +48,14 @@ def build_optimizer(model, tcfg, device):
                                {"params": no_decay, "weight_decay": 0.0}],
                               lr=tcfg.lr, betas=(tcfg.beta1, tcfg.beta2), fused=fused)
     return MuonAdamW(muon, adamw, tcfg.muon_momentum_start, tcfg.muon_momentum_warmup)
+
+
+def check_optimizer_config(tcfg):
+    """train.optimizer and, for muon, its keys: one-line errors, checked before anything is built."""
+    if tcfg.optimizer not in OPTIMIZERS:
+        raise UserError(f"train.optimizer={tcfg.optimizer!r} is unknown: use one of {', '.join(OPTIMIZERS)}")
+    if tcfg.optimizer == "muon":
+        check_muon_config(tcfg)
 
 
 def check_muon_config(tcfg):

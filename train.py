@@ -41,7 +41,7 @@ from config import check_train_ranges, model_config
 from data.loader import TokenData
 from data.prepare import prepare
 from model import GPT, GPTConfig
-from optim import build_optimizer, lr_at, set_lr, train_step
+from optim import build_optimizer, check_optimizer_config, lr_at, set_lr, train_step
 from tracking import Tracker, check_wandb_mode, truncate_metrics
 
 log = logging.getLogger("attnlab")
@@ -227,6 +227,7 @@ def setup(cfg, run_name=None, run_group=None, overrides=None) -> Run:
         raise UserError("out_dir is unset: pass out_dir=DIR (train.py sets it to Hydra's run dir)")
     tcfg = cfg.train
     check_train_ranges(cfg)  # every check that needs no file comes before anything is written
+    check_optimizer_config(tcfg)
     check_wandb_mode(cfg.logger.wandb)
     dist_ = init_distributed(cfg.device)
     if not dist_.master:

@@ -16,6 +16,17 @@ COMMON = ["model=debug", "model.dropout=0.0", "train.max_iters=10", "train.eval_
           "logger.wandb.mode=disabled"]
 
 
+def assert_same_training(single, multi, step: int, tol: float):
+    """The two runs' weights at `step` and their val losses agree within tol."""
+    a, b = load_checkpoint(single / step_name(step)), load_checkpoint(multi / step_name(step))
+    for name, t in a["model"].items():
+        d = (t - b["model"][name]).abs().max().item()
+        assert d < tol, f"{name}: max diff {d:.2e} (tolerance {tol:g})"
+    la = [m["val/loss"] for m in read_metrics(single) if "val/loss" in m]
+    lb = [m["val/loss"] for m in read_metrics(multi) if "val/loss" in m]
+    assert la and la == pytest.approx(lb, abs=tol)
+
+
 @pytest.mark.slow
 def test_torchrun_two_processes_equal_one_process_with_the_same_global_batch(tmp_path):
     cache = tmp_path / "cache"
@@ -33,13 +44,8 @@ def test_torchrun_two_processes_equal_one_process_with_the_same_global_batch(tmp
     assert json.loads((multi / "run_info.json").read_text())["world_size"] == 2
 
     # each rank took one of the two micro-batches; gradients averaged = the single run's mean
-    a, b = load_checkpoint(single / step_name(10)), load_checkpoint(multi / step_name(10))
-    for name, t in a["model"].items():
-        d = (t - b["model"][name]).abs().max().item()
-        assert d < 1e-5, f"{name}: max diff {d:.2e} (tolerance 1e-5: all-reduce sums in another order)"
-    la = [m["val/loss"] for m in read_metrics(single) if "val/loss" in m]
-    lb = [m["val/loss"] for m in read_metrics(multi) if "val/loss" in m]
-    assert la == pytest.approx(lb, abs=1e-5)
+    # (tolerance 1e-5: all-reduce sums in another order)
+    assert_same_training(single, multi, step=10, tol=1e-5)
     # rank 0 alone wrote: one run dir, one metrics file, one set of checkpoints
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cache", "multi", "single"]
     assert len(read_metrics(multi)) == len(read_metrics(single))
