@@ -10,9 +10,11 @@ tokens/s <= batch x bandwidth / (weight bytes + KV bytes per step), with the ban
 here by copying a large tensor. Each case is timed `repeats` times in interleaved rounds (this
 machine class is noisy) and the median printed with the range; a compiled case is warmed up at
 the timed length, so no compilation is timed. `layouts=[row,column]` also times the weights as
-training leaves them (row-major) against the layout sample.py uses on CPU.
+training leaves them (row-major) against the layout sample.py uses on CPU; `kv_dtypes` (default
+both) times an fp32 and a bf16 KV cache side by side (sample.py's kv_dtype).
 """
 import copy
+import itertools
 import os
 import statistics
 from dataclasses import dataclass, field
@@ -23,7 +25,7 @@ import torch
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
 
-from common import Timer, UserError, cli, pick_device, run_app
+from common import DTYPES, Timer, UserError, cli, pick_device, run_app
 from config import model_config
 from model import GPT, GPTConfig
 from sample import decode_layout, generate
@@ -40,6 +42,7 @@ class BenchSampleConfig:
     recompute: bool = True  # also time the no-cache path (batch 1, eager)
     threads: Optional[int] = None  # intra-op CPU threads for the timed runs; unset: torch's default
     layouts: List[str] = field(default_factory=lambda: ["column"])  # Linear weights as trained (row) or as sample.py lays them out on CPU (column)
+    kv_dtypes: List[str] = field(default_factory=lambda: ["float32", "bfloat16"])  # KV cache dtypes (sample.kv_dtype)
     repeats: int = 3  # timed runs per case, interleaved; the median is reported
     seed: int = 0
 
@@ -64,12 +67,12 @@ def memory_bandwidth(device, mib: int = 256, repeats: int = 5) -> float:
     return 2 * src.numel() * 4 / best
 
 
-def decode_bytes(model: GPT, batch: int, context: int) -> int:
+def decode_bytes(model: GPT, batch: int, context: int, kv_bytes: int = 4) -> int:
     """Bytes a cached decode step reads: every weight once (the tied embedding as the head) and
-    the K and V of `context` cached positions."""
+    the K and V of `context` cached positions, kv_bytes each."""
     c = model.config
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    kv = 2 * c.n_layer * batch * c.n_kv_head * context * c.head_dim * model.wte.weight.element_size()
+    kv = 2 * c.n_layer * batch * c.n_kv_head * context * c.head_dim * kv_bytes
     return weights + kv
 
 
@@ -79,6 +82,8 @@ def bench_sample(cfg) -> dict:
                         f"repeats={cfg.repeats} must be positive")
     if not cfg.layouts or any(x not in ("row", "column") for x in cfg.layouts) or len(set(cfg.layouts)) < len(cfg.layouts):
         raise UserError(f"layouts={list(cfg.layouts)}: use [row], [column] or [row,column]")
+    if not cfg.kv_dtypes or any(x not in DTYPES for x in cfg.kv_dtypes) or len(set(cfg.kv_dtypes)) < len(cfg.kv_dtypes):
+        raise UserError(f"kv_dtypes={list(cfg.kv_dtypes)}: list some of {', '.join(DTYPES)}, each once")
     device = pick_device(cfg.device)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
@@ -91,20 +96,21 @@ def bench_sample(cfg) -> dict:
           f"device {device}, {torch.get_num_threads()} threads, memory bandwidth {bandwidth / 1e9:.1f} GB/s, "
           f"median of {cfg.repeats} interleaved runs")
 
-    def name(compiled, batch, layout):
+    def name(compiled, batch, layout, kv):
         return (f"cache{', compiled' if compiled else ''}, batch {batch}"
-                + (f", {layout}-major" if len(cfg.layouts) > 1 else ""))
+                + (f", {layout}-major" if len(cfg.layouts) > 1 else "")
+                + (f", kv {kv}" if len(cfg.kv_dtypes) > 1 else ""))
 
     cases = {}  # name -> (model, batch, generate's keywords)
     if cfg.recompute:
         cases["recompute, batch 1"] = (models[cfg.layouts[0]], 1, {"kv_cache": False})
-    for layout in cfg.layouts:
-        for compiled in cfg.compile:
-            for batch in cfg.batch_sizes:
-                cases[name(compiled, batch, layout)] = (models[layout], batch, {"kv_cache": True, "compile": compiled})
+    for layout, kv, compiled, batch in itertools.product(cfg.layouts, cfg.kv_dtypes, cfg.compile, cfg.batch_sizes):
+        cases[name(compiled, batch, layout, kv)] = (models[layout], batch,
+                                                    {"kv_cache": True, "compile": compiled, "kv_dtype": kv})
 
     def timed(case, tokens):
         m, batch, kw = case
+        kw = {**kw, "kv_dtype": DTYPES.get(kw.get("kv_dtype"))}  # None: the model's
         prompt = torch.zeros(batch, 1, dtype=torch.long, device=device)
         with Timer(device) as t:
             out = generate(m, prompt, tokens, temperature=0, **kw)
@@ -123,22 +129,22 @@ def bench_sample(cfg) -> dict:
         note = ""
         if kw["kv_cache"]:  # mean bytes per step over the run: the cache fills up to a block
             context = min(mcfg.block_size, (cfg.tokens + 1) // 2)
-            rows[n]["fraction_of_bound"] = rows[n]["tokens_per_sec"] / (batch * bandwidth / decode_bytes(m, batch, context))
+            bound = batch * bandwidth / decode_bytes(m, batch, context, DTYPES[kw["kv_dtype"]].itemsize)
+            rows[n]["fraction_of_bound"] = rows[n]["tokens_per_sec"] / bound
             note = f"  {100 * rows[n]['fraction_of_bound']:5.1f}% of the bandwidth bound"
         spread = f"({min(speeds[n]):.0f}-{max(speeds[n]):.0f})" if cfg.repeats > 1 else ""
         print(f"{n:34s} {rows[n]['tokens_per_sec']:9.1f} tokens/s {spread:>12s}{note}")
 
     recompute = rows.get("recompute, batch 1")
-    for layout in cfg.layouts:
-        for compiled in cfg.compile:
-            tag = (", compiled" if compiled else "") + (f", {layout}-major" if len(cfg.layouts) > 1 else "")
-            one = rows.get(name(compiled, 1, layout))
-            if one and recompute:
-                print(f"cache vs recompute (batch 1{tag}): {one['tokens_per_sec'] / recompute['tokens_per_sec']:.1f}x")
-            for batch in cfg.batch_sizes:
-                if batch != 1 and one:
-                    ratio = rows[name(compiled, batch, layout)]["tokens_per_sec"] / one["tokens_per_sec"]
-                    print(f"batch {batch} vs batch 1{tag}: {ratio:.1f}x tokens/s")
+    for layout, kv, compiled in itertools.product(cfg.layouts, cfg.kv_dtypes, cfg.compile):
+        tag = name(compiled, 1, layout, kv).replace("cache, batch 1", "").replace("cache, compiled, batch 1", ", compiled")
+        one = rows.get(name(compiled, 1, layout, kv))
+        if one and recompute:
+            print(f"cache vs recompute (batch 1{tag}): {one['tokens_per_sec'] / recompute['tokens_per_sec']:.1f}x")
+        for batch in cfg.batch_sizes:
+            if batch != 1 and one:
+                ratio = rows[name(compiled, batch, layout, kv)]["tokens_per_sec"] / one["tokens_per_sec"]
+                print(f"batch {batch} vs batch 1{tag}: {ratio:.1f}x tokens/s")
     return {"bandwidth": bandwidth, "rows": rows}
 
 

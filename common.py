@@ -188,7 +188,7 @@ def has_native_bf16(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 0)
 
 
-def pick_dtype(name: str, device: torch.device) -> torch.dtype:
+def pick_dtype(name: str, device: torch.device, key: str = "dtype") -> torch.dtype:
     """The autocast dtype. auto: bf16 on GPUs with native bf16, fp16 (with a grad scaler) on
     older GPUs, float32 (no autocast) on CPU and MPS."""
     if name == "auto":
@@ -196,7 +196,7 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
             return torch.float32
         return torch.bfloat16 if has_native_bf16(device) else torch.float16
     if name not in DTYPES:
-        raise UserError(f"dtype={name!r} is unknown: use auto, float32, bfloat16 or float16")
+        raise UserError(f"{key}={name!r} is unknown: use auto, float32, bfloat16 or float16")
     return DTYPES[name]
 
 

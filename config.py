@@ -45,6 +45,8 @@ class TrainConfig:
     min_lr: float = 2e-4  # floor of the cosine decay
     warmup_iters: int = 100  # linear warmup steps
     lr_decay_iters: Optional[int] = None  # steps until min_lr; default max_iters
+    lr_schedule: str = "cosine"  # cosine | wsd (constant, then a linear cooldown over the last cooldown_frac)
+    cooldown_frac: float = 0.4  # wsd: fraction of the steps after warmup spent decaying to min_lr
     beta1: float = 0.9
     beta2: float = 0.99
     weight_decay: float = 0.1  # on matrices only
@@ -58,6 +60,7 @@ class TrainConfig:
     muon_momentum_warmup: int = 0  # steps of linear momentum warmup from muon_momentum_start; 0 = off
     muon_adjust_lr: str = "match_rms_adamw"  # match_rms_adamw (0.2*sqrt(max(A,B))) | original (sqrt(max(1,A/B)))
     muon_ns_steps: int = 5  # Newton-Schulz iterations per matrix and step
+    muon_split_qkv: bool = False  # orthogonalise q, k and v's rows of the fused projection apart
     muon_ns_dtype: str = "auto"  # auto (bfloat16 on GPUs with native bf16, else float32) | bfloat16 (torch's) | float32
     grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
     eval_interval: int = 250  # steps between evaluations (and checkpoints)
@@ -116,6 +119,7 @@ class SampleConfig:
     compile: Optional[bool] = None  # torch.compile the cached decode step (CUDA graphs on CUDA); unset: on for CUDA
     threads: Optional[int] = None  # intra-op CPU threads; unset: torch's default. 1 decodes ~2x faster on 2 cores
     dtype: str = "auto"  # autocast dtype as in training: auto = bfloat16 on capable GPUs, else float32
+    kv_dtype: str = "auto"  # KV cache dtype: auto = dtype's if 16-bit, on CPU bfloat16 for num_samples > 1 (faster), else float32
     stream: bool = False  # print tokens as they are produced (num_samples=1)
     stop: Optional[str] = None  # end a sample at the first occurrence of this string
 
@@ -164,6 +168,7 @@ RANGES = {
     "train.min_lr": NON_NEGATIVE,
     "train.warmup_iters": NON_NEGATIVE,
     "train.lr_decay_iters": POSITIVE,
+    "train.cooldown_frac": Range(0, 1, lo_open=True),
     "train.beta1": FRACTION,
     "train.beta2": FRACTION,
     "train.weight_decay": NON_NEGATIVE,

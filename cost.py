@@ -70,7 +70,9 @@ def count_params(c: GPTConfig) -> dict:
     token's forward multiplies by (the tied wte is the LM head), not the lookup tables."""
     d, L, lp = c.n_embd, c.n_layer, layer_params(c)
     p = {
-        "embedding": c.vocab_size * d + (c.block_size * d if c.pos == "learned" else 0),  # wte (+ wpe)
+        # wte (+ wpe) (+ a value-embedding table per layer)
+        "embedding": c.vocab_size * d + (c.block_size * d if c.pos == "learned" else 0)
+        + (L * c.vocab_size * c.n_kv_head * c.head_dim if c.value_embed else 0),
         "lm_head": 0 if c.tie_embeddings else c.vocab_size * d,
         "attention": L * (lp["attn_matrices"] + lp["attn_other"]),
         "mlp": L * (lp["mlp_matrices"] + lp["mlp_other"]),

@@ -88,6 +88,8 @@ def pick_target(c: GPTConfig) -> str:
         no_counterpart(f"model.norm_position={c.norm_position}", "GPT-2, GPT-NeoX, Llama and Qwen3 are Pre-LN")
     if c.logit_softcap:
         no_counterpart(f"model.logit_softcap={c.logit_softcap}", "GPT-2, GPT-NeoX, Llama and Qwen3 do not cap logits")
+    if c.value_embed:
+        no_counterpart("model.value_embed=true", "GPT-2, GPT-NeoX, Llama and Qwen3 have no value embeddings")
     if c.pos != "rope":  # a table added to the embeddings: GPT-2's wpe holds any (zeros for none)
         if c.attn.qk_norm:
             no_counterpart(f"model.attn.qk_norm=true with model.pos={c.pos}",

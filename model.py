@@ -79,6 +79,7 @@ class GPTConfig:
     tie_embeddings: bool = True  # the LM head shares the token embedding's weights
     logit_softcap: float = 0.0  # > 0: output logits = c * tanh(logits / c); 0 = off
     zero_init_proj: bool = False  # residual output projections (attn and MLP c_proj) start at zero
+    value_embed: bool = False  # each layer adds a learned embedding of the token to its values (modded-nanogpt)
     attn: AttnConfig = field(default_factory=AttnConfig)
 
     def __post_init__(self):
@@ -234,6 +235,7 @@ class KVCache:
 
     With RoPE a cached key keeps its absolute position forever, and attention only sees offsets,
     so once `length` tokens are cached the oldest slot is overwritten and the context slides.
+    Its dtype may be narrower than the model's: a bf16 cache halves what a decode step reads.
     """
 
     def __init__(self, batch_size, n_kv_head, length, head_dim, device=None, dtype=torch.float32):
@@ -250,7 +252,7 @@ class KVCache:
         if T > self.length:
             raise ValueError(f"prefill of {T} tokens does not fit a cache of {self.length}")
         slot = pos % self.length  # a prefill starts at 0 and fits, a decode step writes one slot: no wrap
-        self.k[:, :, slot:slot + T] = k
+        self.k[:, :, slot:slot + T] = k  # cast to the cache's dtype on the way in
         self.v[:, :, slot:slot + T] = v
         n = min(pos + T, self.length)  # slots in use; order is irrelevant once no mask is needed
         return self.k[:, :, :n], self.v[:, :, :n], None
@@ -265,8 +267,8 @@ class StaticKVCache(KVCache):
         if not torch.is_tensor(pos):  # the prefill runs eagerly, as for KVCache
             return super().update(pos, k, v)
         slot = pos % self.length  # (1,)
-        self.k.index_copy_(2, slot, k)
-        self.v.index_copy_(2, slot, v)
+        self.k.index_copy_(2, slot, k.to(self.k.dtype))
+        self.v.index_copy_(2, slot, v.to(self.v.dtype))
         written = torch.arange(self.length, device=pos.device) <= pos  # positions 0..pos, all once full
         return self.k, self.v, written.view(1, 1, 1, -1)
 
@@ -290,9 +292,10 @@ class CausalSelfAttention(nn.Module):
         self.q_gain = nn.Parameter(torch.ones(config.n_head, per)) if per else None
         self.k_gain = nn.Parameter(torch.ones(config.n_kv_head, per)) if per else None
 
-    def qkv(self, x, freqs):
+    def qkv(self, x, freqs, ve=None):
         """q (B, nh, T, hs) and k, v (B, n_kv, T, hs) of x (B, T, C); q and k normed (if enabled),
-        then rotated (with RoPE: freqs is None for the other position schemes)."""
+        then rotated (with RoPE: freqs is None for the other position schemes); ve (B, T, n_kv hs),
+        the token's value embedding, is added to v."""
         B, T, C = x.shape
         nq, hs = self.n_head * self.head_dim, self.head_dim
         qkv = self.c_attn(x)  # (B, T, (nh + 2 n_kv) hs)
@@ -307,7 +310,7 @@ class CausalSelfAttention(nn.Module):
             q, k, v = qkv.split((nq, nkv, nkv), dim=-1)
             q = self.rotate(self.normalize(q.view(B, T, self.n_head, hs), self.q_gain), freqs)
             k = self.rotate(self.normalize(k.view(B, T, self.n_kv_head, hs), self.k_gain), freqs)
-        v = v.view(B, T, self.n_kv_head, hs)
+        v = (v if ve is None else v + ve).view(B, T, self.n_kv_head, hs)
         return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, hs)
 
     def normalize(self, x, gain):
@@ -334,17 +337,18 @@ class CausalSelfAttention(nn.Module):
         gains = 1.0 if self.q_gain is None else self.q_gain.abs().max().item() * self.k_gain.abs().max().item()
         return self.scale * norm_sq * gains
 
-    def forward(self, x, freqs, kv_cache=None, pos=0, probe=None, window=None):
+    def forward(self, x, freqs, kv_cache=None, pos=0, probe=None, window=None, ve=None):
         B, T, C = x.shape
-        q, k, v = self.qkv(x, freqs)
+        q, k, v = self.qkv(x, freqs, ve)
         if probe is not None:  # attention statistics read q, k here (one k per query head); None on training steps
             probe(self.layer, q, repeat_kv(k, self.n_head), self.scale)
         key_mask = None
         if kv_cache is not None:
             k, v, key_mask = kv_cache.update(pos, k, v)  # (B, n_kv, n_cached, hs)
-        y = attention(q, k, v, self.scale, causal=True, impl=self.attn_cfg.impl,
+        # a cache may hold another dtype (sample.kv_dtype): q joins it, the output returns to q's
+        y = attention(q.to(k.dtype), k, v, self.scale, causal=True, impl=self.attn_cfg.impl,
                       dropout_p=self.dropout if self.training else 0.0, window=window,
-                      key_mask=key_mask)  # (B, nh, T, hs)
+                      key_mask=key_mask).to(q.dtype)  # (B, nh, T, hs)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # re-assemble heads side by side
         return self.resid_dropout(self.c_proj(y))
 
@@ -406,8 +410,8 @@ class Block(nn.Module):
         self.ln_2 = make_norm(config)
         self.mlp = MLP_CLASSES[config.mlp](config)
 
-    def forward(self, x, freqs, kv_cache=None, pos=0, probe=None, window=None):
-        x = x + self.attn(self.ln_1(x), freqs, kv_cache, pos, probe, window)
+    def forward(self, x, freqs, kv_cache=None, pos=0, probe=None, window=None, ve=None):
+        x = x + self.attn(self.ln_1(x), freqs, kv_cache, pos, probe, window, ve)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -416,8 +420,8 @@ class PostNormBlock(Block):
     residual sum is normalised, so gradients to early layers shrink with depth: it needs warmup
     (Xiong et al. 2020, arXiv 2002.04745)."""
 
-    def forward(self, x, freqs, kv_cache=None, pos=0, probe=None, window=None):
-        x = self.ln_1(x + self.attn(x, freqs, kv_cache, pos, probe, window))
+    def forward(self, x, freqs, kv_cache=None, pos=0, probe=None, window=None, ve=None):
+        x = self.ln_1(x + self.attn(x, freqs, kv_cache, pos, probe, window, ve))
         return self.ln_2(x + self.mlp(x))
 
 
@@ -463,6 +467,9 @@ class GPT(nn.Module):
         self.drop = nn.Dropout(config.dropout)
         block = PostNormBlock if config.norm_position == "post" else Block
         self.blocks = nn.ModuleList(block(config, i) for i in range(config.n_layer))
+        # value embeddings: per layer a second token table, added to the values (not the residual stream)
+        self.value_embeds = nn.ModuleList(nn.Embedding(config.vocab_size, config.n_kv_head * config.head_dim)
+                                          for _ in range(config.n_layer)) if config.value_embed else None
         # Pre-LN needs a final norm (the stream is never normalised); Post-LN's last block ends with one
         self.ln_f = make_norm(config) if config.norm_position == "pre" else nn.Identity()
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
@@ -506,7 +513,8 @@ class GPT(nn.Module):
         attention's q·k and weights·v, 2·2·T·d per layer forward, x3 for backward (PaLM, arXiv 2204.02311)."""
         T = seq_len or self.config.block_size
         lookup = (0 if self.config.tie_embeddings else self.wte.weight.numel()) + \
-            (self.positions.wpe.weight.numel() if isinstance(self.positions, LearnedPositions) else 0)
+            (self.positions.wpe.weight.numel() if isinstance(self.positions, LearnedPositions) else 0) + \
+            (0 if self.value_embeds is None else sum(e.weight.numel() for e in self.value_embeds))
         return 6 * (self.num_params() - lookup) + 12 * self.config.n_layer * T * self.config.n_embd
 
     def rope_at(self, start: int, T: int):
@@ -546,8 +554,9 @@ class GPT(nn.Module):
         if self.positions is not None:
             x = x + self.positions(pos, T)
         x = self.drop(x)
+        ves = [None] * len(self.blocks) if self.value_embeds is None else [e(idx) for e in self.value_embeds]
         for i, block in enumerate(self.blocks):
-            x = block(x, freqs, None if kv_cache is None else kv_cache[i], pos, probe, window)
+            x = block(x, freqs, None if kv_cache is None else kv_cache[i], pos, probe, window, ves[i])
         logits = self.lm_head(self.ln_f(x))  # (B, T, vocab)
         if self.config.logit_softcap:  # smoothly bounded logits: |logit| < c (Gemma 2)
             logits = self.config.logit_softcap * torch.tanh(logits / self.config.logit_softcap)

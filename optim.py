@@ -41,7 +41,14 @@ def build_optimizer(model, tcfg, device):
     ns_dtype = tcfg.muon_ns_dtype
     if ns_dtype == "auto":  # bf16 where matmuls run natively in it (torch's choice), else fp32
         ns_dtype = "bfloat16" if has_native_bf16(device) else "float32"
-    muon = Muon([{"params": muon_params, "lr_scale": muon_lr / tcfg.lr}], lr=muon_lr, weight_decay=wd,
+    groups = [{"params": muon_params, "lr_scale": muon_lr / tcfg.lr}]
+    if tcfg.muon_split_qkv:  # q, k and v orthogonalised apart, as if three matrices (modded-nanogpt does)
+        fused = {id(m.c_attn.weight) for m in model.blocks.modules() if hasattr(m, "c_attn")}
+        c = model.config
+        groups = [{"params": [p for p in muon_params if id(p) not in fused], "lr_scale": muon_lr / tcfg.lr},
+                  {"params": [p for p in muon_params if id(p) in fused], "lr_scale": muon_lr / tcfg.lr,
+                   "split": [c.n_head * c.head_dim, c.n_kv_head * c.head_dim, c.n_kv_head * c.head_dim]}]
+    muon = Muon(groups, lr=muon_lr, weight_decay=wd,
                 momentum=tcfg.muon_momentum, nesterov=True, ns_steps=tcfg.muon_ns_steps,
                 adjust_lr_fn=tcfg.muon_adjust_lr, ns_dtype=MUON_NS_DTYPES[ns_dtype])
     adamw = torch.optim.AdamW([{"params": decay, "weight_decay": tcfg.weight_decay},
@@ -56,6 +63,8 @@ def check_optimizer_config(tcfg):
         raise UserError(f"train.optimizer={tcfg.optimizer!r} is unknown: use one of {', '.join(OPTIMIZERS)}")
     if tcfg.optimizer == "muon":
         check_muon_config(tcfg)
+    if tcfg.lr_schedule not in LR_SCHEDULES:
+        raise UserError(f"train.lr_schedule={tcfg.lr_schedule!r} is unknown: use one of {', '.join(LR_SCHEDULES)}")
 
 
 def check_muon_config(tcfg):
@@ -113,7 +122,9 @@ class Muon(torch.optim.Muon):
     """torch.optim.Muon with its Newton-Schulz iteration in `ns_dtype`: the same state, hyperparameters
     and update, step for step, and with ns_dtype=bf16 the same bits (tested). torch's always runs it in
     bf16; on these CPUs (no AMX) that is the slow choice: the 16 matrices of nanoGPT's CPU config took
-    55.7 ms per step in bf16 and 25.7 ms in fp32 (one thread)."""
+    55.7 ms per step in bf16 and 25.7 ms in fp32 (one thread).
+    A group with "split": [rows, ...] orthogonalises those blocks of rows of each matrix apart, each with
+    its own lr factor (train.muon_split_qkv: the fused q|k|v projection as three matrices)."""
 
     def __init__(self, params, ns_dtype=torch.bfloat16, **kw):
         super().__init__(params, **kw)
@@ -121,7 +132,7 @@ class Muon(torch.optim.Muon):
 
     @torch.no_grad()
     def step(self, closure=None):
-        if self.ns_dtype == torch.bfloat16:
+        if self.ns_dtype == torch.bfloat16 and not any("split" in g for g in self.param_groups):
             return super().step(closure)
         loss = None
         if closure is not None:
@@ -134,9 +145,11 @@ class Muon(torch.optim.Muon):
             for p, g, buf in zip(params, grads, bufs):
                 buf.lerp_(g, 1 - mu)  # momentum: an EMA of gradients
                 update = g.lerp(buf, mu) if group["nesterov"] else buf
-                update = newton_schulz(update, group["ns_steps"], group["ns_coefficients"], group["eps"], self.ns_dtype)
                 p.mul_(1 - lr * group["weight_decay"])  # decoupled weight decay
-                p.add_(update, alpha=-lr * muon_lr_ratio(group["adjust_lr_fn"], p.shape))
+                rows = group.get("split", [p.size(0)])
+                for block, u in zip(p.split(rows), update.split(rows)):  # views: p is updated in place
+                    u = newton_schulz(u, group["ns_steps"], group["ns_coefficients"], group["eps"], self.ns_dtype)
+                    block.add_(u, alpha=-lr * muon_lr_ratio(group["adjust_lr_fn"], block.shape))
         return loss
 
 
@@ -210,15 +223,29 @@ class MuonAdamW:
         return f"MuonAdamW(\n{self.muon!r},\n{self.adamw!r})"
 
 
+def cosine(progress: float, cooldown_frac: float) -> float:
+    """Half a cosine from 1 down to 0 over the whole decay (Loshchilov & Hutter 2017)."""
+    return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def wsd(progress: float, cooldown_frac: float) -> float:
+    """Warmup-stable-decay (trapezoidal): 1 until the last cooldown_frac of the decay, then a
+    straight line to 0 (Hägele et al. 2024, arXiv 2405.18392; modded-nanogpt's schedule)."""
+    return min(1.0, (1.0 - progress) / cooldown_frac)
+
+
+LR_SCHEDULES = {"cosine": cosine, "wsd": wsd}
+
+
 def lr_at(step: int, tcfg) -> float:
-    """Linear warmup to lr, then cosine decay to min_lr at lr_decay_iters, then min_lr."""
+    """Linear warmup to lr, then `train.lr_schedule`'s decay to min_lr at lr_decay_iters, then min_lr."""
     decay_iters = tcfg.lr_decay_iters or tcfg.max_iters
     if step < tcfg.warmup_iters:
         return tcfg.lr * (step + 1) / (tcfg.warmup_iters + 1)
     if step >= decay_iters:
         return tcfg.min_lr
     progress = (step - tcfg.warmup_iters) / max(1, decay_iters - tcfg.warmup_iters)
-    return tcfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (tcfg.lr - tcfg.min_lr)
+    return tcfg.min_lr + LR_SCHEDULES[tcfg.lr_schedule](progress, tcfg.cooldown_frac) * (tcfg.lr - tcfg.min_lr)
 
 
 def set_lr(optimizer, lr: float):

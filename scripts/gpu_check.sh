@@ -131,7 +131,7 @@ step "sample.py from that checkpoint on $DEVICE" 90 bash -c "sample_on $DEVICE"
 
 step "bench: baby shape (6x6x384, block 256), training step" 120 python3 bench.py device="$DEVICE" $BENCH_BABY
 step "bench: GPT-2 124M shape (12x12x768, block 1024), training step" 150 python3 bench.py device="$DEVICE" $BENCH_GPT2
-step "decode: KV cache vs recompute" 180 python3 bench_sample.py device="$DEVICE" $DECODE
+step "decode: KV cache vs recompute, fp32 and bf16 cache" 300 python3 bench_sample.py device="$DEVICE" $DECODE
 for T in $BLOCKS; do
   step "attention memory at block $T (batch 1, eager)" 60 python3 bench.py device="$DEVICE" $MEMORY model.block_size=$T
 done

@@ -21,7 +21,8 @@ COMMON=(data.path="$DATA" device=cpu logger.wandb.mode=disabled train.eval_inter
 # experiment=nanogpt_cpu_best is row 3's recipe with train.muon_ns_dtype=auto: on a CPU that is row 13
 # (fp32 Newton-Schulz); rows 2-12 pin torch's bf16 iteration, as they were first run with it.
 # Rows 4a-4e are modded-nanogpt's architecture changes, each alone on row 3: all five together (row 4)
-# did not pay, so each is measured against row 3 rather than stacked.
+# did not pay, so each is measured against row 3 rather than stacked. Rows 14-21 are each one change on
+# row 13 (fp32 Newton-Schulz: the same loss as row 3 and a cheaper step on a CPU).
 ROWS=(
   "0_nanogpt_cpu        | -                    | experiment=nanogpt_cpu"
   "1_qknorm_lr2e-3      | 0_nanogpt_cpu        | model.attn.qk_norm=true train.lr=2e-3 train.min_lr=2e-4"
@@ -42,6 +43,14 @@ ROWS=(
   "11_attn_scale_x2     | 3_muon_lr6e-3        | model.attn.scale=0.35"
   "12_muon_wd0          | 3_muon_lr6e-3        | train.muon_weight_decay=0"
   "13_ns_float32        | 3_muon_lr6e-3        | train.muon_ns_dtype=float32"
+  "14_swiglu            | 13_ns_float32        | model.mlp=swiglu"
+  "15_rmsnorm           | 13_ns_float32        | model.norm=rmsnorm"
+  "16_wsd               | 13_ns_float32        | train.lr_schedule=wsd"
+  "17_value_embed       | 13_ns_float32        | model.value_embed=true"
+  "18_muon_split_qkv    | 13_ns_float32        | train.muon_split_qkv=true"
+  "19_grad_clip0        | 13_ns_float32        | train.grad_clip=0"
+  "20_d_ff576           | 13_ns_float32        | model.d_ff=576"
+  "21_rope_base500      | 13_ns_float32        | model.rope_base=500"
 )
 
 declare -A PARENT ADD

@@ -134,7 +134,7 @@ VARIANTS = [  # each a small change from MHA_GELU (every option that changes a p
     {"pos": "sinusoidal"}, {"pos": "none"}, {"tie_embeddings": False}, {"tie_embeddings": False, "pos": "learned"},
     {"attn": {"qk_norm": True}}, {"attn": {"qk_norm": True, "qk_norm_gain": "head"}, "n_kv_head": 2},
     {"attn": {"qk_norm": True, "qk_norm_gain": "channel"}, "n_kv_head": 1, "bias": True},
-    GQA_SWIGLU,
+    GQA_SWIGLU, {"value_embed": True}, {"value_embed": True, "n_kv_head": 2},
 ]
 
 
@@ -142,7 +142,7 @@ def by_kind(model) -> dict:
     """The model's own parameters grouped by name, as cost.count_params groups them."""
     kinds = dict.fromkeys(("embedding", "lm_head", "attention", "mlp", "norms"), 0)
     for name, p in model.named_parameters():  # a tied lm_head.weight is wte.weight, listed once
-        kind = ("embedding" if name.startswith(("wte.", "positions.")) else "lm_head" if name.startswith("lm_head.")
+        kind = ("embedding" if name.startswith(("wte.", "positions.", "value_embeds.")) else "lm_head" if name.startswith("lm_head.")
                 else "attention" if ".attn." in name else "mlp" if ".mlp." in name else "norms")
         assert kind != "norms" or "ln_" in name, name
         kinds[kind] += p.numel()

@@ -96,7 +96,7 @@ def test_bench_sample_prints_ratios_and_the_bandwidth_bound(capsys):
     from conftest import compose_cfg
     from bench_sample import bench_sample, decode_bytes
     cfg = compose_cfg("bench_sample", ["model=debug", "tokens=40", "batch_sizes=[1,2]", "compile=[false]",
-                                       "layouts=[row,column]", "repeats=2"])
+                                       "layouts=[row,column]", "kv_dtypes=[float32]", "repeats=2"])
     result = bench_sample(cfg)
     text = capsys.readouterr().out
     assert "cache vs recompute" in text and "batch 2 vs batch 1" in text and "% of the bandwidth bound" in text
@@ -106,6 +106,61 @@ def test_bench_sample_prints_ratios_and_the_bandwidth_bound(capsys):
     assert all(r["tokens_per_sec"] > 0 for r in rows.values()) and result["bandwidth"] > 1e8
     model = tiny()  # weights: params x 4 bytes; KV: 2 (k, v) x layers x batch x kv heads x context x head dim x 4
     assert decode_bytes(model, 3, 10) == model.num_params() * 4 + 2 * 2 * 3 * 4 * 10 * 8 * 4
+    assert decode_bytes(model, 3, 10, kv_bytes=2) == model.num_params() * 4 + 2 * 2 * 3 * 4 * 10 * 8 * 2
+    cfg = compose_cfg("bench_sample", ["model=debug", "tokens=20", "batch_sizes=[1]", "compile=[false]",
+                                       "recompute=false", "repeats=1"])  # default kv_dtypes: float32 and bfloat16
+    rows = bench_sample(cfg)["rows"]
+    assert set(rows) == {"cache, batch 1, kv float32", "cache, batch 1, kv bfloat16"}
+    assert "batch 1, kv bfloat16" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+def test_bf16_kv_cache_follows_the_reference_to_bf16_rounding(static):
+    """sample.kv_dtype=bfloat16: the cache holds bf16 (half the bytes), and its logits, step by step
+    past block_size, stay within bf16 rounding (2% of the largest logit) of the fp32 sliding-window
+    reference, which the fp32 cache matches to 1e-4."""
+    from test_variants import make
+    model, bs = make(), 16
+    seq = torch.randint(40, (2, 2 * bs + 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = [model(seq[:, :t + 1], window=bs)[:, -1] for t in range(4, seq.size(1))]
+    top = max(w.abs().max().item() for w in want)
+    for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 0.02 * top)):
+        cache = model.new_kv_cache(2, bs, dtype=dtype, static=static)
+        assert all(c.k.dtype == c.v.dtype == dtype and c.k.numel() == 2 * 4 * bs * 8 for c in cache)
+        with torch.no_grad():
+            got = [model(seq[:, :5], kv_cache=cache, pos=0)[:, -1]]
+            for t in range(5, seq.size(1)):
+                got.append(model(seq[:, t:t + 1], kv_cache=cache, pos=torch.tensor([t]) if static else t)[:, -1])
+        for step, (a, b) in enumerate(zip(got, want)):
+            assert a.dtype == torch.float32 and (a - b).abs().max() <= tol, f"{dtype} step {step}"
+
+
+def test_kv_dtype_auto_is_the_autocast_dtype_else_bf16_for_a_batch_on_cpu():
+    from common import Runtime
+    from sample import kv_cache_dtype
+    cpu, cuda, mps = torch.device("cpu"), torch.device("cuda"), torch.device("mps")
+    f32, bf16, f16 = torch.float32, torch.bfloat16, torch.float16
+    auto = lambda device, dtype, n=1: kv_cache_dtype("auto", Runtime(device, dtype), n)
+    assert auto(cpu, f32, 8) == auto(cpu, f32, 2) == bf16 and auto(cpu, f32, 1) == f32  # as measured (bench_sample.py)
+    assert auto(cuda, bf16) == auto(cuda, bf16, 8) == bf16 and auto(cuda, f16) == f16
+    assert auto(cuda, f32, 8) == auto(mps, f32, 8) == f32
+    assert kv_cache_dtype("float32", Runtime(cpu, f32), 8) == f32 and kv_cache_dtype("float16", Runtime(cuda, bf16), 1) == f16
+
+
+def test_sample_kv_dtype(run_dir, sample_cfg):
+    """sample.py kv_dtype=bfloat16 generates, and is what auto means for 3 samples on a CPU (tokens
+    equal); auto for one sample is float32; an unknown kv_dtype is a one-line error."""
+    from common import UserError
+    from sample import sample
+    args = [f"ckpt={run_dir}", "prompt=the", "max_new_tokens=40", "temperature=0"]
+    texts = sample(sample_cfg(*args, "kv_dtype=bfloat16"))
+    assert len(texts) == 1 and len(texts[0]) == 3 + 40
+    assert sample(sample_cfg(*args)) == sample(sample_cfg(*args, "kv_dtype=float32"))
+    hot = [*args[:3], "temperature=1.0", "num_samples=3"]
+    assert sample(sample_cfg(*hot, "kv_dtype=bfloat16")) == sample(sample_cfg(*hot, "kv_dtype=auto"))
+    with pytest.raises(UserError, match=r"^kv_dtype='int8' is unknown: use auto, float32, bfloat16 or float16$"):
+        sample(sample_cfg(*args, "kv_dtype=int8"))
 
 
 def test_column_major_weights_decode_the_same_tokens():

@@ -265,6 +265,7 @@ def test_char_tokenizer_matches_on_shakespeare_val_split(train_cfg, tmp_path):
     (dict(pos="none", mlp="swiglu"), "model.mlp=swiglu with model.pos=none"),
     (dict(norm_position="post"), "model.norm_position=post"),
     (dict(logit_softcap=30.0), "model.logit_softcap=30.0"),
+    (dict(value_embed=True), "model.value_embed=true"),
     (dict(LLAMA, attn={"qk_norm": True, "qk_norm_type": "layer"}), "model.attn.qk_norm_type=layer"),
     (dict(LLAMA, attn={"qk_norm": True, "qk_norm_type": "l2"}), "model.attn.qk_norm_type=l2"),
     (dict(LLAMA, attn={"qk_norm": True, "qk_norm_gain": "channel"}), "model.attn.qk_norm_gain=channel"),

@@ -12,7 +12,7 @@ from checkpoint import load_checkpoint, step_name
 from common import UserError, setup_runtime
 from conftest import REPO, compose_cfg
 from model import GPT, GPTConfig
-from optim import MuonAdamW, build_optimizer, lr_at, newton_schulz, set_lr, split_params, train_step
+from optim import MUON_NS_DTYPES, Muon, MuonAdamW, build_optimizer, lr_at, newton_schulz, set_lr, split_params, train_step
 from test_ddp import assert_same_training
 from test_resume import cli_args, metrics_without_timing
 from tracking import read_metrics
@@ -63,11 +63,13 @@ def test_muon_groups_cover_every_parameter_once_and_muon_takes_only_block_matric
     assert all(p.dim() == 2 for p in decay["params"]) and model.wte.weight in decay["params"]
 
 
-def reference_muon(W, t, lr):
-    """torch.optim.Muon on a copy of one matrix, the hyperparameters written out from the config."""
+def reference_muon(W, t, lr, ns_dtype=torch.bfloat16):
+    """torch.optim.Muon on a copy of one matrix, the hyperparameters written out from the config (with
+    ns_dtype=float32, optim.Muon's float32 iteration)."""
     p = torch.nn.Parameter(W.detach().clone())
-    return p, torch.optim.Muon([p], lr=lr, weight_decay=t.muon_weight_decay, momentum=t.muon_momentum,
-                               nesterov=True, ns_steps=t.muon_ns_steps, adjust_lr_fn=t.muon_adjust_lr)
+    kw = dict(lr=lr, weight_decay=t.muon_weight_decay, momentum=t.muon_momentum, nesterov=True,
+              ns_steps=t.muon_ns_steps, adjust_lr_fn=t.muon_adjust_lr)
+    return p, (torch.optim.Muon([p], **kw) if ns_dtype == torch.bfloat16 else Muon([p], ns_dtype=ns_dtype, **kw))
 
 
 def test_a_muon_step_equals_torch_muon_applied_by_hand_to_the_same_matrix():
@@ -95,6 +97,50 @@ def test_a_muon_step_equals_torch_muon_applied_by_hand_to_the_same_matrix():
         assert torch.equal(W, ref), f"step {step}: max diff {d.max():.3e}, mean {d.mean():.3e}"
         assert torch.equal(model.wte.weight, emb), f"step {step}: AdamW side differs"
     assert opt.muon.param_groups[0]["lr"] == pytest.approx(4 * opt.adamw.param_groups[0]["lr"])
+
+
+@pytest.mark.parametrize("n_kv_head", [4, 2])
+@pytest.mark.parametrize("ns_dtype", ["bfloat16", "float32"])
+def test_muon_split_qkv_steps_q_k_and_v_as_three_matrices(ns_dtype, n_kv_head):
+    """train.muon_split_qkv=true: the fused projection's q, k and v rows take the step torch.optim.Muon
+    takes on three separate matrices (bit for bit with bf16 Newton-Schulz; fp32 to rounding); the
+    other matrices take the same first step as without the option."""
+    t = tcfg("train.lr=1e-3", "train.muon_lr=4e-3", "train.muon_weight_decay=0.05", f"train.muon_ns_dtype={ns_dtype}",
+             "train.muon_split_qkv=true")
+    model = tiny_model(n_head=4, n_kv_head=n_kv_head)
+    plain = copy.deepcopy(model)
+    opt, plain_opt = build_optimizer(model, t, CPU), build_optimizer(plain, tcfg(*t_overrides(t)), CPU)
+    W = model.blocks[0].attn.c_attn.weight  # rows: q (16), k and v (16 / (4 / n_kv_head) each)
+    rows = [16, 4 * n_kv_head, 4 * n_kv_head]
+    # the reference: three separate matrices; torch's Muon for bf16, ours (tested above against the update
+    # written out) for fp32
+    refs = [reference_muon(w, t, lr=4e-3, ns_dtype=MUON_NS_DTYPES[ns_dtype]) for w in W.split(rows)]
+    for step in range(3):
+        for o in (opt, plain_opt):
+            set_lr(o, 1e-3)
+            o.zero_grad()
+        backward(model, seed=step)
+        backward(plain, seed=step)
+        for (p, _), g in zip(refs, W.grad.split(rows)):
+            p.grad = g.clone()
+        opt.step()
+        plain_opt.step()
+        for _, o in refs:
+            o.step()
+        want = torch.cat([p for p, _ in refs])
+        if ns_dtype == "bfloat16":
+            assert torch.equal(W, want), f"step {step}: max diff {(W - want).abs().max():.3e}"
+        else:
+            torch.testing.assert_close(W.detach(), want.detach(), rtol=1e-5, atol=1e-7)
+        if step == 0:  # (later the models differ, and so do their gradients)
+            fc, plain_fc = model.blocks[1].mlp.c_fc.weight, plain.blocks[1].mlp.c_fc.weight
+            assert torch.equal(fc, plain_fc), "a matrix outside q|k|v took another step with the option"
+    assert not torch.allclose(W, plain.blocks[0].attn.c_attn.weight, atol=1e-4)  # split differs from fused
+
+
+def t_overrides(t):
+    """The overrides of tcfg t without muon_split_qkv."""
+    return [f"train.{k}={t[k]}" for k in ("lr", "muon_lr", "muon_weight_decay", "muon_ns_dtype")]
 
 
 def newton_schulz_fp32(G, steps=5, a=3.4445, b=-4.7750, c=2.0315):

@@ -106,6 +106,18 @@ def test_lr_schedule_warmup_cosine_floor(train_cfg):
     assert lr_at(110, t) == pytest.approx(1e-4) and lr_at(500, t) == pytest.approx(1e-4)
 
 
+def test_lr_schedule_wsd_holds_then_decays_linearly(train_cfg):
+    """train.lr_schedule=wsd: the same warmup, lr held until the last cooldown_frac of the 100 steps after
+    it (step 70 with 0.3), then a straight line to min_lr at lr_decay_iters."""
+    t = train_cfg("train.lr=1e-3", "train.min_lr=1e-4", "train.warmup_iters=10", "train.lr_decay_iters=110",
+                  "train.lr_schedule=wsd", "train.cooldown_frac=0.3").train
+    assert lr_at(9, t) == pytest.approx(1e-3 * 10 / 11)
+    assert [lr_at(s, t) for s in (10, 40, 80)] == pytest.approx([1e-3] * 3)
+    assert lr_at(95, t) == pytest.approx(1e-4 + 0.5 * (1e-3 - 1e-4))  # half way through the cooldown
+    assert lr_at(101, t) == pytest.approx(1e-4 + 0.3 * (1e-3 - 1e-4))
+    assert lr_at(110, t) == pytest.approx(1e-4) and lr_at(500, t) == pytest.approx(1e-4)
+
+
 @pytest.mark.parametrize("override,needle", [
     ("data.path=/nonexistent/corpus.txt", "no such file"),
     ("model.n_embd=33", "not divisible by model.n_head"),

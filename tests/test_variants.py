@@ -1,5 +1,5 @@
 """The architecture variants (GQA/MQA, Post-LN, RMSNorm, SwiGLU/ReLU², positions, untied head,
-soft-cap, zero-init): each against its formula written out, and every one through the fast and
+soft-cap, zero-init, value embeddings): each against its formula written out, and every one through the fast and
 reference paths, the KV cache and a short training run."""
 import itertools
 import math
@@ -26,6 +26,8 @@ VARIANTS = [
     {"tie_embeddings": False},
     {"logit_softcap": 5.0},
     {"zero_init_proj": True},
+    {"value_embed": True},
+    {"value_embed": True, "n_kv_head": 1},
     {"norm": "rmsnorm", "mlp": "swiglu", "n_kv_head": 2, "tie_embeddings": False,
      "attn": {"qk_norm": True, "qk_norm_gain": "channel"}},
     {"n_kv_head": 1, "attn": {"qk_norm": True, "qk_norm_type": "l2", "qk_norm_gain": "head", "scale": "4.0"}},
@@ -158,6 +160,41 @@ def test_untied_head_softcap_and_zero_init():
     x = torch.randint(40, (2, 16))
     # every block starts as the identity: the logits are those of embedding -> final norm -> head
     assert torch.allclose(zero(x), zero.lm_head(zero.ln_f(zero.wte(x))), atol=1e-6)
+
+
+@pytest.mark.parametrize("n_kv_head", [4, 1])
+def test_value_embedding_is_added_to_v(n_kv_head):
+    """model.value_embed=true equals the same model without it whose fused projection's v part gets
+    E_layer[token] added (a forward hook on each c_attn), on the fast and the reference path; and the
+    tables are lookups: no FLOPs counted, AdamW (not Muon) trains them."""
+    from optim import split_params
+    ve = make(value_embed=True, n_kv_head=n_kv_head)
+    plain = make(n_kv_head=n_kv_head)
+    state = {k: v for k, v in ve.state_dict().items() if not k.startswith("value_embeds.")}
+    plain.load_state_dict(state)
+    idx = torch.randint(40, (3, 16))
+    nv = n_kv_head * 8
+
+    def add_to_v(layer):
+        def hook(module, inputs, out):
+            return torch.cat([out[..., :-nv], out[..., -nv:] + ve.value_embeds[layer](idx)], dim=-1)
+        return hook
+
+    for layer, block in enumerate(plain.blocks):
+        block.attn.c_attn.register_forward_hook(add_to_v(layer))
+    for impl in ("sdpa", "reference"):
+        for m in (ve, plain):
+            for block in m.blocks:
+                block.attn.attn_cfg.impl = impl
+        a, b = ve(idx), plain(idx)
+        assert torch.allclose(a, b, atol=1e-5), f"{impl}: {max_diff(a, b)}"
+    bare = make(n_kv_head=n_kv_head)
+    bare.load_state_dict(state)
+    assert not torch.allclose(ve(idx), bare(idx), atol=1e-3)  # the tables do change the output
+    assert ve.num_params() == plain.num_params() + 2 * 40 * nv and ve.flops_per_token() == plain.flops_per_token()
+    muon, decay, _ = split_params(ve)
+    tables = {id(e.weight) for e in ve.value_embeds}
+    assert tables <= {id(p) for p in decay} and not tables & {id(p) for p in muon}
 
 
 # ----------------------------------------------------------------------------- positions
