@@ -26,8 +26,7 @@ VARIANTS = [
     {"tie_embeddings": False},
     {"logit_softcap": 5.0},
     {"zero_init_proj": True},
-    {"value_embed": True},
-    {"value_embed": True, "n_kv_head": 1},
+    {"value_embed": True},  # with GQA/MQA shapes: test_value_embedding_is_added_to_v
     {"norm": "rmsnorm", "mlp": "swiglu", "n_kv_head": 2, "tie_embeddings": False,
      "attn": {"qk_norm": True, "qk_norm_gain": "channel"}},
     {"n_kv_head": 1, "attn": {"qk_norm": True, "qk_norm_type": "l2", "qk_norm_gain": "head", "scale": "4.0"}},
