@@ -407,12 +407,19 @@ def wait_for(predicate, proc, timeout=120):
         time.sleep(0.02)
 
 
+def interruptible():
+    """For a child that is sent Ctrl-C: SIGINT back to its default action before exec. A shell that
+    starts the test run in the background (`cmd &`, nohup) leaves SIGINT ignored, the child inherits
+    that, and Python then never raises KeyboardInterrupt: the signal would test nothing."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.slow
 def test_ctrl_c_while_sampling_prints_what_was_generated(tiny_run):
     """Was: max_new_tokens=<huge> printed nothing, and Ctrl-C threw the text away with a traceback."""
     proc = subprocess.Popen([sys.executable, str(REPO / "sample.py"), f"ckpt={tiny_run}", "prompt=line",
                              "max_new_tokens=3000000", "device=cpu"], cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=interruptible)
     first = proc.stderr.readline()  # the log line just before generation starts
     assert "sampling from" in first, first + proc.communicate()[1][-3000:]
     time.sleep(3)  # generating; nothing is printed yet
@@ -560,7 +567,8 @@ def test_ctrl_c_during_data_preparation_is_one_line_and_leaves_nothing(tmp_path,
     proc = subprocess.Popen([sys.executable, str(REPO / script), "data=text", f"data.path={big}",
                              f"data.cache_dir={cache}", "data.num_proc=1", "model=debug", "device=cpu",
                              "logger.wandb.mode=disabled", f"hydra.run.dir={tmp_path / 'run'}"], cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            preexec_fn=interruptible)
     wait_for(lambda: cache.is_dir() and any(cache.iterdir()), proc)
     time.sleep(1.5)
     os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does: the whole process group
