@@ -7,6 +7,7 @@ protobuf `Record` from wandb.proto. This reads the history rows back, for tests 
 """
 import json
 import struct
+import time
 from pathlib import Path
 
 from wandb.proto import wandb_internal_pb2 as pb
@@ -28,6 +29,8 @@ def records(path):
         if length == 0 and kind == 0:  # zero padding to the end of the block
             pos += left
             continue
+        if pos + 7 + length > len(data):  # a record still being written: stop before it
+            return
         pending += data[pos + 7:pos + 7 + length]
         pos += 7 + length
         if kind in (FULL, LAST):
@@ -37,9 +40,21 @@ def records(path):
             yield record
 
 
+def finished_log(run_dir, timeout: float = 30.0) -> Path:
+    """The run's transaction log once it holds the run's exit record. run.finish() can return before
+    wandb-core has written the log (seen: 7 bytes, its header alone, right after finish, complete a
+    moment later), so a test that reads it at once would see an empty run."""
+    log = next(Path(run_dir).glob("run-*.wandb"))
+    deadline = time.monotonic() + timeout
+    while not any(r.WhichOneof("record_type") == "exit" for r in records(log)):
+        assert time.monotonic() < deadline, f"{log}: no exit record after {timeout:.0f} s"
+        time.sleep(0.1)
+    return log
+
+
 def history(run_dir) -> list:
     """The logged rows of an offline run dir (offline-run-*), as dicts of JSON values."""
-    log = next(Path(run_dir).glob("run-*.wandb"))
+    log = finished_log(run_dir)
     rows = []
     for r in records(log):
         if r.WhichOneof("record_type") == "history":
@@ -57,7 +72,7 @@ def summary(run_dir) -> dict:
 
 def run_record(run_dir) -> dict:
     """The run's identity as W&B stored it: id, display name, group."""
-    log = next(Path(run_dir).glob("run-*.wandb"))
+    log = finished_log(run_dir)
     for r in records(log):
         if r.WhichOneof("record_type") == "run":
             return {"id": r.run.run_id, "name": r.run.display_name, "group": r.run.run_group}
