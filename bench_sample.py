@@ -96,10 +96,11 @@ def bench_sample(cfg) -> dict:
           f"device {device}, {torch.get_num_threads()} threads, memory bandwidth {bandwidth / 1e9:.1f} GB/s, "
           f"median of {cfg.repeats} interleaved runs")
 
+    def suffix(layout, kv):  # the layout and cache dtype, where the command compares more than one
+        return (f", {layout}-major" if len(cfg.layouts) > 1 else "") + (f", kv {kv}" if len(cfg.kv_dtypes) > 1 else "")
+
     def name(compiled, batch, layout, kv):
-        return (f"cache{', compiled' if compiled else ''}, batch {batch}"
-                + (f", {layout}-major" if len(cfg.layouts) > 1 else "")
-                + (f", kv {kv}" if len(cfg.kv_dtypes) > 1 else ""))
+        return f"cache{', compiled' if compiled else ''}, batch {batch}" + suffix(layout, kv)
 
     cases = {}  # name -> (model, batch, generate's keywords)
     if cfg.recompute:
@@ -137,7 +138,7 @@ def bench_sample(cfg) -> dict:
 
     recompute = rows.get("recompute, batch 1")
     for layout, kv, compiled in itertools.product(cfg.layouts, cfg.kv_dtypes, cfg.compile):
-        tag = name(compiled, 1, layout, kv).replace("cache, batch 1", "").replace("cache, compiled, batch 1", ", compiled")
+        tag = (", compiled" if compiled else "") + suffix(layout, kv)
         one = rows.get(name(compiled, 1, layout, kv))
         if one and recompute:
             print(f"cache vs recompute (batch 1{tag}): {one['tokens_per_sec'] / recompute['tokens_per_sec']:.1f}x")

@@ -43,10 +43,10 @@ def build_optimizer(model, tcfg, device):
         ns_dtype = "bfloat16" if has_native_bf16(device) else "float32"
     groups = [{"params": muon_params, "lr_scale": muon_lr / tcfg.lr}]
     if tcfg.muon_split_qkv:  # q, k and v orthogonalised apart, as if three matrices (modded-nanogpt does)
-        fused = {id(m.c_attn.weight) for m in model.blocks.modules() if hasattr(m, "c_attn")}
+        qkv = {id(m.c_attn.weight) for m in model.blocks.modules() if hasattr(m, "c_attn")}
         c = model.config
-        groups = [{"params": [p for p in muon_params if id(p) not in fused], "lr_scale": muon_lr / tcfg.lr},
-                  {"params": [p for p in muon_params if id(p) in fused], "lr_scale": muon_lr / tcfg.lr,
+        groups = [{"params": [p for p in muon_params if id(p) not in qkv], "lr_scale": muon_lr / tcfg.lr},
+                  {"params": [p for p in muon_params if id(p) in qkv], "lr_scale": muon_lr / tcfg.lr,
                    "split": [c.n_head * c.head_dim, c.n_kv_head * c.head_dim, c.n_kv_head * c.head_dim]}]
     muon = Muon(groups, lr=muon_lr, weight_decay=wd,
                 momentum=tcfg.muon_momentum, nesterov=True, ns_steps=tcfg.muon_ns_steps,

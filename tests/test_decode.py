@@ -148,17 +148,24 @@ def test_kv_dtype_auto_is_the_autocast_dtype_else_bf16_for_a_batch_on_cpu():
     assert kv_cache_dtype("float32", Runtime(cpu, f32), 8) == f32 and kv_cache_dtype("float16", Runtime(cuda, bf16), 1) == f16
 
 
-def test_sample_kv_dtype(run_dir, sample_cfg):
-    """sample.py kv_dtype=bfloat16 generates, and is what auto means for 3 samples on a CPU (tokens
-    equal); auto for one sample is float32; an unknown kv_dtype is a one-line error."""
+def test_sample_kv_dtype(run_dir, sample_cfg, monkeypatch):
+    """sample.py kv_dtype=bfloat16 generates, and is what auto means for 3 samples on a CPU (the cache
+    it builds is bf16, tokens equal); auto for one sample builds an fp32 cache (tokens equal to
+    kv_dtype=float32); an unknown kv_dtype is a one-line error."""
     from common import UserError
     from sample import sample
+    built = []  # the dtype of every cache sample.py builds (the real method runs)
+    new_kv_cache = GPT.new_kv_cache
+    monkeypatch.setattr(GPT, "new_kv_cache", lambda self, *a, **kw: built.append(new_kv_cache(self, *a, **kw)) or built[-1])
+    dtypes = lambda: {c.k.dtype for c in built.pop()}
     args = [f"ckpt={run_dir}", "prompt=the", "max_new_tokens=40", "temperature=0"]
     texts = sample(sample_cfg(*args, "kv_dtype=bfloat16"))
-    assert len(texts) == 1 and len(texts[0]) == 3 + 40
-    assert sample(sample_cfg(*args)) == sample(sample_cfg(*args, "kv_dtype=float32"))
+    assert len(texts) == 1 and len(texts[0]) == 3 + 40 and dtypes() == {torch.bfloat16}
+    auto = sample(sample_cfg(*args))
+    assert dtypes() == {torch.float32} and auto == sample(sample_cfg(*args, "kv_dtype=float32"))
     hot = [*args[:3], "temperature=1.0", "num_samples=3"]
-    assert sample(sample_cfg(*hot, "kv_dtype=bfloat16")) == sample(sample_cfg(*hot, "kv_dtype=auto"))
+    auto = sample(sample_cfg(*hot, "kv_dtype=auto"))
+    assert dtypes() == {torch.bfloat16} and auto == sample(sample_cfg(*hot, "kv_dtype=bfloat16"))
     with pytest.raises(UserError, match=r"^kv_dtype='int8' is unknown: use auto, float32, bfloat16 or float16$"):
         sample(sample_cfg(*args, "kv_dtype=int8"))
 

@@ -110,6 +110,7 @@ def test_muon_split_qkv_steps_q_k_and_v_as_three_matrices(ns_dtype, n_kv_head):
     model = tiny_model(n_head=4, n_kv_head=n_kv_head)
     plain = copy.deepcopy(model)
     opt, plain_opt = build_optimizer(model, t, CPU), build_optimizer(plain, tcfg(*t_overrides(t)), CPU)
+    assert opt.adamw.defaults["fused"] is True  # (the option once overwrote AdamW's fused flag with a set)
     W = model.blocks[0].attn.c_attn.weight  # rows: q (16), k and v (16 / (4 / n_kv_head) each)
     rows = [16, 4 * n_kv_head, 4 * n_kv_head]
     # the reference: three separate matrices; torch's Muon for bf16, ours (tested above against the update
@@ -276,6 +277,7 @@ def test_resuming_an_adamw_checkpoint_with_muon_says_so_in_one_line():
     ("train.muon_momentum=1.0", r"train.muon_momentum=1.0 must be in \[0, 1\)"),
     ("train.muon_adjust_lr=spectral", "train.muon_adjust_lr='spectral' is unknown"),
     ("train.muon_ns_dtype=float16", "train.muon_ns_dtype='float16' is unknown"),
+    ("train.lr_schedule=linear", "train.lr_schedule='linear' is unknown: use one of cosine, wsd"),
 ])
 def test_bad_optimizer_settings_are_one_line_errors(override, message):
     with pytest.raises(UserError, match=message):
