@@ -17,18 +17,22 @@ sequences (r: held-out text, see repeated_batch) and logs each head's mean weigh
 in-context gain: the model's mean loss on the first copy minus on the second (what seeing the text
 once already saves).
 
-The statistics come from the reference path's scores (model.attention_scores), one layer and one
+The probe reads each layer's q and k at the attention's hook points (reading_qk), so no forward
+carries it and training steps run without it. The statistics come from the reference path's scores
+(attention.attention_scores), one layer and one
 block of queries at a time, so memory is O(B * heads * block * T), never a T x T matrix per
 layer held at once, and training steps that do not probe never build an attention matrix.
 attention_maps returns the whole weights of one prompt (at most block_size tokens), for the maps
-that visualize.py and the end of a run draw (attnview.py).
+that tools/visualize.py and the end of a run draw (plots.py).
 """
 import math
+import re
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
 
-from model import attention_scores
+from attention import attention_scores, repeat_kv
 
 
 ROLE_STATS = ("prev", "first", "self", "dist")  # what each head looks at (rows i >= 1)
@@ -52,6 +56,29 @@ def role_rows(p, start: int):
                - torch.arange(end, device=p.device)[None, :]).to(p.dtype)  # (Tb, end): i - j
     return {"prev": prev, "first": p[..., 0], "self": weight_at_offset(p, start, 0)[0],
             "dist": (p * offsets.clamp(min=0)).sum(-1)}
+
+
+@contextmanager
+def reading_qk(model, fn):
+    """Within the block, every forward of `model` calls fn(layer, q, k, scale) for each layer: the q
+    (B, nh, T, hs) and k (B, nh, T, hs, repeated to one per query head) that enter its attention,
+    read at the attention's hook points, and its logit scale."""
+    handles = []
+    for layer, block in enumerate(model.blocks):
+        attn, seen = block.attn, {}
+
+        def read_q(module, args, q, seen=seen):
+            seen["q"] = q
+
+        def read_k(module, args, k, seen=seen, layer=layer, attn=attn):
+            fn(layer, seen.pop("q"), repeat_kv(k, attn.n_head), attn.scale)
+
+        handles += [attn.hook_q.register_forward_hook(read_q), attn.hook_k.register_forward_hook(read_k)]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
 
 
 @torch.no_grad()
@@ -103,8 +130,8 @@ def attention_stats(q, k, scale: float, block: int = 256, dtype=torch.float32, p
 @torch.no_grad()
 def attention_maps(model, idx, block: int = 256):
     """Every layer's and head's attention weights for one sequence idx (1, T), from the reference
-    path: softmax(q·kᵀ·scale + M) of the q and k the model itself computes (its probe hook; with
-    GQA k comes one per query head), whatever the model's options. Returns the weights (L, nh, T, T)
+    path: softmax(q·kᵀ·scale + M) of the q and k the model itself computes (read at its hook
+    points; with GQA k comes one per query head), whatever the model's options. Returns the weights (L, nh, T, T)
     as a float32 CPU tensor (zero above the diagonal) and each head's statistics {name: (L, nh)}."""
     was_training = model.training
     model.eval()
@@ -115,7 +142,8 @@ def attention_maps(model, idx, block: int = 256):
         maps[layer] = F.softmax(scores, dim=-1)[0].cpu()
         stats[layer] = attention_stats(q, k, scale, block)
 
-    model(idx, probe=hook)
+    with reading_qk(model, hook):
+        model(idx)
     model.train(was_training)
     layers = sorted(maps)
     names = ("entropy",) + ROLE_STATS
@@ -165,7 +193,8 @@ class AttentionProbe:
         def hook(layer, q, k, scale):  # called once per layer with that layer's q, k
             per_layer[layer] = attention_stats(q, k, scale, self.block)
 
-        model(self.idx, probe=hook)
+        with reading_qk(model, hook):
+            model(self.idx)
         extra = {}
         if self.repeated is not None:
             n = self.repeated.size(1) // 2
@@ -173,11 +202,42 @@ class AttentionProbe:
             def induction_hook(layer, q, k, scale):
                 per_layer[layer]["induction"] = attention_stats(q, k, scale, self.block, period=n)["induction"]
 
-            logits = model(self.repeated, probe=induction_hook)
+            with reading_qk(model, induction_hook):
+                logits = model(self.repeated)
             first, second = copy_losses(logits, self.repeated, n)
             extra = {"incontext/loss_first": first, "incontext/loss_second": second, "incontext/gain": first - second}
         model.train(was_training)
         return {**flatten_stats(per_layer), **extra}
+
+
+def metric_key(name: str, layer=None, head=None) -> str:
+    """The metric key of a statistic: attn_{name}/L{layer}/H{head}, attn_{name}/L{layer} (mean over
+    heads) or attn_{name}/{layer} for a summary ("mean", "max"). parse_key reads them back."""
+    if head is not None:
+        return f"attn_{name}/L{layer}/H{head}"
+    return f"attn_{name}/L{layer}" if isinstance(layer, int) else f"attn_{name}/{layer}"
+
+
+KEY = re.compile(r"attn_(\w+)/L(\d+)(?:/H(\d+))?")
+
+
+def parse_key(key: str):
+    """(name, layer, head) of a per-layer (head None) or per-head metric key; None for any other."""
+    m = KEY.fullmatch(key)
+    return None if m is None else (m.group(1), int(m.group(2)), None if m.group(3) is None else int(m.group(3)))
+
+
+def head_keys(lines, name: str) -> list:
+    """[(layer, head, key)] of the per-head statistic `name` in metric lines, sorted."""
+    found = {(p[1], p[2], key) for line in lines for key in line
+             for p in [parse_key(key)] if p and p[0] == name and p[2] is not None}
+    return sorted(found)
+
+
+def layer_keys(lines, name: str) -> list:
+    """[(layer, key)] of the per-layer mean of statistic `name` in metric lines, sorted."""
+    return sorted({(p[1], key) for line in lines for key in line
+                   for p in [parse_key(key)] if p and p[0] == name and p[2] is None})
 
 
 def flatten_stats(per_layer: dict) -> dict:
@@ -186,35 +246,30 @@ def flatten_stats(per_layer: dict) -> dict:
     out = {}
     for l, s in sorted(per_layer.items()):
         for h, v in enumerate(s["entropy"].tolist()):
-            out[f"attn_entropy/L{l}/H{h}"] = v
-        out[f"attn_entropy/L{l}"] = s["entropy"].mean().item()
-        out[f"attn_entropy_norm/L{l}"] = s["entropy_norm"].mean().item()
-        out[f"attn_peak/L{l}"] = s["peak"].mean().item()
-        out[f"attn_logit_max/L{l}"] = s["logit_max"].max().item()
+            out[metric_key("entropy", l, h)] = v
+        out[metric_key("entropy", l)] = s["entropy"].mean().item()
+        out[metric_key("entropy_norm", l)] = s["entropy_norm"].mean().item()
+        out[metric_key("peak", l)] = s["peak"].mean().item()
+        out[metric_key("logit_max", l)] = s["logit_max"].max().item()
     n = len(per_layer)
-    out["attn_entropy/mean"] = sum(out[f"attn_entropy/L{l}"] for l in per_layer) / n
-    out["attn_entropy_norm/mean"] = sum(out[f"attn_entropy_norm/L{l}"] for l in per_layer) / n
-    out["attn_peak/mean"] = sum(out[f"attn_peak/L{l}"] for l in per_layer) / n
+    for name in ("entropy", "entropy_norm", "peak"):
+        out[metric_key(name, "mean")] = sum(out[metric_key(name, l)] for l in per_layer) / n
     for name in ROLE_STATS + ("induction",):
         for l, s in sorted(per_layer.items()):
             if name not in s:
                 continue
             for h, v in enumerate(s[name].tolist()):
-                out[f"attn_{name}/L{l}/H{h}"] = v
-            out[f"attn_{name}/L{l}"] = s[name].mean().item()
-    heads = [v for key, v in out.items() if key.startswith("attn_induction/L") and key.count("/") == 2]
+                out[metric_key(name, l, h)] = v
+            out[metric_key(name, l)] = s[name].mean().item()
+    heads = [out[key] for _, _, key in head_keys([out], "induction")]
     if heads:
-        out["attn_induction/max"] = max(heads)  # the strongest induction head
+        out[metric_key("induction", "max")] = max(heads)  # the strongest induction head
     return out
 
 
 def head_grid(stats: dict, name: str = "entropy"):
-    """The layer x head matrix of attn_{name}/L{l}/H{h} values in a metrics line (list of lists)."""
-    cells = {}
-    for key, v in stats.items():
-        parts = key.split("/")
-        if len(parts) == 3 and parts[0] == f"attn_{name}":
-            cells[(int(parts[1][1:]), int(parts[2][1:]))] = v
+    """The layer x head matrix of statistic `name` in a metrics line (list of lists), or None."""
+    cells = {(l, h): stats[key] for l, h, key in head_keys([stats], name)}
     if not cells:
         return None
     n_l = max(l for l, _ in cells) + 1

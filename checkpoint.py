@@ -1,4 +1,5 @@
-"""The one place checkpoints are written, found and read.
+"""The one place checkpoints are written, found and read, and what resuming from one needs: the
+checkpoint to resume from, whether it fits this run, and every random stream's state.
 
 A checkpoint is a dict of tensors and plain values (weights, model config, tokenizer, step,
 optimizer state, the run's resolved config), so it loads with `torch.load(weights_only=True)`:
@@ -9,9 +10,13 @@ previous checkpoint intact.
 import math
 import os
 import pickle
+import random
 from pathlib import Path
 
+import numpy as np
 import torch
+import torch.distributed as dist
+from omegaconf import OmegaConf
 
 from common import UserError, first_line
 from model import GPT, GPTConfig
@@ -170,3 +175,67 @@ def load_weights(model: GPT, weights: dict):
     missing, unexpected = model.load_state_dict(weights, strict=False)
     if missing or unexpected:
         raise UserError(f"checkpoint does not fit this model: missing {missing[:3]}, unexpected {unexpected[:3]}")
+
+
+# ----------------------------------------------------------------------------- resuming
+
+def rng_state(device=torch.device("cpu"), world: int = 1) -> dict:
+    """Every random stream a training step may touch, as tensors and plain values. The CPU streams
+    are alike on every rank; each rank's GPU has its own (seeded seed + rank), so "cuda" lists every
+    rank's, index = rank: under DDP every rank must call this (an all-gather)."""
+    np_state = np.random.get_state()
+    cuda = []
+    if device.type == "cuda":
+        cuda = [torch.cuda.get_rng_state(device)]
+        if world > 1:
+            cuda = [None] * world
+            dist.all_gather_object(cuda, torch.cuda.get_rng_state(device))
+    return {"python": random.getstate(), "numpy": [np_state[0], torch.from_numpy(np_state[1].copy()),
+                                                   *np_state[2:]],
+            "torch": torch.get_rng_state(), "cuda": cuda}
+
+
+def set_rng_state(state: dict, device=torch.device("cpu"), rank: int = 0):
+    random.setstate(tuple(tuple(x) if isinstance(x, list) else x for x in state["python"]))
+    kind, keys, *rest = state["numpy"]
+    np.random.set_state((kind, keys.numpy(), *rest))
+    torch.set_rng_state(state["torch"])
+    if device.type == "cuda" and rank < len(state["cuda"]):  # a rank new since the save keeps its fresh seed
+        torch.cuda.set_rng_state(state["cuda"][rank], device)
+
+
+def resume_source(resume, out_dir: Path):
+    """The checkpoint to resume from: `resume=true` means this run dir's newest one; any other
+    value is a run dir or checkpoint file. None when not resuming."""
+    if resume is None or str(resume).lower() in ("false", "none", "null", ""):
+        return None
+    if str(resume).lower() == "true":
+        found = latest_checkpoint(out_dir)
+        if found is None:
+            raise UserError(f"resume=true but {out_dir} has no checkpoint: a run stopped before its first one "
+                            "starts again without resume=true (same hydra.run.dir); another run's dir is "
+                            "resume=RUN_DIR")
+        return found
+    p = Path(resume).expanduser()
+    found = latest_checkpoint(p) if p.is_dir() else (p if p.is_file() else None)
+    if found is None:
+        raise UserError(f"resume={resume}: no checkpoint there (give a run dir or a ckpt_*.pt file)")
+    if found.name == BEST_NAME:
+        raise UserError(f"resume={resume}: best.pt holds weights only, no optimizer or data position; "
+                        "resume from the run dir (or a ckpt_*.pt file)")
+    return found
+
+
+def check_resumable(state: dict, cfg, tokenizer):
+    """A checkpoint resumes only into the same model, data and tokenizer; name the first difference."""
+    saved = state.get("config") or {}
+    now = OmegaConf.to_container(cfg, resolve=True)
+    for group, keys in (("model", None), ("data", ("name", "tokenizer", "val_fraction"))):
+        a, b = saved.get(group, {}), now.get(group, {})
+        for key in keys or sorted(set(a) | set(b)):
+            if key != "vocab_size" and a.get(key) != b.get(key):
+                raise UserError(f"cannot resume: {group}.{key} is {b.get(key)!r} here but {a.get(key)!r} in the "
+                                "checkpoint; resume with the run's own config")
+    if state.get("tokenizer") != tokenizer.to_dict():  # same size is not enough: ids must mean the same text
+        raise UserError("cannot resume: the data's tokenizer differs from the checkpoint's (another corpus "
+                        "or vocabulary); resume with the run's own data")

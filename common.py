@@ -1,17 +1,28 @@
-"""What every entry point shares: the one error type and how it ends a command, the device,
-dtype and autocast, distributed setup, peak FLOP/s for MFU, the compile rule, and a timer that
-waits for the GPU. Entry points import this, never each other (nanochat keeps the same
-nanochat/common.py)."""
+"""What the commands share (nanochat keeps the same nanochat/common.py): the one error type and how
+it ends a command, the one check of config values against their schemas' tables, file modes and
+temporary files, the device, dtype and autocast, the memory check, peak FLOP/s for MFU, the compile
+rule, distributed setup, a timer that waits for the GPU, and a training process's own helpers: its
+record of code and hardware, the signals that stop it, and the lock on its run dir."""
+import dataclasses
+import fcntl
 import functools
+import logging
+import math
 import os
 import platform
+import signal
+import subprocess
 import sys
+import threading
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+log = logging.getLogger("attnlab")
 
 
 class UserError(Exception):
@@ -87,6 +98,105 @@ def run_app(app):
         sys.exit(1)
     finally:
         del os.environ["HYDRA_FULL_ERROR"]
+
+
+# ----------------------------------------------------------------------------- config values
+
+@dataclass(frozen=True)
+class Range:
+    """The legal values of a numeric key: finite, between lo and hi (each bound included unless
+    marked open). None (unset) is always legal where the schema allows it."""
+    lo: float = -math.inf
+    hi: float = math.inf
+    lo_open: bool = False
+    hi_open: bool = False
+    why: str = ""  # what the bound protects, added to the error
+
+    def contains(self, v) -> bool:
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            return False
+        if isinstance(v, int) and abs(v) > 2**53:  # every count fits int64 and converts to float exactly
+            return False
+        return (v > self.lo if self.lo_open else v >= self.lo) and (v < self.hi if self.hi_open else v <= self.hi)
+
+    def error(self, name: str, v, optional: bool) -> str:
+        integer = isinstance(v, int) and not isinstance(v, bool)
+        if integer and abs(v) > 2**53:
+            return f"{name}={v} is beyond any sensible size (2**53): {self.describe(integer)}"
+        return f"{name}={v} must be {self.describe(integer)}{' (or unset)' if optional else ''}" + \
+            (f": {self.why}" if self.why else "")
+
+    def describe(self, integer: bool) -> str:
+        lo = f"{'>' if self.lo_open else '>='} {self.lo:g}" if self.lo > -math.inf else ""
+        hi = f"{'<' if self.hi_open else '<='} {self.hi:g}" if self.hi < math.inf else ""
+        what = "an integer" if integer else "a finite number"
+        return f"{what} {lo}{' and ' if lo and hi else ''}{hi}".rstrip()
+
+
+@dataclass(frozen=True)
+class OneOf:
+    """The legal values of a key that names a choice."""
+    choices: tuple
+    why: str = ""
+
+    def contains(self, v) -> bool:
+        return v in self.choices
+
+    def error(self, name: str, v, optional: bool) -> str:
+        return f"{name}={v!r} is unknown: use one of {', '.join(map(str, self.choices))}" + \
+            (f" ({self.why})" if self.why else "")
+
+
+@dataclass(frozen=True)
+class Rule:
+    """Any other test of one value: `test(v)` is True when legal; `legal` says what is."""
+    test: object
+    legal: str
+
+    def contains(self, v) -> bool:
+        return bool(self.test(v))
+
+    def error(self, name: str, v, optional: bool) -> str:
+        return f"{name}={v} is invalid: use {self.legal}"
+
+
+POSITIVE, NON_NEGATIVE = Range(1), Range(0)
+FRACTION = Range(0, 1, hi_open=True)  # [0, 1)
+SEED = Range(0, why="seeds are non-negative")
+
+
+def check_values(node, prefix: str = ""):
+    """Every value of a config node in its schema's table, nested schemas included: a one-line
+    UserError for the first that breaks its rule, naming the key as `prefix.key`.
+
+    Each schema (a dataclass: a config group, a tool's settings, GPTConfig) declares its table as
+    the class attribute RULES, {field: Range | OneOf | Rule}; `node` may be the dataclass itself or
+    the DictConfig Hydra composed from it. None (unset) is legal wherever the schema allows it."""
+    from omegaconf import OmegaConf
+
+    is_cfg = OmegaConf.is_config(node)
+    schema = OmegaConf.get_type(node) if is_cfg else type(node)
+    rules = getattr(schema, "RULES", {})
+    for f in dataclasses.fields(schema):
+        value = getattr(node, f.name)
+        name = f"{prefix}.{f.name}" if prefix else f.name
+        if dataclasses.is_dataclass(value) or (is_cfg and OmegaConf.is_dict(value)):
+            check_values(value, name)
+            continue
+        rule = rules.get(f.name)
+        if rule is None or value is None:
+            continue
+        listed = isinstance(value, (list, tuple)) or (is_cfg and OmegaConf.is_list(value))
+        for v in (value if listed else [value]):  # a list's rule applies to each element
+            if not rule.contains(v):
+                optional = not listed and (node._get_node(f.name)._is_optional() if is_cfg else f.default is None)
+                raise UserError(rule.error(name, v, optional))
+
+
+def check_value(name: str, value, rule):
+    """One value against its rule (a library function's argument): a one-line UserError if illegal."""
+    if value is not None and not rule.contains(value):
+        raise UserError(rule.error(name, value, False))
 
 
 # ----------------------------------------------------------------------------- files
@@ -222,7 +332,7 @@ def setup_runtime(device_name: str, dtype_name: str) -> Runtime:
     return Runtime(device, dtype)
 
 
-def memory_bytes(device: torch.device):
+def device_memory_bytes(device: torch.device):
     """Memory a run on `device` can use at most: the GPU's, else the machine's RAM (None: unknown)."""
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).total_memory
@@ -232,22 +342,14 @@ def memory_bytes(device: torch.device):
         return None
 
 
-def check_memory(mcfg, batch_size: int, device, batch_name="train.batch_size", vocab_name="model.vocab_size"):
-    """Refuse, before allocating anything, a model or batch that cannot fit the device: a huge
-    model.n_layer would otherwise build layers until the machine runs out of memory (a hang, then
-    the OOM killer), not fail. A lower bound: fp32 weights, gradients and AdamW's two moments, and
-    per token and layer a few n_embd-wide activations plus the logits."""
-    available = memory_bytes(device)
-    if available is None:
-        return
-    d, L, V, T = mcfg.n_embd, mcfg.n_layer, mcfg.vocab_size, mcfg.block_size
-    d_ff = getattr(mcfg, "d_ff", None) or 4 * d
-    params = V * d + L * (4 * d * d + 2 * d * d_ff)
-    need = 16 * params + 4 * batch_size * T * ((6 * d + d_ff) * L + 2 * V)
-    if need > available:
-        raise UserError(f"the model and batch need at least {need / 2**30:.3g} GiB but {device} has "
-                        f"{available / 2**30:.3g} GiB (model.n_layer={L}, model.n_embd={d}, model.d_ff={d_ff}, "
-                        f"{vocab_name}={V}, model.block_size={T}, {batch_name}={batch_size}): make them smaller")
+def check_memory(need: int, device, what: str, keys: str):
+    """Refuse, before allocating anything, what cannot fit the device: a huge model.n_layer would
+    otherwise build layers until the machine runs out of memory (a hang, then the OOM killer), not
+    fail. `need` is a lower bound from counting.py; `keys` names the values to lower."""
+    available = device_memory_bytes(device)
+    if available is not None and need > available:
+        raise UserError(f"{what} need at least {need / 2**30:.3g} GiB but {device} has {available / 2**30:.3g} GiB "
+                        f"({keys}): make them smaller")
 
 
 def compile_wanted(flag, device) -> bool:
@@ -365,3 +467,68 @@ def read_prompt(cfg) -> str:
     except (OSError, UnicodeDecodeError) as e:
         raise UserError(f"prompt_file={cfg.prompt_file!r} cannot be read as UTF-8 text: "
                         f"{type(e).__name__}: {getattr(e, 'strerror', None) or e}") from None
+
+
+# ----------------------------------------------------------------------------- a training process
+
+def run_info(device, world: int) -> dict:
+    """Code version and hardware, recorded at the start of every run."""
+    repo = Path(__file__).resolve().parent
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True,
+                                timeout=5).stdout.strip() or None
+        dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=repo,
+                                    capture_output=True, text=True, timeout=5).stdout.strip())
+    except (OSError, subprocess.SubprocessError):
+        commit, dirty = None, None
+    return {"git_commit": commit, "git_dirty": dirty, "python": platform.python_version(),
+            "torch": torch.__version__, "device": str(device),
+            "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor(),
+            "cpu_threads": torch.get_num_threads(), "hostname": platform.node(), "argv": sys.argv,
+            "world_size": world}
+
+
+class StopRequest:
+    """SIGTERM or SIGINT: finish the current step, checkpoint, exit 0. A second SIGINT exits now."""
+
+    def __init__(self):
+        self.signal = None
+        self.previous = {}
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self.previous[sig] = signal.signal(sig, self.handle)
+
+    def handle(self, signum, frame):
+        if self.signal is not None and signum == signal.SIGINT:
+            os._exit(130)
+        self.signal = signal.Signals(signum).name
+        log.warning("%s received: finishing this step, then saving a checkpoint (Ctrl-C again to quit now)", self.signal)
+
+    def agree(self, device, world: int):
+        """Under DDP every rank must stop at the same step: all stop if any was signalled."""
+        if all_ranks_agree(self.signal is not None, device, world) and self.signal is None:
+            self.signal = "SIGTERM"
+
+    def restore(self):
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+
+def lock_run_dir(out_dir: Path):
+    """An exclusive lock on the run dir, held until the process ends: a second training pointed at
+    the same dir stops with one line instead of interleaving its files with ours."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    f = open(out_dir / ".lock", "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        owner = f.read().strip() or "another process"
+        f.close()
+        raise UserError(f"{out_dir} is in use by a running training ({owner}): wait for it, or give "
+                        "another hydra.run.dir") from None
+    f.seek(0)
+    f.truncate()
+    f.write(f"pid {os.getpid()} on {platform.node()}\n")
+    f.flush()
+    return f

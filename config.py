@@ -3,18 +3,24 @@
 Each YAML under configs/ names its schema first in its defaults list (`- /model_schema@_here_`), so a
 misspelt key or a wrong type fails at composition, before anything runs. The model schema is
 model.GPTConfig itself: one definition of the architecture's knobs.
+
+Each schema declares the legal values of its keys in its RULES table (common.Range, OneOf, Rule:
+key, allowed values, why), and common.check_values checks any config against its schemas' tables;
+every entry point calls it before doing anything (check_train_config for training). A numeric key
+without a rule fails a test by name.
 """
-import math
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import ClassVar, List, Optional
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING
+from omegaconf import MISSING, OmegaConf
 
-from omegaconf import OmegaConf
-
-from common import UserError
+from common import DTYPES, FRACTION, NON_NEGATIVE, POSITIVE, SEED, OneOf, Range, UserError, check_values
 from model import GPTConfig
+from optim import LR_SCHEDULES, MUON_ADJUST_LR, MUON_NS_DTYPES, OPTIMIZERS
+from tracking import WANDB_MODES, check_wandb_mode
+
+DTYPE_NAMES = ("auto", *DTYPES)
 
 
 @dataclass
@@ -34,6 +40,14 @@ class DataConfig:
     max_tokens: Optional[float] = None  # cap on training tokens, e.g. 1e9
     num_proc: int = 1  # processes for tokenization (Dataset.map)
     cache_dir: Optional[str] = None  # where prepared token files live; default <repo>/data/cache
+
+    RULES: ClassVar[dict] = {
+        "val_fraction": Range(0, 1, lo_open=True, hi_open=True),
+        "split_seed": SEED,
+        "vocab_size": Range(257, why="a byte-level BPE holds the 256 bytes and <|endoftext|>"),
+        "max_tokens": Range(1, why="a cap on training tokens"),
+        "num_proc": Range(1, 4096),
+    }
 
 
 @dataclass
@@ -73,6 +87,24 @@ class TrainConfig:
     skip_nonfinite: int = 0  # steps with NaN/Inf loss or gradients skipped before the run stops
     peak_flops: Optional[float] = None  # FLOP/s that MFU is measured against; default: the GPU's table entry
 
+    RULES: ClassVar[dict] = {
+        "batch_size": POSITIVE, "grad_accum": POSITIVE, "max_iters": NON_NEGATIVE,
+        "lr": Range(0, 10, lo_open=True, why="a larger lr diverges at once"),
+        "min_lr": NON_NEGATIVE, "warmup_iters": NON_NEGATIVE, "lr_decay_iters": POSITIVE,
+        "lr_schedule": OneOf(tuple(LR_SCHEDULES)), "cooldown_frac": Range(0, 1, lo_open=True),
+        "beta1": FRACTION, "beta2": FRACTION, "weight_decay": NON_NEGATIVE,
+        "optimizer": OneOf(OPTIMIZERS),
+        "muon_lr": Range(0, 10, lo_open=True, why="a larger lr diverges at once"),
+        "muon_weight_decay": NON_NEGATIVE, "muon_momentum": FRACTION, "muon_momentum_start": FRACTION,
+        "muon_momentum_warmup": NON_NEGATIVE, "muon_adjust_lr": OneOf(MUON_ADJUST_LR),
+        "muon_ns_steps": Range(1, 100), "muon_ns_dtype": OneOf(("auto", *MUON_NS_DTYPES)),
+        "grad_clip": Range(0, why="0 disables clipping"),
+        "eval_interval": POSITIVE, "eval_iters": POSITIVE, "log_interval": POSITIVE,
+        "log_attn_interval": Range(0, why="0 turns the probe off"), "probe_batch_size": POSITIVE,
+        "ckpt_interval": POSITIVE, "keep_ckpts": POSITIVE, "skip_nonfinite": NON_NEGATIVE,
+        "peak_flops": Range(0, lo_open=True),
+    }
+
 
 @dataclass
 class WandbConfig:
@@ -82,6 +114,8 @@ class WandbConfig:
     group: Optional[str] = None  # unset: the multirun sweep directory, so a sweep is one group
     name: Optional[str] = None  # unset: the run's command-line overrides
     tags: List[str] = field(default_factory=list)
+
+    RULES: ClassVar[dict] = {"mode": OneOf(WANDB_MODES)}
 
 
 @dataclass
@@ -101,6 +135,8 @@ class Config:
     seed: int = 1337
     out_dir: Optional[str] = None  # run directory; train.py sets it to Hydra's run dir
     resume: Optional[str] = None  # true: continue this run dir from its newest checkpoint; or a run dir / file
+
+    RULES: ClassVar[dict] = {"seed": SEED, "dtype": OneOf(DTYPE_NAMES)}
 
 
 @dataclass
@@ -123,106 +159,22 @@ class SampleConfig:
     stream: bool = False  # print tokens as they are produced (num_samples=1)
     stop: Optional[str] = None  # end a sample at the first occurrence of this string
 
-
-# ----------------------------------------------------------------------------- value ranges
-
-@dataclass(frozen=True)
-class Range:
-    """The legal values of a numeric key: finite, between lo and hi (each bound included unless
-    marked open). None (unset) is always legal where the schema allows it."""
-    lo: float = -math.inf
-    hi: float = math.inf
-    lo_open: bool = False
-    hi_open: bool = False
-    why: str = ""  # what the bound protects, added to the error
-
-    def contains(self, v) -> bool:
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-            return False
-        if isinstance(v, int) and abs(v) > 2**53:  # every count fits int64 and converts to float exactly
-            return False
-        return (v > self.lo if self.lo_open else v >= self.lo) and (v < self.hi if self.hi_open else v <= self.hi)
-
-    def describe(self, integer: bool) -> str:
-        lo = f"{'>' if self.lo_open else '>='} {self.lo:g}" if self.lo > -math.inf else ""
-        hi = f"{'<' if self.hi_open else '<='} {self.hi:g}" if self.hi < math.inf else ""
-        what = "an integer" if integer else "a finite number"
-        return f"{what} {lo}{' and ' if lo and hi else ''}{hi}".rstrip()
+    RULES: ClassVar[dict] = {
+        "max_new_tokens": NON_NEGATIVE, "num_samples": POSITIVE, "temperature": Range(0, why="0 is greedy"),
+        "top_k": POSITIVE, "top_p": Range(0, 1, lo_open=True), "seed": SEED, "threads": Range(1, 4096),
+        "dtype": OneOf(DTYPE_NAMES), "kv_dtype": OneOf(DTYPE_NAMES),
+    }
 
 
-POSITIVE, NON_NEGATIVE = Range(1), Range(0)
-FRACTION = Range(0, 1, hi_open=True)  # [0, 1)
-# Every numeric key of the schemas above (model.* is validated by GPTConfig itself). A new numeric
-# key needs an entry: tests/test_reliability.py enumerates the dataclasses and fails without one.
-RANGES = {
-    "seed": Range(0, why="seeds are non-negative"),
-    "data.val_fraction": Range(0, 1, lo_open=True, hi_open=True),
-    "data.split_seed": Range(0, why="seeds are non-negative"),
-    "data.vocab_size": Range(257, why="a byte-level BPE holds the 256 bytes and <|endoftext|>"),
-    "data.max_tokens": Range(1, why="a cap on training tokens"),
-    "data.num_proc": Range(1, 4096),
-    "train.batch_size": POSITIVE,
-    "train.grad_accum": POSITIVE,
-    "train.max_iters": NON_NEGATIVE,
-    "train.lr": Range(0, 10, lo_open=True, why="a larger lr diverges at once"),
-    "train.min_lr": NON_NEGATIVE,
-    "train.warmup_iters": NON_NEGATIVE,
-    "train.lr_decay_iters": POSITIVE,
-    "train.cooldown_frac": Range(0, 1, lo_open=True),
-    "train.beta1": FRACTION,
-    "train.beta2": FRACTION,
-    "train.weight_decay": NON_NEGATIVE,
-    "train.muon_lr": Range(0, 10, lo_open=True, why="a larger lr diverges at once"),
-    "train.muon_weight_decay": NON_NEGATIVE,
-    "train.muon_momentum": FRACTION,
-    "train.muon_momentum_start": FRACTION,
-    "train.muon_momentum_warmup": NON_NEGATIVE,
-    "train.muon_ns_steps": Range(1, 100),
-    "train.grad_clip": Range(0, why="0 disables clipping"),
-    "train.eval_interval": POSITIVE,
-    "train.eval_iters": POSITIVE,
-    "train.log_interval": POSITIVE,
-    "train.log_attn_interval": Range(0, why="0 turns the probe off"),
-    "train.probe_batch_size": POSITIVE,
-    "train.ckpt_interval": POSITIVE,
-    "train.keep_ckpts": POSITIVE,
-    "train.skip_nonfinite": NON_NEGATIVE,
-    "train.peak_flops": Range(0, lo_open=True),
-    "sample.max_new_tokens": NON_NEGATIVE,
-    "sample.num_samples": POSITIVE,
-    "sample.temperature": Range(0, why="0 is greedy"),
-    "sample.top_k": POSITIVE,
-    "sample.top_p": Range(0, 1, lo_open=True),
-    "sample.seed": Range(0, why="seeds are non-negative"),
-    "sample.threads": Range(1, 4096),
-}
+# ----------------------------------------------------------------------------- checks
 
-
-def check_ranges(node, group: str = "", ranges=RANGES, shown=None):
-    """A one-line UserError for the first value of config group `node` outside its range; the
-    key is named `shown.key` (default `group.key`: sample.py's keys are typed without a group)."""
-    shown = group if shown is None else shown
-    for key, value in node.items():
-        r = ranges.get(f"{group}.{key}" if group else key)
-        name = f"{shown}.{key}" if shown else key
-        if r is None or value is None:
-            continue
-        if not r.contains(value):
-            integer = isinstance(value, int) and not isinstance(value, bool)
-            if integer and abs(value) > 2**53:
-                raise UserError(f"{name}={value} is beyond any sensible size (2**53): {r.describe(integer)}")
-            optional = OmegaConf.is_config(node) and node._get_node(key)._is_optional()
-            unset = " (or unset)" if optional else ""
-            raise UserError(f"{name}={value} must be {r.describe(integer)}{unset}"
-                            f"{': ' + r.why if r.why else ''}")
-
-
-def check_train_ranges(cfg):
-    """Every numeric value of a training config (top level, data, train) in its range, and the
-    pairs that only make sense together."""
-    check_ranges(cfg)
-    check_ranges(cfg.data, "data")
-    check_ranges(cfg.train, "train")
+def check_train_config(cfg):
+    """Every value of a training config in its schema's table (model, data, train, logger, top
+    level), the model's relations (GPTConfig), and the pairs of training keys that only make sense
+    together: everything that needs no file, before anything is written."""
+    check_values(cfg)
+    model_config(cfg.model, cfg.model.vocab_size or 1)  # n_embd divisible by n_head, etc.
+    check_wandb_mode(cfg.logger.wandb)  # online needs a key
     t = cfg.train
     if t.min_lr > t.lr:
         raise UserError(f"train.min_lr={t.min_lr} is above train.lr={t.lr}: the cosine \"decay\" would raise the "

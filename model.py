@@ -1,43 +1,39 @@
-"""A decoder-only Transformer (GPT) written to be read, trained and taken apart.
+"""A decoder-only Transformer (GPT) written to be read, trained and taken apart: its config, the
+norms, MLPs, blocks, position schemes and the GPT that stacks them. Attention, with its options and
+caches, is attention.py.
 
 Architecture choices, and why:
 - Pre-LN blocks, x + attn(ln(x)) then x + mlp(ln(x)), with a final norm before the LM head:
   the residual stream stays an identity path, so training is stable without warmup tricks
   (Xiong et al. 2020, arXiv 2002.04745).
 - Rotary position embeddings (RoPE, Su et al. 2021, arXiv 2104.09864) rotate q and k, never v,
-  and there is no learned position table: q·k then depends only on the offset between two
-  positions, which is also what lets the KV cache slide past block_size.
-- The attention logit scale is a config value (`attn.scale`), passed explicitly to the kernel:
-  1/sqrt(d_k) by default (Vaswani et al. 2017), `none` (1.0) or `dk` (1/d_k, muP) to ablate it.
-- Optional QK-Norm (Henry et al. 2020, arXiv 2010.04245; Dehghani et al. 2023, arXiv
-  2302.05442): q and k are normalised per head *before* RoPE, so the norm (and its gain) sees
-  the raw projection and RoPE, a rotation, then keeps the norm. The scale applies after both:
-  logit = scale * <rope(norm(q)), rope(norm(k))>, so |logit| <= scale * |q_hat| * |k_hat|.
-- One attention function with two paths: the fast one (F.scaled_dot_product_attention, flash
-  on GPU) and a plain-math reference (explicit scores, -inf mask, softmax, weights @ V). Tests
-  hold them equal; attention statistics are computed from the reference scores.
+  and there is no learned position table (attention.py).
+- The attention logit scale and QK-Norm are config values (`model.attn.*`, attention.py).
 - The LM head is tied to the token embedding (Press & Wolf 2017, arXiv 1608.05859).
+- Teacher forcing: forward(idx, targets) predicts every position's successor in one pass.
 
 The variants the texts discuss are one override each, every one a small piece chosen once at
-construction (no branches in forward): grouped-query / multi-query attention (`n_kv_head`,
-Ainslie et al. 2023, arXiv 2305.13245; Shazeer 2019, arXiv 1911.02150), Post-LN blocks (the
-original Transformer, Vaswani et al. 2017), RMSNorm (Zhang & Sennrich 2019, arXiv 1910.07467),
-SwiGLU (Shazeer 2020, arXiv 2002.05202) and ReLU² MLPs (So et al. 2021, arXiv 2109.08668),
-learned, sinusoidal or no positions (NoPE, Kazemnejad et al. 2023, arXiv 2305.19466), an untied
-head, a tanh logit soft-cap (Gemma 2) and zero-initialised output projections (modded-nanogpt).
+construction (a norm, an MLP class, a block class, a position module, an attention path):
+grouped-query / multi-query attention (`n_kv_head`), Post-LN blocks (the original Transformer,
+Vaswani et al. 2017), RMSNorm (Zhang & Sennrich 2019, arXiv 1910.07467), SwiGLU (Shazeer 2020,
+arXiv 2002.05202) and ReLU² MLPs (So et al. 2021, arXiv 2109.08668), learned, sinusoidal or no
+positions (NoPE, Kazemnejad et al. 2023, arXiv 2305.19466), an untied head, a tanh logit soft-cap
+(Gemma 2), zero-initialised output projections and value embeddings (modded-nanogpt). forward
+branches only on what a call brings (targets, a KV cache, a window) and on the two optional
+additions (a position table, value embeddings).
 """
 import math
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import ClassVar, Optional
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from common import UserError
+from attention import AttnConfig, CausalSelfAttention, KVCache, StaticKVCache, resolve_scale, rope_freqs
+from common import FRACTION, POSITIVE, OneOf, Range, UserError, check_values
+from counting import flops_per_token
 
-QK_NORM_TYPES = ("rms", "layer", "l2")
-QK_NORM_GAINS = ("none", "head", "channel")
 NORMS = ("layernorm", "rmsnorm")
 NORM_POSITIONS = ("pre", "post")
 MLPS = ("gelu", "swiglu", "relu2")
@@ -50,15 +46,6 @@ class ConfigError(UserError):
 
 
 # ----------------------------------------------------------------------------- config
-
-@dataclass
-class AttnConfig:
-    scale: str = "sqrt_dk"  # sqrt_dk (1/sqrt(d_k)) | none (1.0) | dk (1/d_k) | a positive number
-    qk_norm: bool = False  # normalise q and k per head before RoPE
-    qk_norm_type: str = "rms"  # rms | layer | l2 (all parameter-free unless qk_norm_gain is set)
-    qk_norm_gain: str = "none"  # none | head (one scalar per head) | channel (one per head dim)
-    impl: str = "sdpa"  # sdpa (fast path) | reference (plain math, for checking and statistics)
-
 
 @dataclass
 class GPTConfig:
@@ -82,14 +69,21 @@ class GPTConfig:
     value_embed: bool = False  # each layer adds a learned embedding of the token to its values (modded-nanogpt)
     attn: AttnConfig = field(default_factory=AttnConfig)
 
+    RULES: ClassVar[dict] = {
+        "vocab_size": POSITIVE, "block_size": POSITIVE, "n_layer": POSITIVE, "n_head": POSITIVE,
+        "n_embd": POSITIVE, "n_kv_head": POSITIVE, "d_ff": POSITIVE, "dropout": FRACTION,
+        "norm": OneOf(NORMS), "norm_position": OneOf(NORM_POSITIONS), "mlp": OneOf(MLPS), "pos": OneOf(POSITIONS),
+        "rope_base": Range(1, lo_open=True, why="the RoPE frequency base"),
+        "logit_softcap": Range(0, why="0 turns the soft-cap off"),
+    }
+
     def __post_init__(self):
         if isinstance(self.attn, dict):
             self.attn = AttnConfig(**self.attn)
         if self.vocab_size is None:
             raise ConfigError("model.vocab_size is unset: it comes from the data's tokenizer")
-        for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"model.{name}={getattr(self, name)} must be a positive integer")
+        check_values(self, "model")
+        # what only holds between keys
         if self.n_embd % self.n_head:
             raise ConfigError(f"model.n_embd={self.n_embd} is not divisible by model.n_head="
                               f"{self.n_head}: pick n_embd as a multiple of n_head")
@@ -98,260 +92,15 @@ class GPTConfig:
             raise ConfigError(f"head size n_embd/n_head={self.head_dim} is odd, but RoPE rotates "
                               "pairs of channels: make n_embd/n_head even")
         self.n_kv_head = self.n_head if self.n_kv_head is None else self.n_kv_head
-        if self.n_kv_head <= 0 or self.n_head % self.n_kv_head:
+        if self.n_head % self.n_kv_head:
             raise ConfigError(f"model.n_kv_head={self.n_kv_head} must divide model.n_head={self.n_head} "
                               "(n_head for multi-head, 1 for multi-query attention)")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ConfigError(f"model.dropout={self.dropout} must be in [0, 1)")
-        for name, allowed in (("norm", NORMS), ("norm_position", NORM_POSITIONS), ("mlp", MLPS), ("pos", POSITIONS)):
-            if getattr(self, name) not in allowed:
-                raise ConfigError(f"model.{name}={getattr(self, name)!r} is unknown: use one of {', '.join(allowed)}")
         if self.d_ff is None:
             self.d_ff = 64 * math.ceil(8 * self.n_embd / 3 / 64) if self.mlp == "swiglu" else 4 * self.n_embd
-        if self.d_ff <= 0:
-            raise ConfigError(f"model.d_ff={self.d_ff} must be a positive integer (or unset)")
-        if not (math.isfinite(self.rope_base) and self.rope_base > 1):
-            raise ConfigError(f"model.rope_base={self.rope_base} must be a finite number > 1")
-        if not (math.isfinite(self.logit_softcap) and self.logit_softcap >= 0):
-            raise ConfigError(f"model.logit_softcap={self.logit_softcap} must be >= 0 (0 = off)")
         self.attn_scale = resolve_scale(self.attn.scale, self.head_dim)
-        if self.attn.qk_norm_type not in QK_NORM_TYPES:
-            raise ConfigError(f"model.attn.qk_norm_type={self.attn.qk_norm_type!r} is unknown: "
-                              f"use one of {', '.join(QK_NORM_TYPES)}")
-        if self.attn.qk_norm_gain not in QK_NORM_GAINS:
-            raise ConfigError(f"model.attn.qk_norm_gain={self.attn.qk_norm_gain!r} is unknown: "
-                              f"use one of {', '.join(QK_NORM_GAINS)}")
-        if self.attn.impl not in ("sdpa", "reference"):
-            raise ConfigError(f"model.attn.impl={self.attn.impl!r} is unknown: use sdpa or reference")
 
 
-def resolve_scale(scale, head_dim: int) -> float:
-    """The attention logit multiplier named by `model.attn.scale`."""
-    named = {"sqrt_dk": 1.0 / math.sqrt(head_dim), "none": 1.0, "dk": 1.0 / head_dim}
-    if str(scale) in named:
-        return named[str(scale)]
-    try:
-        value = float(scale)
-    except (TypeError, ValueError):
-        value = float("nan")
-    if not (math.isfinite(value) and value > 0):
-        raise ConfigError(f"model.attn.scale={scale} is invalid: use sqrt_dk, none, dk or a "
-                          "positive number")
-    return value
-
-
-# ----------------------------------------------------------------------------- helpers
-
-def rope_freqs(head_dim: int, length: int, base: float, device=None):
-    """cos and sin of position * theta_j for positions 0..length-1: (length, head_dim // 2, 2)."""
-    theta = 1.0 / base ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
-    angles = torch.outer(torch.arange(length, device=device, dtype=torch.float32), theta)  # (L, hs/2)
-    return torch.stack((angles.cos(), angles.sin()), dim=-1)
-
-
-def apply_rope(x, freqs, real=None):
-    """Rotate each channel pair (2j, 2j+1) of x (..., hs) by its position's angle; freqs
-    (..., hs/2, 2) holds that angle's cos and sin and must broadcast against x's leading dims.
-
-    Eagerly this is one complex multiply (fewest kernels); under torch.compile (real=True) the
-    same rotation is written in real arithmetic, which inductor fuses (it has no complex dtype)."""
-    real = torch.compiler.is_compiling() if real is None else real
-    pairs = x.to(torch.promote_types(x.dtype, torch.float32)).unflatten(-1, (-1, 2))  # (..., hs/2, 2), >= fp32
-    if real:
-        x0, x1 = pairs.unbind(-1)
-        cos, sin = freqs.unbind(-1)
-        out = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
-    else:
-        out = torch.view_as_real(torch.view_as_complex(pairs) * torch.view_as_complex(freqs))
-    return out.flatten(-2).type_as(x)
-
-
-def qk_normalize(x, kind: str, eps: float = 1e-6):
-    """Parameter-free per-head norm of x (..., hs). rms and layer give |x| = sqrt(hs); l2 gives 1."""
-    if kind == "l2":
-        return F.normalize(x, dim=-1, eps=eps)
-    if kind == "layer":
-        x = x - x.mean(dim=-1, keepdim=True)
-    return x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps)
-
-
-# ----------------------------------------------------------------------------- attention
-
-def visible(Tq: int, Tk: int, window=None, device=None):
-    """Which keys each query may see, (Tq, Tk) bool. The Tq queries are the last Tq of the Tk
-    positions (a decode step, Tq=1, sees every key; a block of probed queries sees its past).
-    With a window, a query also sees only the latest `window` keys (itself included)."""
-    offset = Tk - Tq  # absolute position of query 0 among the keys
-    i = torch.arange(Tq, device=device).unsqueeze(1) + offset
-    j = torch.arange(Tk, device=device).unsqueeze(0)
-    mask = j <= i
-    if window is not None:
-        mask &= j > i - window
-    return mask
-
-
-def attention_scores(q, k, scale: float, causal: bool = True, window=None):
-    """Scaled logits q·kᵀ·scale, keys a query may not see at -inf: (B, nh, Tq, hs), (B, nh, Tk, hs) -> (B, nh, Tq, Tk)."""
-    scores = (q @ k.transpose(-2, -1)) * scale  # (B, nh, Tq, Tk)
-    if causal:
-        scores = scores.masked_fill(~visible(q.size(-2), k.size(-2), window, q.device), float("-inf"))
-    return scores
-
-
-def repeat_kv(x, n_head: int):
-    """K or V of n_kv heads (B, n_kv, T, hs) -> (B, n_head, T, hs): query head h reads kv head
-    h // (n_head / n_kv), i.e. consecutive query heads share one kv head."""
-    return x if x.size(1) == n_head else x.repeat_interleave(n_head // x.size(1), dim=1)
-
-
-def attention(q, k, v, scale: float, causal: bool = True, impl: str = "sdpa", dropout_p: float = 0.0, window=None,
-              key_mask=None):
-    """softmax(q·kᵀ·scale + M)·v for q (B, nh, Tq, hs) and k, v (B, n_kv, Tk, hs) -> (B, nh, Tq, hs).
-
-    M is 0 where a key is visible (causal, and within `window` if given), -inf elsewhere. With
-    n_kv < nh (grouped-query attention) each kv head serves nh / n_kv consecutive query heads.
-    key_mask (1, 1, 1, Tk) bool, for a single query: which cache slots hold a key (a static cache)."""
-    if impl == "sdpa":
-        Tq, Tk = q.size(-2), k.size(-2)
-        kw = dict(dropout_p=dropout_p, scale=scale, enable_gqa=k.size(1) != q.size(1))  # GQA without copying K/V
-        if causal and Tq == Tk and (window is None or window >= Tk):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, **kw)
-        if causal and (Tq > 1 or (window is not None and window < Tk)):  # SDPA's is_causal aligns top-left
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=visible(Tq, Tk, window, q.device), **kw)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask, **kw)
-    # reference path: the same function written out, K/V expanded to one head per query head
-    k, v = repeat_kv(k, q.size(1)), repeat_kv(v, q.size(1))
-    scores = attention_scores(q, k, scale, causal, window)  # (B, nh, Tq, Tk)
-    if key_mask is not None:
-        scores = scores.masked_fill(~key_mask, float("-inf"))
-    weights = F.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32)).type_as(q)
-    if dropout_p > 0:
-        weights = F.dropout(weights, p=dropout_p)
-    return weights @ v
-
-
-class KVCache:
-    """Per-layer K and V (after RoPE) for generation, preallocated as a ring buffer.
-
-    With RoPE a cached key keeps its absolute position forever, and attention only sees offsets,
-    so once `length` tokens are cached the oldest slot is overwritten and the context slides.
-    Its dtype may be narrower than the model's: a bf16 cache halves what a decode step reads.
-    """
-
-    def __init__(self, batch_size, n_kv_head, length, head_dim, device=None, dtype=torch.float32):
-        self.k = torch.zeros(batch_size, n_kv_head, length, head_dim, device=device, dtype=dtype)
-        self.v = torch.zeros_like(self.k)
-        self.length = length
-
-    def update(self, pos: int, k, v):
-        """Store k, v (B, n_kv, T, hs) for positions pos..pos+T-1; return all cached (B, n_kv, n, hs)
-        and a key mask (None: every returned slot holds a key)."""
-        T = k.size(2)
-        if T > 1 and pos != 0:
-            raise ValueError("a KV cache takes a multi-token chunk only as the first (prefill) step")
-        if T > self.length:
-            raise ValueError(f"prefill of {T} tokens does not fit a cache of {self.length}")
-        slot = pos % self.length  # a prefill starts at 0 and fits, a decode step writes one slot: no wrap
-        self.k[:, :, slot:slot + T] = k  # cast to the cache's dtype on the way in
-        self.v[:, :, slot:slot + T] = v
-        n = min(pos + T, self.length)  # slots in use; order is irrelevant once no mask is needed
-        return self.k[:, :, :n], self.v[:, :, :n], None
-
-
-class StaticKVCache(KVCache):
-    """The same ring buffer with fixed shapes, for a compiled decode step (as gpt-fast does): the
-    position is a tensor, each step attends over all `length` slots and a mask hides those not
-    written yet, so one graph serves every step and nothing waits for the host."""
-
-    def update(self, pos, k, v):
-        if not torch.is_tensor(pos):  # the prefill runs eagerly, as for KVCache
-            return super().update(pos, k, v)
-        slot = pos % self.length  # (1,)
-        self.k.index_copy_(2, slot, k.to(self.k.dtype))
-        self.v.index_copy_(2, slot, v.to(self.v.dtype))
-        written = torch.arange(self.length, device=pos.device) <= pos  # positions 0..pos, all once full
-        return self.k, self.v, written.view(1, 1, 1, -1)
-
-
-class CausalSelfAttention(nn.Module):
-    def __init__(self, config: GPTConfig, layer: int):
-        super().__init__()
-        self.layer = layer  # this block's index, for the attention probe
-        self.n_head, self.n_kv_head, self.head_dim = config.n_head, config.n_kv_head, config.head_dim
-        self.scale = config.attn_scale
-        self.attn_cfg = config.attn
-        self.dropout = config.dropout
-        # q (n_head heads), k and v (n_kv_head heads each) in one matmul, laid out [Q | K | V]
-        self.c_attn = nn.Linear(config.n_embd, (config.n_head + 2 * config.n_kv_head) * config.head_dim,
-                                bias=config.bias)
-        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
-        self.resid_dropout = nn.Dropout(config.dropout)
-        # QK-Norm gains broadcast over (B, T, 2 (q|k), nh, hs): a scalar or a vector per head
-        gain = config.attn.qk_norm_gain if config.attn.qk_norm else "none"
-        per = {"none": None, "head": 1, "channel": config.head_dim}[gain]  # one gain per head, or per channel
-        self.q_gain = nn.Parameter(torch.ones(config.n_head, per)) if per else None
-        self.k_gain = nn.Parameter(torch.ones(config.n_kv_head, per)) if per else None
-
-    def qkv(self, x, freqs, ve=None):
-        """q (B, nh, T, hs) and k, v (B, n_kv, T, hs) of x (B, T, C); q and k normed (if enabled),
-        then rotated (with RoPE: freqs is None for the other position schemes); ve (B, T, n_kv hs),
-        the token's value embedding, is added to v."""
-        B, T, C = x.shape
-        nq, hs = self.n_head * self.head_dim, self.head_dim
-        qkv = self.c_attn(x)  # (B, T, (nh + 2 n_kv) hs)
-        nkv = self.n_kv_head * hs
-        # split, not qkv[..., a:b]: each slice's backward zero-fills a gradient the size of qkv
-        if self.n_kv_head == self.n_head:  # q and k side by side: one norm and one rotation for both
-            qk, v = qkv.split((2 * nq, nkv), dim=-1)
-            gains = None if self.q_gain is None else torch.stack((self.q_gain, self.k_gain))  # (2, nh, 1 or hs)
-            qk = self.rotate(self.normalize(qk.view(B, T, 2, self.n_head, hs), gains), freqs)
-            q, k = qk.unbind(2)  # (B, T, nh, hs) each
-        else:  # grouped-query: fewer k heads than q heads
-            q, k, v = qkv.split((nq, nkv, nkv), dim=-1)
-            q = self.rotate(self.normalize(q.view(B, T, self.n_head, hs), self.q_gain), freqs)
-            k = self.rotate(self.normalize(k.view(B, T, self.n_kv_head, hs), self.k_gain), freqs)
-        v = (v if ve is None else v + ve).view(B, T, self.n_kv_head, hs)
-        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, hs)
-
-    def normalize(self, x, gain):
-        """QK-Norm of x (..., heads, hs) before RoPE, so the gain multiplies un-rotated channels."""
-        if not self.attn_cfg.qk_norm:
-            return x
-        x = qk_normalize(x, self.attn_cfg.qk_norm_type)
-        return x if gain is None else x * gain
-
-    @staticmethod
-    def rotate(x, freqs):
-        """RoPE on x (B, T, ..., hs) when the model uses it (freqs (T, hs/2, 2)), else x as is."""
-        if freqs is None:
-            return x
-        return apply_rope(x, freqs.view(freqs.size(0), *([1] * (x.dim() - 3)), -1, 2))
-
-    def logit_bound(self):
-        """With QK-Norm, the largest |logit| any input can give: scale * |q_hat| * |k_hat|, where
-        |x_hat| = sqrt(hs) after rms or layer norm and 1 after l2, times the largest |gain| of q and
-        of k. None without QK-Norm (then logits grow with the inputs)."""
-        if not self.attn_cfg.qk_norm:
-            return None
-        norm_sq = 1.0 if self.attn_cfg.qk_norm_type == "l2" else float(self.head_dim)
-        gains = 1.0 if self.q_gain is None else self.q_gain.abs().max().item() * self.k_gain.abs().max().item()
-        return self.scale * norm_sq * gains
-
-    def forward(self, x, freqs, kv_cache=None, pos=0, probe=None, window=None, ve=None):
-        B, T, C = x.shape
-        q, k, v = self.qkv(x, freqs, ve)
-        if probe is not None:  # attention statistics read q, k here (one k per query head); None on training steps
-            probe(self.layer, q, repeat_kv(k, self.n_head), self.scale)
-        key_mask = None
-        if kv_cache is not None:
-            k, v, key_mask = kv_cache.update(pos, k, v)  # (B, n_kv, n_cached, hs)
-        # a cache may hold another dtype (sample.kv_dtype): q joins it, the output returns to q's
-        y = attention(q.to(k.dtype), k, v, self.scale, causal=True, impl=self.attn_cfg.impl,
-                      dropout_p=self.dropout if self.training else 0.0, window=window,
-                      key_mask=key_mask).to(q.dtype)  # (B, nh, T, hs)
-        y = y.transpose(1, 2).contiguous().view(B, T, C)  # re-assemble heads side by side
-        return self.resid_dropout(self.c_proj(y))
-
+# ----------------------------------------------------------------------------- MLPs, norms, blocks
 
 class MLP(nn.Module):
     """GPT-2's MLP: c_proj(gelu(c_fc(x))), hidden width d_ff (4 * n_embd by default)."""
@@ -410,8 +159,9 @@ class Block(nn.Module):
         self.ln_2 = make_norm(config)
         self.mlp = MLP_CLASSES[config.mlp](config)
 
-    def forward(self, x, freqs, kv_cache=None, pos=0, probe=None, window=None, ve=None):
-        x = x + self.attn(self.ln_1(x), freqs, kv_cache, pos, probe, window, ve)
+    def forward(self, x, **kw):
+        """kw: what the attention needs (rope, kv_cache, pos, window, ve; CausalSelfAttention.forward)."""
+        x = x + self.attn(self.ln_1(x), **kw)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -420,10 +170,12 @@ class PostNormBlock(Block):
     residual sum is normalised, so gradients to early layers shrink with depth: it needs warmup
     (Xiong et al. 2020, arXiv 2002.04745)."""
 
-    def forward(self, x, freqs, kv_cache=None, pos=0, probe=None, window=None, ve=None):
-        x = self.ln_1(x + self.attn(x, freqs, kv_cache, pos, probe, window, ve))
+    def forward(self, x, **kw):
+        x = self.ln_1(x + self.attn(x, **kw))
         return self.ln_2(x + self.mlp(x))
 
+
+# ----------------------------------------------------------------------------- positions
 
 def sinusoidal_table(length: int, dim: int):
     """Vaswani et al.'s fixed positions: PE[p, 2i] = sin(p / 10000^(2i/d)), PE[p, 2i+1] = cos(same)."""
@@ -456,6 +208,8 @@ class SinusoidalPositions(nn.Module):
 
 ABSOLUTE_POSITIONS = {"learned": LearnedPositions, "sinusoidal": SinusoidalPositions}
 
+
+# ----------------------------------------------------------------------------- the model
 
 class GPT(nn.Module):
     def __init__(self, config: GPTConfig):
@@ -508,14 +262,10 @@ class GPT(nn.Module):
         return sum(p.numel() for p in self.parameters())  # a tied embedding counts once
 
     def flops_per_token(self, seq_len=None) -> int:
-        """Training FLOPs per token: 6N for the weights used in matmuls (forward 2N, backward 4N;
-        a lookup table, i.e. an untied input embedding or learned positions, does no matmul), plus
-        attention's q·k and weights·v, 2·2·T·d per layer forward, x3 for backward (PaLM, arXiv 2204.02311)."""
-        T = seq_len or self.config.block_size
-        lookup = (0 if self.config.tie_embeddings else self.wte.weight.numel()) + \
-            (self.positions.wpe.weight.numel() if isinstance(self.positions, LearnedPositions) else 0) + \
-            (0 if self.value_embeds is None else sum(e.weight.numel() for e in self.value_embeds))
-        return 6 * (self.num_params() - lookup) + 12 * self.config.n_layer * T * self.config.n_embd
+        """Training FLOPs per token at seq_len (default block_size), for MFU: counting.flops_per_token,
+        6 per weight used in a matmul (a lookup table does none) plus attention's 12 * n_layer * T * d
+        (PaLM, arXiv 2204.02311)."""
+        return flops_per_token(self.config, seq_len or self.config.block_size)
 
     def rope_at(self, start: int, T: int):
         """RoPE factors for positions start..start+T-1 (None without RoPE), grown on demand
@@ -535,11 +285,10 @@ class GPT(nn.Module):
         absolute position table ends at block_size, so generation there must re-prefill."""
         return self.positions is None
 
-    def forward(self, idx, targets=None, kv_cache=None, pos: int = 0, probe=None, window=None):
+    def forward(self, idx, targets=None, *, kv_cache=None, pos: int = 0, window=None):
         """idx (B, T) token ids -> logits (B, T, vocab), plus the mean next-token loss if targets.
 
         kv_cache: a list of KVCache (one per layer); idx then holds positions pos..pos+T-1.
-        probe: optional callable(layer, q, k, scale), used only for attention statistics.
         window: each query sees only the latest `window` positions, in every layer; this is what a
         sliding KV cache computes past block_size, so a longer idx is allowed with it.
         """
@@ -549,14 +298,15 @@ class GPT(nn.Module):
         if self.positions is not None and not torch.is_tensor(pos) and pos + T > self.config.block_size:
             raise ValueError(f"positions up to {pos + T} but model.pos={self.config.pos} has a table of "
                              f"{self.config.block_size}")
-        freqs = self.rope_at(pos, T)
+        rope = self.rope_at(pos, T)
         x = self.wte(idx)  # (B, T, C)
         if self.positions is not None:
             x = x + self.positions(pos, T)
         x = self.drop(x)
         ves = [None] * len(self.blocks) if self.value_embeds is None else [e(idx) for e in self.value_embeds]
         for i, block in enumerate(self.blocks):
-            x = block(x, freqs, None if kv_cache is None else kv_cache[i], pos, probe, window, ves[i])
+            x = block(x, rope=rope, kv_cache=None if kv_cache is None else kv_cache[i], pos=pos, window=window,
+                      ve=ves[i])
         logits = self.lm_head(self.ln_f(x))  # (B, T, vocab)
         if self.config.logit_softcap:  # smoothly bounded logits: |logit| < c (Gemma 2)
             logits = self.config.logit_softcap * torch.tanh(logits / self.config.logit_softcap)

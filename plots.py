@@ -1,14 +1,27 @@
-"""PNG plots from metrics.jsonl files, no W&B needed: one run's curves, or several runs compared."""
-import re
+"""Every figure attnlab draws, from metrics.jsonl files and attention weights (no W&B needed):
+one run's curves, several runs compared (tools/report.py), and the attention maps of one text as a
+PNG grid of heatmaps and a self-contained HTML viewer (train.py at the end of a run, tools/visualize.py).
+
+The maps come from attnstats.attention_maps (the model's own q and k through its hook points, one
+reference softmax), never from a second implementation of the model. The viewer is viewer.html
+with its data filled in inline (no network, no CDN; it opens from disk in any browser): the weights
+travel as 16-bit fixed point (w * 65535, error below 1e-5) of the lower triangle only, base64
+encoded; 36 heads x 256 tokens is about 3 MB.
+"""
+import base64
+import json
 from pathlib import Path
 
 import matplotlib
+import torch
 
 matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
 
-from attnstats import entropy_grid  # noqa: E402
+from attnstats import attention_maps, entropy_grid, head_keys, layer_keys  # noqa: E402
 from tracking import read_metrics  # noqa: E402
+
+VIEWER = Path(__file__).with_name("viewer.html")  # the viewer's page; write_html fills in the data
 
 
 def save_figure(fig, path):
@@ -57,11 +70,9 @@ def plot_run(run_dir) -> list:
 
 def plot_attention(probes, path, title=""):
     """Left: mean entropy per layer vs step. Right: layer x head entropy at the last probe."""
-    layers = sorted({int(k.split("/")[1][1:]) for m in probes for k in m
-                     if k.startswith("attn_entropy/L") and k.count("/") == 1})
     fig, (ax, hx) = plt.subplots(1, 2, figsize=(11, 4.5), gridspec_kw={"width_ratios": [3, 2]})
-    for l in layers:
-        steps, values = series(probes, f"attn_entropy/L{l}")
+    for l, key in layer_keys(probes, "entropy"):
+        steps, values = series(probes, key)
         ax.plot(steps, values, "o-", ms=3, label=f"layer {l}")
     ax.set(xlabel="step", ylabel="attention entropy (nats, mean over heads)", title=f"attention entropy: {title}")
     ax.grid(alpha=0.3)
@@ -78,13 +89,6 @@ def plot_attention(probes, path, title=""):
 HEAD_ROLES = [("induction", "induction score: weight on t-n+1 (a text span, twice)"),
               ("prev", "weight on the previous token"), ("first", "weight on the first token (sink)"),
               ("self", "weight on the query itself"), ("dist", "mean attention distance (tokens)")]
-
-
-def head_keys(probes, name) -> list:
-    """[(layer, head, key)] of the per-head metric attn_{name}/L{l}/H{h} in the probe lines."""
-    found = {(int(m.group(1)), int(m.group(2)), key) for p in probes for key in p
-             for m in [re.fullmatch(rf"attn_{name}/L(\d+)/H(\d+)", key)] if m}
-    return sorted(found)
 
 
 def plot_head_roles(probes, path, title=""):
@@ -149,3 +153,157 @@ def plot_head_roles_compare(rows, path):
     axes[0].legend(fontsize=8)
     save_figure(fig, path)
     return path
+
+
+def plot_val_loss(rows, path):
+    """Several runs' val loss against the step, one line each (tools/report.py)."""
+    fig, ax = plt.subplots(figsize=(8, 5))
+    colors = plt.cm.tab10.colors
+    for i, r in enumerate(rows):
+        steps, val = series(r["metrics"], "val/loss")
+        ax.plot(steps, val, "o-", ms=3, color=colors[i % 10], label=r["run"])
+    ax.set(xlabel="step", ylabel="val loss (nats/token)", title="validation loss")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    save_figure(fig, path)
+
+
+def plot_attn_compare(rows, path):
+    """Several runs' mean attention entropy, normalised entropy and peak weight against the step."""
+    keys = [("attn_entropy/mean", "entropy (nats)", "attention entropy"),
+            ("attn_entropy_norm/mean", "entropy / ln(keys)  (1 = uniform, 0 = one-hot)", "normalised entropy"),
+            ("attn_peak/mean", "largest attention weight of a row", "peak attention weight")]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    colors = plt.cm.tab10.colors
+    for ax, (key, label, title) in zip(axes, keys):
+        for i, r in enumerate(rows):
+            steps, values = series(r["metrics"], key)
+            ax.plot(steps, values, "o-", ms=3, color=colors[i % 10], label=r["run"])
+        ax.set(xlabel="step", ylabel=label, title=f"{title} (mean over layers and heads)")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    save_figure(fig, path)
+
+
+# ----------------------------------------------------------------------------- attention maps of one text
+
+LABEL_TOKENS = 40  # the PNG labels its axes with the tokens up to this prompt length
+VISIBLE = {" ": "␣", "\n": "↵", "\t": "⇥", "\r": "␍"}
+
+def token_pieces(tok, ids) -> list:
+    """The text of each token on its own. A byte-level BPE token can be part of a UTF-8
+    character: its stray bytes are shown as \\xNN rather than as one replacement character."""
+    enc = getattr(tok, "enc", None)  # a tiktoken encoding
+    if enc is None:
+        return [tok.decode([i]) for i in ids]
+    return [enc.decode_single_token_bytes(int(i)).decode("utf-8", errors="backslashreplace") for i in ids]
+
+
+def label(piece: str) -> str:
+    """A token's text with whitespace and control characters made visible: ␣ ↵ ⇥, \\x07."""
+    out = []
+    for c in piece:
+        if c in VISIBLE:
+            out.append(VISIBLE[c])
+        elif not c.isprintable():
+            out.append(repr(c)[1:-1])
+        else:
+            out.append(c)
+    return "".join(out) or "∅"
+
+
+def top_keys(maps, query: int, k: int) -> list:
+    """For each layer and head, the k keys the query gives most weight: [[(weight, j), ...]] (L, nh)."""
+    weights = maps[:, :, query, : query + 1]  # (L, nh, query + 1)
+    values, index = weights.topk(min(k, query + 1), dim=-1)
+    return [[list(zip(values[l, h].tolist(), index[l, h].tolist())) for h in range(maps.size(1))]
+            for l in range(maps.size(0))]
+
+
+def format_top_keys(maps, labels, query: int, k: int) -> str:
+    """The lines visualize.py prints: one per head, its top-k keys as weight 'token'@position."""
+    lines = [f"query {query} {labels[query]!r} (of {len(labels)} tokens): top {min(k, query + 1)} keys per head"]
+    for l, heads in enumerate(top_keys(maps, query, k)):
+        for h, keys in enumerate(heads):
+            lines.append(f"L{l} H{h}  " + "  ".join(f"{w:.3f} {labels[j]!r}@{j}" for w, j in keys))
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- PNG
+
+def write_png(maps, stats, labels, path, title=""):
+    """A layer x head grid of heatmaps (query rows, key columns; above the diagonal, which no query
+    may see, in grey), each titled with its head's mean entropy; token labels when short."""
+    from matplotlib.colors import PowerNorm
+    L, nh, T, _ = maps.shape
+    labelled = T <= LABEL_TOKENS
+    size = 2.0 + 0.07 * T if labelled else 2.1  # inches a panel: room for each token's label
+    font = 8 if T <= 24 else 7
+    fig, axes = plt.subplots(L, nh, figsize=(size * nh + 1.2, size * L + 0.6), squeeze=False,
+                             layout="constrained")
+    cmap = plt.get_cmap("viridis").with_extremes(bad="#e6e6e6")  # grey: keys no query may see
+    masked = maps.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("nan")).numpy()
+    norm = PowerNorm(gamma=0.5, vmin=0.0, vmax=1.0)  # small weights stay visible; one scale for all
+    for l in range(L):
+        for h in range(nh):
+            ax = axes[l][h]
+            im = ax.imshow(masked[l, h], cmap=cmap, norm=norm, interpolation="nearest")
+            ax.set_title(f"L{l} H{h}  entropy {stats['entropy'][l, h]:.2f}", fontsize=8)
+            if labelled:
+                ticks = range(T)
+                ax.set_xticks(ticks, [labels[j] for j in ticks], fontsize=font, rotation=90, family="monospace")
+                ax.set_yticks(ticks, [labels[i] for i in ticks], fontsize=font, family="monospace")
+            else:
+                ax.set_xticks([])
+                ax.set_yticks([])
+            if l == L - 1:
+                ax.set_xlabel("key", fontsize=7)
+            if h == 0:
+                ax.set_ylabel("query", fontsize=7)
+    fig.suptitle(title or "attention weights", fontsize=10)
+    fig.colorbar(im, ax=axes, shrink=min(0.6, 1.5 / L + 0.2), label="weight (square-root scale)")
+    fig.savefig(path, dpi=100 if labelled else 80)
+    plt.close(fig)
+    return Path(path)
+
+
+# ----------------------------------------------------------------------------- HTML
+
+def pack_weights(maps) -> str:
+    """The lower triangles of maps (L, nh, T, T), row by row, as base64 little-endian uint16 w * 65535."""
+    T = maps.size(-1)
+    rows, cols = torch.tril_indices(T, T)  # row-major: (0,0), (1,0), (1,1), (2,0), ...
+    fixed = (maps[..., rows, cols].double() * 65535).round().clamp(0, 65535).to(torch.int32).numpy()
+    return base64.b64encode(fixed.astype("<u2").tobytes()).decode("ascii")
+
+
+def write_html(maps, stats, pieces, path, title="", meta="", query=None):
+    """The viewer: attention.html, the page viewer.html with the data inline."""
+    L, nh, T, _ = maps.shape
+    data = {"title": title or "attention", "meta": meta, "n_layer": L, "n_head": nh,
+            "tokens": [{"text": p, "label": label(p)} for p in pieces],
+            "weights": pack_weights(maps),
+            "stats": {name: [[round(float(v), 4) for v in row] for row in t.tolist()] for name, t in stats.items()},
+            "initial": {"layer": L - 1, "head": 0, "query": T - 1 if query is None else query}}
+    blob = json.dumps(data, ensure_ascii=False).replace("<", "\\u003c")  # no "</script>" or "<!--" in the script
+    html = VIEWER.read_text(encoding="utf-8").replace("__DATA__", blob, 1).replace("__TITLE__", _escape(data["title"]), 1)
+    Path(path).write_text(html, encoding="utf-8")
+    return Path(path)
+
+
+def _escape(s: str) -> str:
+    return s.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+
+
+def write_views(model, idx, tok, out_dir, title="", meta="", query=None) -> dict:
+    """attention.png and attention.html for the token ids idx (1, T) in out_dir; returns their paths,
+    the weights (L, nh, T, T), the statistics and the token labels."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    maps, stats = attention_maps(model, idx)
+    ids = idx[0].tolist()
+    pieces = token_pieces(tok, ids)
+    labels = [label(p) for p in pieces]
+    png = write_png(maps, stats, labels, out_dir / "attention.png", title)
+    html = write_html(maps, stats, pieces, out_dir / "attention.html", title, meta, query)
+    return {"png": png, "html": html, "maps": maps, "stats": stats, "labels": labels}

@@ -11,33 +11,25 @@ whole context every step instead; both give the same logits (tests hold them equ
 """
 import logging
 import sys
-from pathlib import Path
 
 import hydra
 import torch
 
-import config  # noqa: F401  (registers the config schema with Hydra)
 from checkpoint import find_checkpoint, load_checkpoint, model_from_checkpoint
-from common import (UserError, cli, compile_wanted, first_line, is_oom, memory_bytes, pick_dtype, read_prompt, run_app,
-                    setup_runtime)
-from config import check_ranges
-from tokenizer import StreamDecoder, tokenizer_from_dict
+from common import (UserError, check_memory, check_value, check_values, cli, compile_wanted, first_line, is_oom,
+                    pick_dtype, read_prompt, run_app, setup_runtime)
+from config import SampleConfig  # also registers the config schema with Hydra
+from counting import generation_bytes
+from data.tokenizer import StreamDecoder, tokenizer_from_dict
 
 log = logging.getLogger("attnlab")
 CHECK_EVERY = 32  # tokens between host-side checks when not streaming
 
 
-def check_sampling(max_new_tokens, temperature, top_k, top_p, num_samples=1):
-    if max_new_tokens < 0:
-        raise UserError(f"max_new_tokens={max_new_tokens} must be >= 0")
-    if temperature < 0:
-        raise UserError(f"temperature={temperature} must be >= 0 (0 = greedy)")
-    if not 0 < top_p <= 1:
-        raise UserError(f"top_p={top_p} must be in (0, 1]")
-    if top_k is not None and top_k <= 0:
-        raise UserError(f"top_k={top_k} must be a positive integer or null")
-    if num_samples <= 0:
-        raise UserError(f"num_samples={num_samples} must be a positive integer")
+def check_sampling(**values):
+    """generate()'s settings against sample.py's table (config.SampleConfig.RULES)."""
+    for name, value in values.items():
+        check_value(name, value, SampleConfig.RULES[name])
 
 
 def next_tokens(logits, temperature, top_k, top_p, generators):
@@ -69,7 +61,7 @@ def generate(model, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=1.0,
     single-token decode step (fixed shapes; CUDA graphs on CUDA). kv_dtype: the cache's dtype
     (default the model's); bfloat16 halves the keys and values a decode step reads.
     """
-    check_sampling(max_new_tokens, temperature, top_k, top_p)
+    check_sampling(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p)
     model.eval()
     B, T0 = idx.shape
     block_size = model.config.block_size
@@ -190,24 +182,11 @@ def kv_cache_dtype(name: str, rt, num_samples: int) -> torch.dtype:
     return torch.bfloat16 if rt.device.type == "cpu" and num_samples > 1 else torch.float32
 
 
-def check_generation_memory(mcfg, num_samples: int, length: int, device, kv_bytes: int = 4):
-    """Refuse, before allocating, what cannot fit: per sample the token buffer (int64) and a
-    KV cache of one block per layer (kv_bytes per value). A huge num_samples would otherwise build per-sample
-    objects until the machine runs out of memory, not fail."""
-    available = memory_bytes(device)
-    per_sample = 8 * length + kv_bytes * 2 * mcfg.n_layer * min(length, mcfg.block_size) * mcfg.n_kv_head * mcfg.head_dim
-    if available is not None and num_samples * per_sample > available:
-        raise UserError(f"num_samples={num_samples} x max_new_tokens (prompt included: {length} tokens) need at "
-                        f"least {num_samples * per_sample / 2**30:.3g} GiB but {device} has "
-                        f"{available / 2**30:.3g} GiB: lower them")
-
-
 def sample(cfg, out=None) -> list:
     """Generate cfg.num_samples continuations of cfg.prompt from a checkpoint; returns the texts.
     With cfg.stream, text is written to `out` (default stdout) as it is produced. Ctrl-C raises
     Interrupted, which carries the texts as far as they got."""
-    check_ranges(cfg, "sample", shown="")
-    check_sampling(cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.top_p, cfg.num_samples)
+    check_values(cfg)
     if cfg.stream and cfg.num_samples != 1:
         raise UserError("stream=true prints one sample as it is produced: set num_samples=1")
     if cfg.threads:  # a single-token step is dozens of tiny ops: syncing threads can cost more than it saves
@@ -225,7 +204,9 @@ def sample(cfg, out=None) -> list:
     if device.type == "cpu":  # measured on CPU only (bench_sample.py layouts=[row,column])
         decode_layout(model)
     n = cfg.num_samples
-    check_generation_memory(model.config, n, len(ids) + cfg.max_new_tokens, device, kv_dtype.itemsize)
+    length = len(ids) + cfg.max_new_tokens
+    check_memory(generation_bytes(model.config, n, length, kv_dtype.itemsize), device, "the samples",
+                 f"num_samples={n} x max_new_tokens, prompt included: {length} tokens")
     out = out or sys.stdout
     decoders = [StreamDecoder(tok) for _ in range(n)]
     texts, done, printed = [""] * n, [False] * n, 0

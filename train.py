@@ -4,21 +4,20 @@
     python train.py model=cpu_small data=shakespeare_char data.path=input.txt
     python train.py -m model.attn.scale=sqrt_dk,none  # a sweep: one run (and W&B run) per value
 
-`train(cfg)` reads as setup -> loop -> finish and returns its results, so tests call it with a
-composed config; `main` is the thin Hydra entry point.
+A run is setup -> loop -> finish. setup() checks the whole config first, then builds what the run
+needs top-down: the data, the model, the optimizer, the restored state when resuming, and the record
+of what this run is. The loop, in train(), evaluates, probes the attention, checkpoints and takes
+optimizer steps; the step itself (micro-batches, gradient accumulation, clipping, the non-finite
+check) is optim.train_step. Checkpoints and resuming are checkpoint.py; signals, the run-dir lock
+and the run's record of code and hardware are common.py. `train(cfg)` returns its results, so tests
+call it with a composed config; `main` is the thin Hydra entry point.
 """
 import dataclasses
-import fcntl
 import json
 import logging
 import math
 import os
-import platform
-import random
-import signal
-import subprocess
 import sys
-import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -26,169 +25,28 @@ from pathlib import Path
 from typing import Optional
 
 import hydra
-import numpy as np
 import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from attnstats import AttentionProbe
-from checkpoint import (BEST_NAME, last_good_checkpoint, latest_checkpoint, load_checkpoint, load_weights,
-                        prune_checkpoints, save_checkpoint, step_name)
-from common import (Dist, Runtime, UserError, all_ranks_agree, cli, compile_wanted, check_memory, dir_mode,
-                    first_line, init_distributed, is_oom, peak_flops, remove_stale_temps, run_app, setup_runtime)
-from config import check_train_ranges, model_config
+from checkpoint import (BEST_NAME, check_resumable, last_good_checkpoint, latest_checkpoint, load_checkpoint,
+                        load_weights, prune_checkpoints, resume_source, rng_state, save_checkpoint, set_rng_state,
+                        step_name)
+from common import (Dist, Runtime, StopRequest, UserError, check_memory, cli, compile_wanted,
+                    dir_mode, first_line, init_distributed, is_oom, lock_run_dir, peak_flops, remove_stale_temps,
+                    run_app, run_info, setup_runtime)
+from config import check_train_config, model_config
+from counting import training_bytes
 from data.loader import TokenData
 from data.prepare import prepare
 from model import GPT, GPTConfig
-from optim import build_optimizer, check_optimizer_config, lr_at, set_lr, train_step
-from tracking import Tracker, check_wandb_mode, truncate_metrics
+from optim import build_optimizer, lr_at, set_lr, train_step
+from tracking import Tracker, truncate_metrics
 
 log = logging.getLogger("attnlab")
 
-
-# ----------------------------------------------------------------------------- checks and records
-
-def oom_error(e: BaseException, run_or_cfg) -> UserError:
-    """An out-of-memory failure as one line that says what to lower and what is saved."""
-    cfg = getattr(run_or_cfg, "cfg", run_or_cfg)
-    out_dir = getattr(run_or_cfg, "out_dir", None)
-    saved = f"; last good checkpoint: {last_good_checkpoint(out_dir) or 'none'}" if out_dir else ""
-    t = cfg.train
-    return UserError(f"out of memory ({first_line(e, 120)}) at train.batch_size={t.batch_size} x "
-                     f"train.grad_accum={t.grad_accum or 1} micro-batches x model.block_size={cfg.model.block_size}: "
-                     "lower train.batch_size (raising train.grad_accum keeps the tokens per step), "
-                     f"model.block_size or the model size{saved}")
-
-
-def run_info(device, world: int) -> dict:
-    """Code version and hardware, recorded at the start of every run."""
-    repo = Path(__file__).resolve().parent
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True,
-                                timeout=5).stdout.strip() or None
-        dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=repo,
-                                    capture_output=True, text=True, timeout=5).stdout.strip())
-    except (OSError, subprocess.SubprocessError):
-        commit, dirty = None, None
-    return {"git_commit": commit, "git_dirty": dirty, "python": platform.python_version(),
-            "torch": torch.__version__, "device": str(device),
-            "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor(),
-            "cpu_threads": torch.get_num_threads(), "hostname": platform.node(), "argv": sys.argv,
-            "world_size": world}
-
-
-# ----------------------------------------------------------------------------- resume and signals
-
-def rng_state(device=torch.device("cpu"), world: int = 1) -> dict:
-    """Every random stream a training step may touch, as tensors and plain values. The CPU streams
-    are alike on every rank; each rank's GPU has its own (seeded seed + rank), so "cuda" lists every
-    rank's, index = rank: under DDP every rank must call this (an all-gather)."""
-    np_state = np.random.get_state()
-    cuda = []
-    if device.type == "cuda":
-        cuda = [torch.cuda.get_rng_state(device)]
-        if world > 1:
-            cuda = [None] * world
-            dist.all_gather_object(cuda, torch.cuda.get_rng_state(device))
-    return {"python": random.getstate(), "numpy": [np_state[0], torch.from_numpy(np_state[1].copy()),
-                                                   *np_state[2:]],
-            "torch": torch.get_rng_state(), "cuda": cuda}
-
-
-def set_rng_state(state: dict, device=torch.device("cpu"), rank: int = 0):
-    random.setstate(tuple(tuple(x) if isinstance(x, list) else x for x in state["python"]))
-    kind, keys, *rest = state["numpy"]
-    np.random.set_state((kind, keys.numpy(), *rest))
-    torch.set_rng_state(state["torch"])
-    if device.type == "cuda" and rank < len(state["cuda"]):  # a rank new since the save keeps its fresh seed
-        torch.cuda.set_rng_state(state["cuda"][rank], device)
-
-
-def resume_source(resume, out_dir: Path):
-    """The checkpoint to resume from: `resume=true` means this run dir's newest one; any other
-    value is a run dir or checkpoint file. None when not resuming."""
-    if resume is None or str(resume).lower() in ("false", "none", "null", ""):
-        return None
-    if str(resume).lower() == "true":
-        found = latest_checkpoint(out_dir)
-        if found is None:
-            raise UserError(f"resume=true but {out_dir} has no checkpoint: a run stopped before its first one "
-                            "starts again without resume=true (same hydra.run.dir); another run's dir is "
-                            "resume=RUN_DIR")
-        return found
-    p = Path(resume).expanduser()
-    found = latest_checkpoint(p) if p.is_dir() else (p if p.is_file() else None)
-    if found is None:
-        raise UserError(f"resume={resume}: no checkpoint there (give a run dir or a ckpt_*.pt file)")
-    if found.name == BEST_NAME:
-        raise UserError(f"resume={resume}: best.pt holds weights only, no optimizer or data position; "
-                        "resume from the run dir (or a ckpt_*.pt file)")
-    return found
-
-
-def check_resumable(state: dict, cfg, tokenizer):
-    """A checkpoint resumes only into the same model, data and tokenizer; name the first difference."""
-    saved = state.get("config") or {}
-    now = OmegaConf.to_container(cfg, resolve=True)
-    for group, keys in (("model", None), ("data", ("name", "tokenizer", "val_fraction"))):
-        a, b = saved.get(group, {}), now.get(group, {})
-        for key in keys or sorted(set(a) | set(b)):
-            if key != "vocab_size" and a.get(key) != b.get(key):
-                raise UserError(f"cannot resume: {group}.{key} is {b.get(key)!r} here but {a.get(key)!r} in the "
-                                "checkpoint; resume with the run's own config")
-    if state.get("tokenizer") != tokenizer.to_dict():  # same size is not enough: ids must mean the same text
-        raise UserError("cannot resume: the data's tokenizer differs from the checkpoint's (another corpus "
-                        "or vocabulary); resume with the run's own data")
-
-
-class StopRequest:
-    """SIGTERM or SIGINT: finish the current step, checkpoint, exit 0. A second SIGINT exits now."""
-
-    def __init__(self):
-        self.signal = None
-        self.previous = {}
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                self.previous[sig] = signal.signal(sig, self.handle)
-
-    def handle(self, signum, frame):
-        if self.signal is not None and signum == signal.SIGINT:
-            os._exit(130)
-        self.signal = signal.Signals(signum).name
-        log.warning("%s received: finishing this step, then saving a checkpoint (Ctrl-C again to quit now)", self.signal)
-
-    def agree(self, device, world: int):
-        """Under DDP every rank must stop at the same step: all stop if any was signalled."""
-        if all_ranks_agree(self.signal is not None, device, world) and self.signal is None:
-            self.signal = "SIGTERM"
-
-    def restore(self):
-        for sig, handler in self.previous.items():
-            signal.signal(sig, handler)
-
-
-def lock_run_dir(out_dir: Path):
-    """An exclusive lock on the run dir, held until the process ends: a second training pointed at
-    the same dir stops with one line instead of interleaving its files with ours."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    f = open(out_dir / ".lock", "a+")
-    try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        f.seek(0)
-        owner = f.read().strip() or "another process"
-        f.close()
-        raise UserError(f"{out_dir} is in use by a running training ({owner}): wait for it, or give "
-                        "another hydra.run.dir") from None
-    f.seek(0)
-    f.truncate()
-    f.write(f"pid {os.getpid()} on {platform.node()}\n")
-    f.flush()
-    return f
-
-
-# ----------------------------------------------------------------------------- setup
 
 @dataclass
 class Run:
@@ -204,60 +62,128 @@ class Run:
     optimizer: torch.optim.Optimizer
     scaler: torch.amp.GradScaler
     sampler: torch.Generator  # the training batches' own random stream, the same on every rank
-    tracker: Tracker
-    probe: Optional[AttentionProbe]
     grad_accum: int  # micro-batches per step over all processes
-    resolved: dict  # the resolved config, stored in every checkpoint
     compiled: bool
-    resuming: bool
+    lock: object = None  # the run dir's lock (rank 0)
+    file_mode: Optional[int] = None  # permission bits of checkpoints (from the data's source files)
+    resuming: bool = False
+    resolved: dict = field(default_factory=dict)  # the resolved config, stored in every checkpoint
+    tracker: Optional[Tracker] = None
+    probe: Optional[AttentionProbe] = None
     step: int = 0
     best_val: float = math.inf
     skipped: int = 0  # non-finite steps skipped so far
     saved_at: Optional[int] = None  # step of the newest periodic checkpoint written by this process
     evals: dict = field(default_factory=dict)  # the latest {"train": loss, "val": loss}
     attn_history: list = field(default_factory=list)
-    lock: object = None
-    file_mode: Optional[int] = None  # permission bits of checkpoints (from the data's source files)
     updates: int = 0  # optimizer steps taken by this process (skipped ones not counted)
+    wandb_id: Optional[str] = None  # a resumed run's W&B run, continued
 
+
+# ----------------------------------------------------------------------------- the run
+
+def train(cfg, run_name=None, run_group=None, overrides=None) -> dict:
+    """Train the model `cfg` describes; write config, metrics, plots and checkpoints to cfg.out_dir.
+
+    Under torchrun, each process trains on its share of every global batch and rank 0 alone
+    writes. Returns a summary dict (losses, steps, throughput, paths)."""
+    try:
+        run = setup(cfg, run_name, run_group, overrides)
+    except RuntimeError as e:  # e.g. the model does not fit the GPU
+        if is_oom(e):
+            raise oom_error(e, cfg) from None
+        raise
+    tcfg, master = cfg.train, run.dist.master
+    meter = Throughput(tcfg.batch_size * run.grad_accum * run.mcfg.block_size)
+    peak = peak_flops(run.rt, tcfg.peak_flops)
+    ckpt_every, start_step, probe_s, t_start = tcfg.ckpt_interval or tcfg.eval_interval, run.step, 0.0, time.perf_counter()
+    stop = StopRequest()
+    try:
+        while True:
+            last = run.step >= tcfg.max_iters
+            with meter.paused():
+                if not (run.resuming and run.step == start_step):  # done before that checkpoint was written
+                    if due(run.step, tcfg.eval_interval, last):
+                        evaluate(run)
+                    if run.probe is not None and due(run.step, probe_every(tcfg), last):
+                        probe_s += probe_attention(run)
+                    if run.step > 0 and due(run.step, ckpt_every, last):
+                        save(run)  # on every rank: see save()
+                if not last:
+                    stop.agree(run.rt.device, run.dist.world)
+            if last or stop.signal:
+                break
+            loss, grad_norm, lr = optimizer_step(run)
+            meter.steps += 1
+            if run.step % tcfg.log_interval == 0 or run.step == tcfg.max_iters:
+                log_progress(run, meter, loss, grad_norm, lr, peak)
+        if stop.signal and run.saved_at != run.step:
+            save(run)  # on every rank: see save()
+        if stop.signal and master:
+            path = run.out_dir / step_name(run.step)
+            print(f"stopped by {stop.signal} at step {run.step}; checkpoint {path}\nresume with: "
+                  f"python train.py hydra.run.dir={run.out_dir} resume=true (and the same overrides)", file=sys.stderr)
+        if master:
+            write_plots(run)
+    except RuntimeError as e:
+        if is_oom(e):
+            raise oom_error(e, run) from None
+        raise
+    finally:
+        stop.restore()
+        run.tracker.close()
+        if run.lock is not None:
+            run.lock.close()
+        if run.dist.world > 1 and dist.is_initialized():
+            dist.destroy_process_group()
+    result = {"out_dir": str(run.out_dir), "steps": run.step, "best_val_loss": run.best_val,
+              "train_loss": run.evals.get("train"), "val_loss": run.evals.get("val"),
+              "tokens_per_sec": meter.tokens_per_sec, "stopped": stop.signal, "compiled": run.compiled,
+              "ckpt": str(latest_checkpoint(run.out_dir)), "wall_s": time.perf_counter() - t_start,
+              "train_s": meter.train_s, "probe_s": probe_s, "attn": run.attn_history}
+    log.info("done: val loss %.4f (best %.4f) after %d steps; run dir %s; attention probes took %.2f s "
+             "(%.2f%% of training time)", result["val_loss"] or math.nan, run.best_val, run.step, run.out_dir,
+             probe_s, 100 * probe_s / max(meter.train_s, 1e-9))
+    return result
+
+
+# ----------------------------------------------------------------------------- setup: check, build, restore, record
 
 def setup(cfg, run_name=None, run_group=None, overrides=None) -> Run:
-    """Check the config, lock the run dir, prepare the data, build (or restore) model and optimizer."""
+    """Check everything that needs no file, lock the run dir, then build the run top-down."""
+    check_train_config(cfg)  # before anything is written
     if not cfg.out_dir:
         raise UserError("out_dir is unset: pass out_dir=DIR (train.py sets it to Hydra's run dir)")
-    tcfg = cfg.train
-    check_train_ranges(cfg)  # every check that needs no file comes before anything is written
-    check_optimizer_config(tcfg)
-    check_wandb_mode(cfg.logger.wandb)
     dist_ = init_distributed(cfg.device)
     if not dist_.master:
         logging.getLogger().setLevel(logging.WARNING)
-    grad_accum = tcfg.grad_accum or dist_.world  # unset: one micro-batch per process
+    grad_accum = cfg.train.grad_accum or dist_.world  # unset: one micro-batch per process
     if grad_accum % dist_.world:
         raise UserError(f"train.grad_accum={grad_accum} must be a multiple of the {dist_.world} processes: "
                         "each process takes an equal share of the micro-batches (or leave it unset)")
-    out_dir = Path(cfg.out_dir)
-    source = resume_source(cfg.resume, out_dir)
-    resuming = source is not None
-    if resuming:
-        out_dir = source.parent  # a resumed run continues in its own directory
+    source = resume_source(cfg.resume, Path(cfg.out_dir))
+    out_dir = Path(cfg.out_dir) if source is None else source.parent  # a resumed run continues in its own dir
     lock = lock_run_dir(out_dir) if dist_.master else None
     try:
-        return build_run(cfg, out_dir, dist_, grad_accum, source, lock, run_name, run_group, overrides)
+        if dist_.master:
+            if source is None and latest_checkpoint(out_dir) is not None:
+                raise UserError(f"{out_dir} already holds a run: continue it with resume=true, or give a new "
+                                "hydra.run.dir (nothing was overwritten)")
+            remove_stale_temps(out_dir, alive_only=False)  # we hold the lock: a temp file here is a killed write's
+        run = build(cfg, out_dir, dist_, grad_accum, lock)
+        if source is not None:
+            restore(run, source)
+        record(run, run_name, run_group, overrides)
+        return run
     except BaseException:
         if lock is not None:  # a refused run lets the next command in at once (not when its traceback is freed)
             lock.close()
         raise
 
 
-def build_run(cfg, out_dir, dist_, grad_accum, source, lock, run_name, run_group, overrides) -> Run:
-    """The rest of setup(), with the run dir locked."""
-    tcfg, resuming = cfg.train, source is not None
-    if dist_.master:
-        if not resuming and latest_checkpoint(out_dir) is not None:
-            raise UserError(f"{out_dir} already holds a run: continue it with resume=true, or give a new "
-                            "hydra.run.dir (nothing was overwritten)")
-        remove_stale_temps(out_dir, alive_only=False)  # we hold the lock: a temp file here is a killed write's
+def build(cfg, out_dir, dist_, grad_accum, lock) -> Run:
+    """The data, the model and the optimizer of a fresh run (seeded), and what steps run through."""
+    tcfg = cfg.train
     torch.manual_seed(cfg.seed)  # the same weights and batch draws on every rank
     torch.cuda.manual_seed(cfg.seed + dist_.rank)  # this rank's GPU (the current device): its own dropout masks
     rt = setup_runtime(dist_.device_name or cfg.device, cfg.dtype)
@@ -268,39 +194,16 @@ def build_run(cfg, out_dir, dist_, grad_accum, source, lock, run_name, run_group
     file_mode = data.meta.get("file_mode")  # set for local files: run dir and checkpoints no more readable
     if dist_.master and file_mode is not None:
         os.chmod(out_dir, out_dir.stat().st_mode & dir_mode(file_mode))
-    if tcfg.probe_batch_size > tcfg.batch_size:
-        check_memory(mcfg, tcfg.probe_batch_size, rt.device, batch_name="train.probe_batch_size")
-    check_memory(mcfg, tcfg.batch_size, rt.device)
+    batch, key = max((tcfg.batch_size, "train.batch_size"), (tcfg.probe_batch_size, "train.probe_batch_size"))
+    check_memory(training_bytes(mcfg, batch), rt.device, "the model and batch",
+                 f"model.n_layer={mcfg.n_layer}, model.n_embd={mcfg.n_embd}, model.d_ff={mcfg.d_ff}, "
+                 f"model.vocab_size={mcfg.vocab_size}, model.block_size={mcfg.block_size}, {key}={batch}")
     model = GPT(mcfg).to(rt.device)
-    optimizer = build_optimizer(model, tcfg, rt.device)
-    scaler = torch.amp.GradScaler(rt.device.type, enabled=rt.dtype == torch.float16)
-    sampler = torch.Generator().manual_seed(cfg.seed)
-    step, best_val, wandb_id = 0, math.inf, None
-    if resuming:
-        state = load_checkpoint(source)  # to CPU: RNG states must stay there; weights move on load
-        missing = [k for k in ("step", "optimizer", "sampler", "rng", "best_val_loss") if k not in state]
-        if missing:
-            raise UserError(f"cannot resume from {source}: it has no {', '.join(missing)} (weights only?); resume "
-                            "from a ckpt_*.pt file train.py wrote, or start a new run")
-        check_resumable(state, cfg, data.tokenizer)
-        if state["step"] > tcfg.max_iters:
-            raise UserError(f"the checkpoint is at step {state['step']}, past train.max_iters={tcfg.max_iters}: "
-                            f"pass train.max_iters > {state['step']} to train on (nothing was changed)")
-        load_weights(model, state["model"])
-        try:
-            optimizer.load_state_dict(state["optimizer"])
-            if scaler.is_enabled() and state.get("scaler"):
-                scaler.load_state_dict(state["scaler"])
-            sampler.set_state(state["sampler"])
-            set_rng_state(state["rng"], rt.device, dist_.rank)
-        except (KeyError, ValueError, TypeError, RuntimeError, IndexError) as e:
-            raise UserError(f"cannot resume from {source}: its optimizer or random state does not fit this run "
-                            f"({type(e).__name__}: {first_line(e, 120)}); resume with the run's own config") from None
-        step, best_val, wandb_id = state["step"], state["best_val_loss"], state.get("wandb_id")
-        log.info("resuming from %s at step %d", source, step)
     log.info("model: %.2fM parameters, %d layers x %d heads x %d head dim, block %d, vocab %d, scale %s%s",
              model.num_params() / 1e6, mcfg.n_layer, mcfg.n_head, mcfg.head_dim, mcfg.block_size,
              mcfg.vocab_size, mcfg.attn.scale, f", qk_norm={mcfg.attn.qk_norm_type}" if mcfg.attn.qk_norm else "")
+    optimizer = build_optimizer(model, tcfg, rt.device)
+    scaler = torch.amp.GradScaler(rt.device.type, enabled=rt.dtype == torch.float16)
     compiled = compile_wanted(cfg.compile, rt.device)
     fwd_model = model
     if dist_.world > 1:  # DDP first, then compile: the compiled graph overlaps all-reduce with backward
@@ -308,33 +211,63 @@ def build_run(cfg, out_dir, dist_, grad_accum, source, lock, run_name, run_group
     if compiled:
         torch._dynamo.reset()  # a fresh compile per run: a sweep never hits the recompile limit
         fwd_model = torch.compile(fwd_model)
+    return Run(cfg, out_dir, dist_, rt, data, mcfg, model, fwd_model, optimizer, scaler,
+               sampler=torch.Generator().manual_seed(cfg.seed), grad_accum=grad_accum, compiled=compiled,
+               lock=lock, file_mode=file_mode)
 
-    resolved = OmegaConf.to_container(cfg, resolve=True)
-    if dist_.master:  # what this run is, recorded before it starts
+
+def restore(run: Run, source: Path):
+    """Continue from a checkpoint: weights, optimizer, grad scaler, batch sampler, every RNG, step."""
+    state = load_checkpoint(source)  # to CPU: RNG states must stay there; weights move on load
+    missing = [k for k in ("step", "optimizer", "sampler", "rng", "best_val_loss") if k not in state]
+    if missing:
+        raise UserError(f"cannot resume from {source}: it has no {', '.join(missing)} (weights only?); resume "
+                        "from a ckpt_*.pt file train.py wrote, or start a new run")
+    check_resumable(state, run.cfg, run.data.tokenizer)
+    if state["step"] > run.cfg.train.max_iters:
+        raise UserError(f"the checkpoint is at step {state['step']}, past train.max_iters={run.cfg.train.max_iters}: "
+                        f"pass train.max_iters > {state['step']} to train on (nothing was changed)")
+    load_weights(run.model, state["model"])
+    try:
+        run.optimizer.load_state_dict(state["optimizer"])
+        if run.scaler.is_enabled() and state.get("scaler"):
+            run.scaler.load_state_dict(state["scaler"])
+        run.sampler.set_state(state["sampler"])
+        set_rng_state(state["rng"], run.rt.device, run.dist.rank)
+    except (KeyError, ValueError, TypeError, RuntimeError, IndexError) as e:
+        raise UserError(f"cannot resume from {source}: its optimizer or random state does not fit this run "
+                        f"({type(e).__name__}: {first_line(e, 120)}); resume with the run's own config") from None
+    run.step, run.best_val, run.wandb_id = state["step"], state["best_val_loss"], state.get("wandb_id")
+    run.resuming, run.saved_at = True, run.step
+    log.info("resuming from %s at step %d", source, run.step)
+
+
+def record(run: Run, run_name=None, run_group=None, overrides=None):
+    """What this run is, written before it starts (rank 0): the resolved config, code version and
+    hardware, the Hydra overrides; then the metrics file, W&B and the attention probe's fixed batch."""
+    cfg, out_dir = run.cfg, run.out_dir
+    run.resolved = OmegaConf.to_container(cfg, resolve=True)
+    if run.dist.master:
         (out_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
-        (out_dir / "run_info.json").write_text(json.dumps(run_info(rt.device, dist_.world), indent=1))
-        if overrides is not None and not resuming:
+        (out_dir / "run_info.json").write_text(json.dumps(run_info(run.rt.device, run.dist.world), indent=1))
+        if overrides is not None and not run.resuming:
             (out_dir / ".hydra").mkdir(exist_ok=True)
             (out_dir / ".hydra" / "overrides.yaml").write_text(OmegaConf.to_yaml(list(overrides)))
             (out_dir / ".hydra" / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
-        truncate_metrics(out_dir / "metrics.jsonl", step if resuming else -1)
-    tracker = Tracker(out_dir, cfg, name=run_name or out_dir.name, group=run_group, enabled=dist_.master,
-                      run_id=wandb_id)
-    probe = None
-    if dist_.master and probe_every(tcfg) > 0:  # a fixed val batch, drawn once: curves compare across steps and runs
-        px, _ = data.get_batch("val", tcfg.probe_batch_size, mcfg.block_size,
-                               torch.Generator().manual_seed(cfg.seed + 7))
-        probe = AttentionProbe(px.to(rt.device))
-    return Run(cfg, out_dir, dist_, rt, data, mcfg, model, fwd_model, optimizer, scaler, sampler, tracker, probe,
-               grad_accum, resolved, compiled, resuming, step=step, best_val=best_val,
-               saved_at=step if resuming else None, lock=lock, file_mode=file_mode)
+        truncate_metrics(out_dir / "metrics.jsonl", run.step if run.resuming else -1)
+    run.tracker = Tracker(out_dir, cfg, name=run_name or out_dir.name, group=run_group, enabled=run.dist.master,
+                          run_id=run.wandb_id)
+    if run.dist.master and probe_every(cfg.train) > 0:  # a fixed val batch, drawn once: curves compare across runs
+        px, _ = run.data.get_batch("val", cfg.train.probe_batch_size, run.mcfg.block_size,
+                                   torch.Generator().manual_seed(cfg.seed + 7))
+        run.probe = AttentionProbe(px.to(run.rt.device))
 
+
+# ----------------------------------------------------------------------------- what the loop calls
 
 def probe_every(tcfg) -> int:
     return tcfg.eval_interval if tcfg.log_attn_interval is None else tcfg.log_attn_interval
 
-
-# ----------------------------------------------------------------------------- what the loop calls
 
 def checkpoint_contents(run: Run, full: bool = True) -> dict:
     """A checkpoint: weights, model config, tokenizer, step and config; with `full`, also what an
@@ -484,71 +417,18 @@ def due(step: int, every: int, last: bool) -> bool:
     return last or (every > 0 and step % every == 0)
 
 
-# ----------------------------------------------------------------------------- the run
+# ----------------------------------------------------------------------------- finish and entry point
 
-def train(cfg, run_name=None, run_group=None, overrides=None) -> dict:
-    """Train the model `cfg` describes; write config, metrics, plots and checkpoints to cfg.out_dir.
-
-    Under torchrun, each process trains on its share of every global batch and rank 0 alone
-    writes. Returns a summary dict (losses, steps, throughput, paths)."""
-    try:
-        run = setup(cfg, run_name, run_group, overrides)
-    except RuntimeError as e:  # e.g. the model does not fit the GPU
-        if is_oom(e):
-            raise oom_error(e, cfg) from None
-        raise
-    tcfg, master = cfg.train, run.dist.master
-    meter = Throughput(tcfg.batch_size * run.grad_accum * run.mcfg.block_size)
-    peak = peak_flops(run.rt, tcfg.peak_flops)
-    ckpt_every, start_step, probe_s, t_start = tcfg.ckpt_interval or tcfg.eval_interval, run.step, 0.0, time.perf_counter()
-    stop = StopRequest()
-    try:
-        while True:
-            last = run.step >= tcfg.max_iters
-            with meter.paused():
-                if not (run.resuming and run.step == start_step):  # done before that checkpoint was written
-                    if due(run.step, tcfg.eval_interval, last):
-                        evaluate(run)
-                    if run.probe is not None and due(run.step, probe_every(tcfg), last):
-                        probe_s += probe_attention(run)
-                    if run.step > 0 and due(run.step, ckpt_every, last):
-                        save(run)  # on every rank: see save()
-                if not last:
-                    stop.agree(run.rt.device, run.dist.world)
-            if last or stop.signal:
-                break
-            loss, grad_norm, lr = optimizer_step(run)
-            meter.steps += 1
-            if run.step % tcfg.log_interval == 0 or run.step == tcfg.max_iters:
-                log_progress(run, meter, loss, grad_norm, lr, peak)
-        if stop.signal and run.saved_at != run.step:
-            save(run)  # on every rank: see save()
-        if stop.signal and master:
-            path = run.out_dir / step_name(run.step)
-            print(f"stopped by {stop.signal} at step {run.step}; checkpoint {path}\nresume with: "
-                  f"python train.py hydra.run.dir={run.out_dir} resume=true (and the same overrides)", file=sys.stderr)
-        if master:
-            write_plots(run)
-    except RuntimeError as e:
-        if is_oom(e):
-            raise oom_error(e, run) from None
-        raise
-    finally:
-        stop.restore()
-        run.tracker.close()
-        if run.lock is not None:
-            run.lock.close()
-        if run.dist.world > 1 and dist.is_initialized():
-            dist.destroy_process_group()
-    result = {"out_dir": str(run.out_dir), "steps": run.step, "best_val_loss": run.best_val,
-              "train_loss": run.evals.get("train"), "val_loss": run.evals.get("val"),
-              "tokens_per_sec": meter.tokens_per_sec, "stopped": stop.signal, "compiled": run.compiled,
-              "ckpt": str(latest_checkpoint(run.out_dir)), "wall_s": time.perf_counter() - t_start,
-              "train_s": meter.train_s, "probe_s": probe_s, "attn": run.attn_history}
-    log.info("done: val loss %.4f (best %.4f) after %d steps; run dir %s; attention probes took %.2f s "
-             "(%.2f%% of training time)", result["val_loss"] or math.nan, run.best_val, run.step, run.out_dir,
-             probe_s, 100 * probe_s / max(meter.train_s, 1e-9))
-    return result
+def oom_error(e: BaseException, run_or_cfg) -> UserError:
+    """An out-of-memory failure as one line that says what to lower and what is saved."""
+    cfg = getattr(run_or_cfg, "cfg", run_or_cfg)
+    out_dir = getattr(run_or_cfg, "out_dir", None)
+    saved = f"; last good checkpoint: {last_good_checkpoint(out_dir) or 'none'}" if out_dir else ""
+    t = cfg.train
+    return UserError(f"out of memory ({first_line(e, 120)}) at train.batch_size={t.batch_size} x "
+                     f"train.grad_accum={t.grad_accum or 1} micro-batches x model.block_size={cfg.model.block_size}: "
+                     "lower train.batch_size (raising train.grad_accum keeps the tokens per step), "
+                     f"model.block_size or the model size{saved}")
 
 
 def write_plots(run: Run):
@@ -561,7 +441,7 @@ def write_plots(run: Run):
     if run.probe is None:  # the attention probe is off (train.log_attn_interval=0)
         return
     try:  # the maps of the probe text (its first row, at most 256 tokens: the HTML stays a few MB)
-        from attnview import write_views
+        from plots import write_views
         m = run.mcfg
         views = write_views(run.model, run.probe.idx[:1, :256], run.data.tokenizer, run.out_dir,
                             title=f"attention on the probe text at step {run.step}",

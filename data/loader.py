@@ -7,7 +7,7 @@ import numpy as np
 import torch
 
 from common import UserError
-from tokenizer import tokenizer_from_dict
+from data.tokenizer import tokenizer_from_dict
 
 
 class TokenData:

@@ -29,9 +29,8 @@ import numpy as np
 if __name__ == "__main__":  # run as a script: make the repo's modules importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common import UserError, cli, dir_mode, private_mode, remove_stale_temps, run_app, temp_suffix
-from config import check_ranges
-from tokenizer import cached_tokenizer, train_tokenizer
+from common import UserError, check_values, cli, dir_mode, private_mode, remove_stale_temps, run_app, temp_suffix
+from data.tokenizer import cached_tokenizer, train_tokenizer
 
 log = logging.getLogger(__name__)
 REPO = Path(__file__).resolve().parents[1]
@@ -372,7 +371,7 @@ def prepare(data_cfg) -> Path:
 
     The result is no more readable than the source files (and the umask): the token files and
     meta.json take the source's permission bits, the directory the matching ones."""
-    check_ranges(data_cfg, "data")
+    check_values(data_cfg, "data")
     if data_cfg.streaming and not data_cfg.max_tokens:
         raise UserError("data.streaming=true needs a token budget: set data.max_tokens (e.g. 1e9)")
     kind, location = source_of(data_cfg)

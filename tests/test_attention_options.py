@@ -1,11 +1,12 @@
 """The attention logit scale and QK-Norm: the seeds' arithmetic, path parity, bounds, errors."""
-import math
 
 import pytest
 import torch
 
 from common import UserError
-from model import GPT, GPTConfig, apply_rope, attention, attention_scores, qk_normalize, resolve_scale
+from attention import apply_rope, attention, attention_scores, qk_normalize, resolve_scale
+from attnstats import reading_qk
+from model import GPT, GPTConfig
 
 SCALES = ["sqrt_dk", "none", "dk", "0.5"]
 NORMS = [dict(qk_norm=False)] + [dict(qk_norm=True, qk_norm_type=t, qk_norm_gain=g)
@@ -67,7 +68,8 @@ def test_qk_norm_bounds_logits_for_any_input_magnitude(norm):
         model.wte.weight.mul_(1000)  # inputs 1000x larger
     attn = model.blocks[0].attn
     seen = {}
-    model(torch.randint(30, (2, 16)), probe=lambda layer, q, k, s: seen.update(logits=attention_scores(q, k, s)))
+    with reading_qk(model, lambda layer, q, k, s: seen.update(logits=attention_scores(q, k, s))):
+        model(torch.randint(30, (2, 16)))
     logits = seen["logits"][torch.isfinite(seen["logits"])]
     bound = attn.logit_bound()
     assert logits.abs().max().item() <= bound * (1 + 1e-5)
@@ -82,7 +84,8 @@ def test_without_qk_norm_logits_grow_with_the_input():
     for factor in (1, 1000):
         seen = {}
         model.blocks[0].ln_1.weight.data.fill_(factor)  # the attention input, factor x larger
-        model(idx, probe=lambda layer, q, k, s: seen.update(m=attention_scores(q, k, s).nan_to_num(0, 0, 0).abs().max()))
+        with reading_qk(model, lambda layer, q, k, s: seen.update(m=attention_scores(q, k, s).nan_to_num(0, 0, 0).abs().max())):
+            model(idx)
         peaks.append(seen["m"].item())
     assert model.blocks[0].attn.logit_bound() is None
     assert peaks[1] > 1e5 * peaks[0]

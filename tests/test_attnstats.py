@@ -1,15 +1,15 @@
 """Attention statistics against direct computations, and their logging to files and W&B."""
-import json
 import math
 
 import pytest
 import torch
 
-import model as model_module
-from attnstats import AttentionProbe, attention_stats, copy_losses, repeated_batch, role_rows
-from model import GPT, GPTConfig, attention
+import attention as attention_module
+from attnstats import AttentionProbe, attention_stats, copy_losses, reading_qk, repeated_batch, role_rows
+from attention import attention
+from model import GPT, GPTConfig
 import wandb_log
-from report import report
+from tools.report import report
 from tracking import read_metrics
 from train import train
 
@@ -47,7 +47,8 @@ def test_uniform_rows_have_entropy_ln_keys_and_one_hot_rows_zero():
 
 def capture_qk(model, idx):
     seen = {}
-    model(idx, probe=lambda layer, q, k, scale: seen.setdefault(layer, (q, k, scale)))
+    with reading_qk(model, lambda layer, q, k, scale: seen.setdefault(layer, (q, k, scale))):
+        model(idx)
     return seen
 
 
@@ -99,8 +100,8 @@ def test_probe_works_at_block_size_2048_on_cpu():
 
 def test_training_steps_never_build_the_attention_matrix(train_cfg, tmp_path, monkeypatch):
     calls = []
-    real = model_module.attention_scores
-    monkeypatch.setattr(model_module, "attention_scores", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = attention_module.attention_scores
+    monkeypatch.setattr(attention_module, "attention_scores", lambda *a, **k: calls.append(1) or real(*a, **k))
     train(train_cfg("train.max_iters=20", "train.log_attn_interval=10"))
     assert calls == []  # the reference path never ran; the probe has its own import
     train(train_cfg("train.max_iters=2", "model.attn.impl=reference", f"out_dir={tmp_path / 'reference'}"))

@@ -13,8 +13,8 @@ from torch.utils.flop_counter import FlopCounterMode
 from common import UserError
 from conftest import REPO, compose_cfg
 from config import model_config
-from cost import (count_params, cost, crossovers, macs_per_token, memory_bytes, round_half_up,
-                  training_flops_per_token)
+from counting import count_params, crossovers, flops_per_token, macs_per_token, memory_breakdown
+from tools.cost import cost, round_half_up
 from model import GPT, GPTConfig
 
 # MHA + GELU, everything else the defaults (LayerNorm without bias, Pre-LN, RoPE, tied head):
@@ -46,13 +46,13 @@ def test_mha_gelu_by_hand():
     assert (m["q"], m["k"], m["v"], m["o"], m["proj"]) == (4096, 4096, 4096, 4096, 16384)
     assert (m["scores"], m["weighted_sum"], m["attn"], m["mlp"], m["other"]) == (2048, 2048, 4096, 32768, 128)
     assert (m["layer"], m["lm_head"], m["other_final"], m["forward"]) == (53376, 6400, 64, 113216)
-    assert training_flops_per_token(c, 32) == 679296 == 6 * 105024 + 12 * 2 * 32 * 64
+    assert flops_per_token(c, 32) == 679296 == 6 * 105024 + 12 * 2 * 32 * 64
     # crossovers: 2*N*d = 2*d*(d+d_kv) -> N = 64+64 = 128; 2*N*d = 2*d*d_ff -> N = d_ff = 256; both: 384
     assert crossovers(c) == {"attn_vs_proj": 128, "attn_vs_mlp": 256, "attn_vs_proj_mlp": 384}
     # memory at N=32, batch 2, float32 (4 B): weights 105,024*4 = 420,096; AdamW 105,024*8 = 840,192;
     # one layer's N x N table 2*4*32*32*4 = 32,768, two layers 65,536; KV per token
     # 2 (K, V) * 2 layers * 4 heads * 16 * 4 B = 1,024; at N, batch 2: 1,024*32*2 = 65,536 (MHA: the same)
-    assert memory_bytes(c, 32, 2, 4) == {
+    assert memory_breakdown(c, 32, 2, 4) == {
         "weights": 420096, "adamw_state": 840192, "attn_weights_per_layer": 32768,
         "attn_weights_all_layers": 65536, "kv_cache_per_token": 1024, "kv_cache": 65536, "kv_cache_mha": 65536}
 
@@ -79,13 +79,13 @@ def test_gqa_swiglu_by_hand():
     assert (m["q"], m["k"], m["v"], m["o"], m["proj"]) == (6400, 3200, 3200, 6400, 19200)
     assert (m["scores"], m["weighted_sum"], m["attn"], m["mlp"], m["other"]) == (2560, 2560, 5120, 61440, 160)
     assert (m["layer"], m["lm_head"], m["other_final"], m["forward"]) == (85920, 8000, 80, 179920)
-    assert training_flops_per_token(c, 32) == 1079520 == 6 * 169680 + 12 * 2 * 32 * 80
+    assert flops_per_token(c, 32) == 1079520 == 6 * 169680 + 12 * 2 * 32 * 80
     # crossovers: N = d + d_kv = 80 + 40 = 120; 2*N*d = 3*d*d_ff -> N = 3*256/2 = 384; both: 504
     assert crossovers(c) == {"attn_vs_proj": 120, "attn_vs_mlp": 384, "attn_vs_proj_mlp": 504}
     # memory at N=32, batch 2, bfloat16 (2 B): weights 177,680*2 = 355,360; AdamW 177,680*8 = 1,421,440;
     # table 2*4*32*32*2 = 16,384, two layers 32,768; KV per token 2*2 layers*2 K/V heads*20*2 B = 320,
     # at N, batch 2: 320*64 = 20,480; with 4 K/V heads (MHA) twice that, 40,960
-    assert memory_bytes(c, 32, 2, 2) == {
+    assert memory_breakdown(c, 32, 2, 2) == {
         "weights": 355360, "adamw_state": 1421440, "attn_weights_per_layer": 16384,
         "attn_weights_all_layers": 32768, "kv_cache_per_token": 320, "kv_cache": 20480, "kv_cache_mha": 40960}
 
@@ -162,7 +162,7 @@ def test_counts_equal_a_real_model(variant):
     assert p["total"] == model.num_params()
     assert {k: p[k] for k in by_kind(model)} == by_kind(model)
     for N in (1, 17, 32, 100):
-        assert training_flops_per_token(c, N) == model.flops_per_token(N)
+        assert flops_per_token(c, N) == model.flops_per_token(N)
     B, N = 2, c.block_size
     with FlopCounterMode(display=False) as counter:  # with grad: its module tracker trips on no_grad views
         model(torch.randint(0, c.vocab_size, (B, N)))
@@ -188,7 +188,7 @@ def test_every_model_preset_counts_like_its_model(preset):
         model = GPT(c)
     assert count_params(c)["total"] == model.num_params()
     for N in (1, c.block_size, 3 * c.block_size):
-        assert training_flops_per_token(c, N) == model.flops_per_token(N)
+        assert flops_per_token(c, N) == model.flops_per_token(N)
     for key, n in crossovers(c).items():  # and the crossovers hold for every preset
         assert_crossover(c, key, n)
 
@@ -201,7 +201,7 @@ def test_llama3_8b_shape_is_llama_3_8b():
     # per token and layer: 4096 + 1024 = 5120 (projections), 3*14336/2 = 21504 (MLP)
     assert crossovers(c) == {"attn_vs_proj": 5120, "attn_vs_mlp": 21504, "attn_vs_proj_mlp": 26624}
     # KV per token: 2 * 32 layers * 8 heads * 128 * 2 B = 128 KiB; MHA 4x that
-    mem = memory_bytes(c, 8192, 1, 2)
+    mem = memory_breakdown(c, 8192, 1, 2)
     assert mem["kv_cache_per_token"] == 2**17 and mem["kv_cache"] == 2**30 and mem["kv_cache_mha"] == 2**32
 
 
@@ -218,9 +218,9 @@ def test_kv_bytes_equal_a_real_cache_after_prefill(fields, dtype):
             model(torch.randint(0, c.vocab_size, (B, N)), kv_cache=caches, pos=0)  # prefill of N tokens
         assert all(cache.k[:, :, N - 1].abs().sum() > 0 for cache in caches)  # filled to the last slot
         cached = sum(t.numel() * t.element_size() for cache in caches for t in (cache.k, cache.v))
-        assert cached == memory_bytes(c, N, B, dtype.itemsize)[key]
-    per_token = memory_bytes(c, N, B, dtype.itemsize)["kv_cache_per_token"]
-    assert per_token * N * B == memory_bytes(c, N, B, dtype.itemsize)["kv_cache"]
+        assert cached == memory_breakdown(c, N, B, dtype.itemsize)[key]
+    per_token = memory_breakdown(c, N, B, dtype.itemsize)["kv_cache_per_token"]
+    assert per_token * N * B == memory_breakdown(c, N, B, dtype.itemsize)["kv_cache"]
 
 
 # ----------------------------------------------------------------------------- crossovers
@@ -256,9 +256,9 @@ def test_crossovers_round_to_the_nearest_integer(capsys):
 # ----------------------------------------------------------------------------- errors
 
 @pytest.mark.parametrize("override, message", [
-    ("seq_len=0", "seq_len=0 must be a positive integer"),
-    ("seq_len=-8", "seq_len=-8 must be a positive integer"),
-    ("batch_size=0", "batch_size=0 must be a positive integer"),
+    ("seq_len=0", "seq_len=0 must be an integer >= 1"),
+    ("seq_len=-8", "seq_len=-8 must be an integer >= 1"),
+    ("batch_size=0", "batch_size=0 must be an integer >= 1"),
     ("dtype=fp8", "dtype='fp8' is unknown"),
     ("format=yaml", "format='yaml' is unknown"),
     ("model.n_kv_head=3", "model.n_kv_head=3 must divide model.n_head=2"),
@@ -270,7 +270,7 @@ def test_bad_values_are_user_errors(override, message):
 
 
 def run_cost(*args, cwd=REPO):
-    return subprocess.run([sys.executable, str(REPO / "cost.py"), *args], cwd=cwd, capture_output=True,
+    return subprocess.run([sys.executable, str(REPO / "tools" / "cost.py"), *args], cwd=cwd, capture_output=True,
                           text=True, timeout=300)
 
 

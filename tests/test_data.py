@@ -10,7 +10,7 @@ from conftest import SHAKESPEARE, compose_cfg, requires_shared
 from data.loader import TokenData
 from data.prepare import prepare, python_docs_text, token_dtype
 from common import UserError
-from tokenizer import CharTokenizer
+from data.tokenizer import CharTokenizer
 
 
 def data_cfg(tmp_path, *overrides):

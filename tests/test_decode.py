@@ -94,7 +94,7 @@ def test_stop_string_stops_every_sample_of_a_batch(run_dir, sample_cfg):
 
 def test_bench_sample_prints_ratios_and_the_bandwidth_bound(capsys):
     from conftest import compose_cfg
-    from bench_sample import bench_sample, decode_bytes
+    from tools.bench_sample import bench_sample, decode_bytes
     cfg = compose_cfg("bench_sample", ["model=debug", "tokens=40", "batch_sizes=[1,2]", "compile=[false]",
                                        "layouts=[row,column]", "kv_dtypes=[float32]", "repeats=2"])
     result = bench_sample(cfg)
@@ -105,8 +105,8 @@ def test_bench_sample_prints_ratios_and_the_bandwidth_bound(capsys):
                          "cache, batch 1, column-major", "cache, batch 2, column-major"}
     assert all(r["tokens_per_sec"] > 0 for r in rows.values()) and result["bandwidth"] > 1e8
     model = tiny()  # weights: params x 4 bytes; KV: 2 (k, v) x layers x batch x kv heads x context x head dim x 4
-    assert decode_bytes(model, 3, 10) == model.num_params() * 4 + 2 * 2 * 3 * 4 * 10 * 8 * 4
-    assert decode_bytes(model, 3, 10, kv_bytes=2) == model.num_params() * 4 + 2 * 2 * 3 * 4 * 10 * 8 * 2
+    assert decode_bytes(model.config, 3, 10) == model.num_params() * 4 + 2 * 2 * 3 * 4 * 10 * 8 * 4
+    assert decode_bytes(model.config, 3, 10, kv_bytes=2) == model.num_params() * 4 + 2 * 2 * 3 * 4 * 10 * 8 * 2
     cfg = compose_cfg("bench_sample", ["model=debug", "tokens=20", "batch_sizes=[1]", "compile=[false]",
                                        "recompute=false", "repeats=1"])  # default kv_dtypes: float32 and bfloat16
     rows = bench_sample(cfg)["rows"]
@@ -166,7 +166,7 @@ def test_sample_kv_dtype(run_dir, sample_cfg, monkeypatch):
     hot = [*args[:3], "temperature=1.0", "num_samples=3"]
     auto = sample(sample_cfg(*hot, "kv_dtype=auto"))
     assert dtypes() == {torch.bfloat16} and auto == sample(sample_cfg(*hot, "kv_dtype=bfloat16"))
-    with pytest.raises(UserError, match=r"^kv_dtype='int8' is unknown: use auto, float32, bfloat16 or float16$"):
+    with pytest.raises(UserError, match=r"^kv_dtype='int8' is unknown: use one of auto, float32, bfloat16, float16$"):
         sample(sample_cfg(*args, "kv_dtype=int8"))
 
 

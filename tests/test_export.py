@@ -15,14 +15,15 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-import export  # registers its config schema
+from tools import export  # registers its config schema
 from checkpoint import model_from_checkpoint, save_checkpoint
 from common import UserError
 from conftest import REPO, SHAKESPEARE, TIKTOKEN_CACHE, compose_cfg, requires_shared
 from data.prepare import prepare
-from model import GPT, GPTConfig, apply_rope, rope_freqs
+from attention import apply_rope, rope_freqs
+from model import GPT, GPTConfig
 from sample import generate
-from tokenizer import EOT, CharTokenizer, tokenizer_from_dict
+from data.tokenizer import EOT, CharTokenizer, tokenizer_from_dict
 from train import train
 
 CHARS = CharTokenizer("".join(sorted(set("abcdefghijklmnopqrstuvwxyz ABCDEFGHIJ.,:;!?'\n0123456789"))))
@@ -286,7 +287,7 @@ def test_option_without_counterpart_is_a_one_line_error(kw, option, tmp_path):
 
 def test_cli_refuses_with_one_line(tmp_path):
     ckpt = write_checkpoint(tmp_path / "ckpt.pt", random_model(norm_position="post"))
-    r = subprocess.run([sys.executable, str(REPO / "export.py"), f"ckpt={ckpt}", f"out={tmp_path / 'hf'}"],
+    r = subprocess.run([sys.executable, str(REPO / "tools" / "export.py"), f"ckpt={ckpt}", f"out={tmp_path / 'hf'}"],
                        capture_output=True, text=True, cwd=REPO, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert r.returncode == 1 and r.stderr.strip().count("\n") == 0, r.stderr
     assert r.stderr.startswith("error: model.norm_position=post has no exact counterpart")

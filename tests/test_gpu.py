@@ -1,4 +1,4 @@
-"""Checks that need a CUDA GPU (skipped without one; scripts/gpu_check.sh runs them). What can be
+"""Checks that need a CUDA GPU (skipped without one; tools/gpu_check.sh runs them). What can be
 reproduced on CPU is in test_gpu_path.py."""
 import pytest
 import torch
@@ -46,7 +46,7 @@ def test_gpu_bf16_compiled_training_on_the_flash_kernel_then_resume(train_cfg, t
 def test_flash_attention_matches_the_reference_in_bf16():
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from model import attention
+    from attention import attention
     q, k, v = (torch.randn(2, 4, 512, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
         fast = attention(q, k, v, 0.125, impl="sdpa").float()

@@ -15,7 +15,7 @@ import torch.distributed as dist
 import common
 import train as train_module
 from checkpoint import load_checkpoint, step_name
-from common import Dist, Runtime, UserError, peak_flops_for, pick_dtype
+from common import Dist, Runtime, peak_flops_for, pick_dtype
 from conftest import REPO, compose_cfg
 from model import GPT
 from optim import train_step

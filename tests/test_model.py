@@ -7,7 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from common import UserError
-from model import GPT, GPTConfig, apply_rope, attention, attention_scores, rope_freqs
+from attention import apply_rope, attention, rope_freqs
+from model import GPT, GPTConfig
 
 
 def diff(a, b):

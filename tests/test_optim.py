@@ -15,7 +15,6 @@ from model import GPT, GPTConfig
 from optim import MUON_NS_DTYPES, Muon, MuonAdamW, build_optimizer, lr_at, newton_schulz, set_lr, split_params, train_step
 from test_ddp import assert_same_training
 from test_resume import cli_args, metrics_without_timing
-from tracking import read_metrics
 
 CPU = torch.device("cpu")
 VARIANTS = {  # every kind of parameter a model can have: gains (1-D and 2-D), biases, untied head, positions
@@ -272,16 +271,17 @@ def test_resuming_an_adamw_checkpoint_with_muon_says_so_in_one_line():
 
 
 @pytest.mark.parametrize("override, message", [
-    ("train.optimizer=sgd", "train.optimizer='sgd' is unknown"),
-    ("train.muon_lr=0", "train.muon_lr=0.0 must be > 0"),
-    ("train.muon_momentum=1.0", r"train.muon_momentum=1.0 must be in \[0, 1\)"),
+    ("train.optimizer=sgd", "train.optimizer='sgd' is unknown: use one of adamw, muon"),
+    ("train.muon_lr=0", "train.muon_lr=0.0 must be a finite number > 0 and <= 10"),
+    ("train.muon_momentum=1.0", r"train.muon_momentum=1.0 must be a finite number >= 0 and < 1"),
     ("train.muon_adjust_lr=spectral", "train.muon_adjust_lr='spectral' is unknown"),
     ("train.muon_ns_dtype=float16", "train.muon_ns_dtype='float16' is unknown"),
     ("train.lr_schedule=linear", "train.lr_schedule='linear' is unknown: use one of cosine, wsd"),
 ])
 def test_bad_optimizer_settings_are_one_line_errors(override, message):
+    from config import check_train_config
     with pytest.raises(UserError, match=message):
-        build_optimizer(tiny_model(), tcfg(override), CPU)
+        check_train_config(compose_cfg("config", ["train.optimizer=muon", override]))
 
 
 def test_a_bad_muon_setting_is_refused_before_the_data_is_prepared(tmp_path):
@@ -290,7 +290,7 @@ def test_a_bad_muon_setting_is_refused_before_the_data_is_prepared(tmp_path):
                 check=False)
     assert r.returncode != 0
     assert r.stderr.strip().splitlines()[-1] == ("error: train.muon_ns_dtype='float16' is unknown: "
-                                                 "use auto, bfloat16 or float32")
+                                                 "use one of auto, bfloat16, float32")
     assert not (tmp_path / "cache").exists()  # nothing prepared, nothing written
 
 

@@ -22,13 +22,11 @@ from omegaconf.errors import OmegaConfBaseException
 import checkpoint as ck
 import model as model_module
 import train as train_module
-from bench import BENCH_RANGES, BenchSettings, bench
-from common import UserError, hydra_error_line
-from config import RANGES, Config, Range, SampleConfig
+from common import OneOf, UserError, hydra_error_line
 from conftest import REPO, TINY, compose_cfg
 from data.loader import TokenData
 from data.prepare import cache_key, prepare
-from report import report
+from tools.report import report
 from sample import sample
 from tracking import check_wandb_mode, read_metrics, truncate_metrics
 from train import train
@@ -617,71 +615,94 @@ def test_unreadable_files_are_one_line_errors(tmp_path, tiny_run, shared):
     assert_one_line_error(r, "Permission denied")
     r = run_cli("sample.py", f"ckpt={tiny_run}", f"prompt_file={locked['prompt.txt']}", "device=cpu", prefix=prefix)
     assert_one_line_error(r, "Permission denied")
-    r = run_cli("report.py", str(tmp_path / "locked" / "run"), "--out", str(tmp_path / "out"), prefix=prefix)
+    r = run_cli("tools/report.py", str(tmp_path / "locked" / "run"), "--out", str(tmp_path / "out"), prefix=prefix)
     assert_one_line_error(r, "Permission denied")
 
 
-# ----------------------------------------------------------------------------- every numeric key, every bad value
+# ----------------------------------------------------------------------------- every key of every schema
 
-# model.* is validated by model.GPTConfig (the lead's); these are the ranges it should enforce
-MODEL_RANGES = {
-    "model.vocab_size": Range(1), "model.block_size": Range(1), "model.n_layer": Range(1), "model.n_head": Range(1),
-    "model.n_embd": Range(1), "model.n_kv_head": Range(1), "model.dropout": Range(0, 1, hi_open=True),
-    "model.d_ff": Range(1), "model.rope_base": Range(1, lo_open=True), "model.logit_softcap": Range(0),
-}
-MODEL_VALIDATION_PENDING = set()  # keys GPTConfig does not check yet (their cases are xfail until it does)
 HUGE = {int: 10**12, float: 1e30}
 # in range, yet too big for any machine: refused by the memory estimate or the allocator, in one line
 HUGE_MUST_FAIL = {"train.batch_size", "train.probe_batch_size", "train.grad_accum", "model.vocab_size",
                   "model.block_size", "model.n_layer", "model.n_embd", "model.n_head", "model.n_kv_head",
-                  "model.d_ff", "sample.num_samples", "bench.vocab_size"}
-SCHEMAS = [(Config, ""), (SampleConfig, "sample."), (BenchSettings, "bench.")]
+                  "model.d_ff", "num_samples", "bench.vocab_size"}
+# every command's config (configs/NAME.yaml) and the function its entry point calls first
+ENTRY_POINTS = {"config": "train:train", "sample": "sample:sample", "bench": "tools.bench:bench",
+                "cost": "tools.cost:cost", "bench_sample": "tools.bench_sample:bench_sample",
+                "visualize": "tools.visualize:visualize", "export": "tools.export:export"}
 
 
-def numeric_keys(dc, prefix=""):
-    """(dotted key, int or float) of every numeric field, nested dataclasses included: a key added
-    to a schema is enumerated without touching this test."""
-    hints = typing.get_type_hints(dc)
-    for f in dataclasses.fields(dc):
-        t = hints[f.name]
-        if typing.get_origin(t) is typing.Union:
-            t = next(a for a in typing.get_args(t) if a is not type(None))
-        if dataclasses.is_dataclass(t):
-            yield from numeric_keys(t, f"{prefix}{f.name}.")
-        elif t in (int, float):
-            yield f"{prefix}{f.name}", t
+def entry(name):
+    module, fn = ENTRY_POINTS[name].split(":")
+    return getattr(__import__(module, fromlist=[fn]), fn)
 
 
-def declared_range(key):
-    return RANGES.get(key) or BENCH_RANGES.get(key) or MODEL_RANGES.get(key)
+def schema_keys():
+    """(command, dotted key, field type, rule) of every field of every command's schema, nested
+    schemas included, read from the dataclasses: a key added anywhere is enumerated without touching
+    this test. A command's keys that another command already covers (bench's model, data, train) are
+    listed once."""
+    from omegaconf import OmegaConf
+
+    seen = set()
+    for name in ENTRY_POINTS:
+        entry(name)  # importing the command registers its schema
+    for name in ENTRY_POINTS:
+        schema = OmegaConf.get_type(compose_cfg(name, ["model=debug"] if name in ("bench", "cost", "bench_sample") else []))
+
+        def walk(dc, prefix):
+            hints = typing.get_type_hints(dc)
+            for f in dataclasses.fields(dc):
+                t = hints[f.name]
+                if typing.get_origin(t) is typing.Union:
+                    t = next(a for a in typing.get_args(t) if a is not type(None))
+                if typing.get_origin(t) in (list, typing.List):
+                    t = typing.get_args(t)[0]
+                if dataclasses.is_dataclass(t):
+                    yield from walk(t, f"{prefix}{f.name}.")
+                elif (t, f"{prefix}{f.name}") not in seen:
+                    seen.add((t, f"{prefix}{f.name}"))
+                    yield name, f"{prefix}{f.name}", t, getattr(dc, "RULES", {}).get(f.name)
+        yield from walk(schema, "")
+
+
+def test_every_command_is_enumerated():
+    """A new command's schema must be added to ENTRY_POINTS (its bad values are then checked)."""
+    from hydra.core.config_store import ConfigStore
+
+    import tools  # noqa: F401
+    for module in REPO.joinpath("tools").glob("*.py"):  # every command there registers its schema on import
+        __import__(f"tools.{module.stem}")
+    stored = {k.removesuffix(".yaml") for k in ConfigStore.instance().repo if k.startswith("base_")}
+    assert stored == {"base_" + n for n in ENTRY_POINTS}, stored
 
 
 def bad_cases():
     cases = []
-    for schema, prefix in SCHEMAS:
-        for key, typ in numeric_keys(schema, prefix):
-            r = declared_range(key)
-            if r is None:  # a new key without a declared range fails here, by name
-                cases.append(pytest.param(key, typ, "undeclared", None, id=f"{key}=undeclared"))
-                continue
-            for value in (0, -1, HUGE[typ], math.nan, math.inf, "abc") + ((1.5,) if typ is int else ()):
-                if value == "abc" or (typ is int and not isinstance(value, int)):
-                    kind = "schema"  # Hydra's schema refuses it at composition
-                elif not r.contains(value):
-                    kind = "range"
-                elif value == HUGE[typ] and key in HUGE_MUST_FAIL:
-                    kind = "resource"
-                else:
-                    continue  # legal (a huge max_iters is a long run, not an error)
-                marks = [pytest.mark.xfail(strict=True, reason="model validation pending")] \
-                    if key in MODEL_VALIDATION_PENDING and kind == "range" else []
-                cases.append(pytest.param(key, typ, kind, value, marks=marks, id=f"{key}={value}"))
+    for name, key, typ, rule in schema_keys():
+        if typ not in (int, float) and not isinstance(rule, OneOf):
+            continue  # free text (paths, names) and flags
+        if rule is None:  # a numeric key without a declared rule fails here, by name
+            cases.append(pytest.param(name, key, typ, "undeclared", None, id=f"{name}:{key}=undeclared"))
+            continue
+        values = ("bogus",) if isinstance(rule, OneOf) else \
+            (0, -1, HUGE[typ], math.nan, math.inf, "abc") + ((1.5,) if typ is int else ())
+        for value in values:
+            if typ in (int, float) and (value == "abc" or (typ is int and not isinstance(value, int))):
+                kind = "schema"  # Hydra's schema refuses it at composition
+            elif not rule.contains(value):
+                kind = "rule"
+            elif value == HUGE.get(typ) and key in HUGE_MUST_FAIL:
+                kind = "resource"
+            else:
+                continue  # legal (a huge max_iters is a long run, not an error)
+            cases.append(pytest.param(name, key, typ, kind, value, id=f"{name}:{key}={value}"))
     return cases
 
 
-def override(key, value):
+def override(key, value, listed=False):
     text = {math.nan: "nan", math.inf: "inf"}.get(value, str(value)) if not isinstance(value, str) else value
-    return f"{key.removeprefix('sample.')}={text}"
+    return f"{key}=[{text}]" if listed else f"{key}={text}"
 
 
 @pytest.fixture(scope="module")
@@ -689,29 +710,33 @@ def enum_dirs(tmp_path_factory, shared, tiny_run):
     return {"tmp": tmp_path_factory.mktemp("enum"), "ckpt": tiny_run}
 
 
-@pytest.mark.parametrize("key,typ,kind,value", bad_cases())
-def test_every_numeric_config_key_refuses_its_bad_values_in_one_line(key, typ, kind, value, shared, enum_dirs):
-    assert kind != "undeclared", f"{key} has no declared range: add it to config.RANGES (or MODEL_RANGES here)"
-    tmp = enum_dirs["tmp"] / key / str(value)
+@pytest.mark.parametrize("name,key,typ,kind,value", bad_cases())
+def test_every_config_key_refuses_its_bad_values_in_one_line(name, key, typ, kind, value, shared, enum_dirs):
+    """Every command's every numeric key (0, negative, huge, nan, inf, wrong type) and every named
+    choice (an unknown name): one line naming the key, before any work."""
+    assert kind != "undeclared", f"{key} ({name}) has no rule: add it to its schema's RULES table"
+    tmp = enum_dirs["tmp"] / name / key / str(value)
     short = ["train.max_iters=1", "train.eval_interval=1", "train.eval_iters=1"]
-    if key.startswith("sample."):
-        name, base, run = "sample", ["device=cpu", f"ckpt={enum_dirs['ckpt']}", "max_new_tokens=2"], sample
-    elif key.startswith("bench."):
-        name, base, run = "bench", ["model=debug", "device=cpu", "bench.iters=1", "bench.warmup=0",
-                                    "bench.rounds=1"], bench
-    else:
-        name, base, run = "config", TINY + short + [f"out_dir={tmp / 'run'}", f"data.cache_dir={shared['cache']}",
-                                                    f"data.path={shared['corpus']}"], train
+    base = {"config": TINY + short + [f"out_dir={tmp / 'run'}", f"data.cache_dir={shared['cache']}",
+                                       f"data.path={shared['corpus']}"],
+            "sample": ["device=cpu", f"ckpt={enum_dirs['ckpt']}", "max_new_tokens=2"],
+            "bench": ["model=debug", "device=cpu", "bench.iters=1", "bench.warmup=0", "bench.rounds=1"],
+            "cost": ["model=debug", "plot=null", "format=json"],
+            "bench_sample": ["model=debug", "tokens=2", "repeats=1", "batch_sizes=[1]", "compile=[false]",
+                             "recompute=false"],
+            "visualize": [f"ckpt={enum_dirs['ckpt']}", "prompt=line", f"out={tmp / 'maps'}"],
+            "export": [f"ckpt={enum_dirs['ckpt']}", f"out={tmp / 'hf'}"]}[name]
+    listed = key in ("batch_sizes", "layouts", "kv_dtypes")  # a list: one bad element
     if kind == "schema":
         with pytest.raises((HydraException, OmegaConfBaseException)) as e:
-            compose_cfg(name, base + [override(key, value)])
+            compose_cfg(name, base + [override(key, value, listed)])
         line = hydra_error_line(e.value)  # what run_app prints after `error: `
-        assert "\n" not in line and key.removeprefix("sample.") in line, line
+        assert "\n" not in line and key in line, line
         return
-    cfg = compose_cfg(name, base + [override(key, value)])
+    cfg = compose_cfg(name, base + [override(key, value, listed)])
     with pytest.raises(UserError) as e:
-        run(cfg)
-    assert key.removeprefix("sample.") in one_line(e)
+        entry(name)(cfg)
+    assert key in one_line(e)
 
 
 TRAINING = ["device=cpu", "logger.wandb.mode=disabled"]
@@ -723,7 +748,7 @@ TRAINING = ["device=cpu", "logger.wandb.mode=disabled"]
     ("train.py", ["train.batch_size=abc", *TRAINING], "error: Error merging override train.batch_size=abc"),
     ("train.py", ["train.min_lr=1", *TRAINING], "error: train.min_lr=1.0 is above train.lr"),
     ("sample.py", ["temperature=inf", "device=cpu"], "error: temperature=inf must be"),
-    ("bench.py", ["train.batch_size=0", "model=debug", *TRAINING], "error: train.batch_size=0 must be an integer >= 1"),
+    ("tools/bench.py", ["train.batch_size=0", "model=debug", *TRAINING], "error: train.batch_size=0 must be an integer >= 1"),
     ("data/prepare.py", ["data.max_tokens=-5"], "error: data.max_tokens=-5.0 must be"),
 ])
 def test_bad_values_through_the_real_cli_are_one_line(tmp_path, script, args, needle):

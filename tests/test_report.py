@@ -4,7 +4,7 @@ import struct
 import pytest
 
 import wandb_log
-from report import report
+from tools.report import report
 from test_train import run_cli
 
 
@@ -51,5 +51,5 @@ def test_two_run_sweep_then_report(tmp_path):
 
 
 def test_report_cli_on_missing_dir_is_one_line_error(tmp_path):
-    r = run_cli("report.py", str(tmp_path / "nope"))
+    r = run_cli("tools/report.py", str(tmp_path / "nope"))
     assert r.returncode != 0 and "error:" in r.stderr and "Traceback" not in r.stderr

@@ -1,5 +1,4 @@
 """BPE tokenizers (tiktoken, and our own trained with rustbpe) through the whole data pipeline."""
-import os
 import time
 
 import numpy as np
@@ -11,7 +10,7 @@ from conftest import SHAKESPEARE, TIKTOKEN_CACHE, compose_cfg, requires_shared
 from data.loader import TokenData
 from data.prepare import prepare, split_points
 from common import UserError
-from tokenizer import EOT, TiktokenTokenizer, tokenizer_from_dict
+from data.tokenizer import EOT, TiktokenTokenizer, tokenizer_from_dict
 
 
 def data_cfg(tmp_path, *overrides):

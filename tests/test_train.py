@@ -212,6 +212,6 @@ def test_help_describes_the_app_and_lists_only_real_choices():
 
 
 def test_unknown_key_is_rejected_by_every_hydra_entry_point(tmp_path):
-    for script in ("train.py", "sample.py", "bench.py", "bench_sample.py", "data/prepare.py"):
+    for script in ("train.py", "sample.py", "tools/bench.py", "tools/bench_sample.py", "data/prepare.py"):
         r = run_cli(script, "modle=baby", cwd=tmp_path)
         assert r.returncode != 0 and "modle" in r.stderr, script

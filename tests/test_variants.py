@@ -9,7 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from common import UserError
-from model import GPT, GPTConfig, KVCache, attention, sinusoidal_table
+from attention import attention
+from model import GPT, GPTConfig, sinusoidal_table
 from sample import generate
 
 VARIANTS = [
@@ -97,10 +98,10 @@ def test_post_ln_block_is_the_formula_written_out():
     model = make(norm_position="post", n_layer=1)
     block, x = model.blocks[0], torch.randn(2, 16, 32)
     freqs = model.rope_at(0, 16)
-    h = F.layer_norm(x + block.attn(x, freqs), (32,), block.ln_1.weight, block.ln_1.bias, eps=1e-5)
+    h = F.layer_norm(x + block.attn(x, rope=freqs), (32,), block.ln_1.weight, block.ln_1.bias, eps=1e-5)
     want = F.layer_norm(h + block.mlp.c_proj(F.gelu(block.mlp.c_fc(h))), (32,), block.ln_2.weight, block.ln_2.bias,
                         eps=1e-5)
-    got = block(x, freqs)
+    got = block(x, rope=freqs)
     assert torch.allclose(got, want, atol=1e-5), max_diff(got, want)
     assert isinstance(model.ln_f, torch.nn.Identity)  # no norm after the last Post-LN block
 
@@ -265,11 +266,11 @@ def test_every_variant_trains_probes_and_samples(variant, train_cfg, sample_cfg,
 
 @pytest.mark.parametrize("override,needle", [
     ("model.n_kv_head=3", "must divide model.n_head"),
-    ("model.n_kv_head=0", "must divide"),
+    ("model.n_kv_head=0", "model.n_kv_head=0 must be an integer >= 1"),
     ("model.norm=batchnorm", "model.norm='batchnorm' is unknown"),
     ("model.norm_position=middle", "norm_position"),
     ("model.mlp=tanh", "model.mlp"),
-    ("model.pos=alibi", "model.pos"),
+    ("model.pos=wavelet", "model.pos"),
     ("model.d_ff=0", "model.d_ff"),
     ("model.logit_softcap=-1", "logit_softcap"),
 ])

@@ -4,25 +4,22 @@ top-k keys on stdout, and one-line errors for bad input."""
 import base64
 import dataclasses
 import io
-import json
 import re
 import shutil
 import struct
 import subprocess
-from pathlib import Path
 
 import pytest
 import torch
 
 from attnstats import attention_maps
-from attnview import format_top_keys, label, pack_weights, token_pieces, top_keys, write_views
+from plots import format_top_keys, label, pack_weights, token_pieces, top_keys, write_views
 from checkpoint import save_checkpoint
-from common import UserError
 from conftest import compose_cfg
 from model import GPT, GPTConfig
 from test_train import run_cli
-from tokenizer import CharTokenizer, TiktokenTokenizer
-from visualize import visualize
+from data.tokenizer import CharTokenizer, TiktokenTokenizer
+from tools.visualize import visualize
 
 VOCAB = "\n !',.:;?ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
 VARIANTS = {
@@ -59,8 +56,8 @@ def independent_maps(model, idx):
     input the layer received), with query head h reading kv head h // (nh / n_kv), a -inf upper
     triangle and a softmax: no probe, no attention_scores, no repeat_kv."""
     inputs = {}
-    hooks = [b.attn.register_forward_pre_hook(lambda mod, args, l=l: inputs.setdefault(l, args[:2]))
-             for l, b in enumerate(model.blocks)]
+    hooks = [b.attn.register_forward_pre_hook(lambda mod, args, kw, l=l: inputs.__setitem__(l, (args[0], kw["rope"])),
+                                              with_kwargs=True) for l, b in enumerate(model.blocks)]
     with torch.no_grad():
         model(idx)
     for h in hooks:
@@ -161,7 +158,7 @@ def test_top_keys_of_a_hand_made_map():
     (["prompt=" + "abc" * 20], "the prompt is 60 tokens but the model's block_size is 32"),
     (["prompt_file={tmp}/euro.txt"], "characters outside the vocabulary: '5€'"),
     (["query=15"], "query=15 is out of range: the prompt has 15 tokens"),
-    (["top_k=0"], "top_k=0 must be a positive integer"),
+    (["top_k=0"], "top_k=0 must be an integer >= 1"),
     (["prompt=null"], "no prompt"),
     (["bogus_key=1"], "bogus_key"),
 ], ids=["unknown-ckpt", "too-long", "outside-vocab", "query-range", "top-k", "no-prompt", "unknown-key"])
@@ -172,7 +169,7 @@ def test_bad_input_is_a_one_line_error(tmp_path, args, message):
     given = [a.replace("{tmp}", str(tmp_path)) for a in args]
     for a in given:
         defaults.pop(a.split("=")[0], None)
-    r = run_cli("visualize.py", *defaults.values(), *given, "device=cpu", timeout=120)
+    r = run_cli("tools/visualize.py", *defaults.values(), *given, "device=cpu", timeout=120)
     assert r.returncode == 1, r.stderr[-2000:]
     errors = [line for line in r.stderr.splitlines() if line.strip()]
     assert errors[-1].startswith("error:") and message in errors[-1], r.stderr[-2000:]

@@ -5,10 +5,10 @@
 # at the baby and GPT-2-124M shapes; attention memory at block 1024 vs 4096; decode speed with and
 # without the KV cache. A failed step does not stop the others; the exit status is 1 if any failed.
 #
-#   bash scripts/fetch_gpu_wheels.sh      # first, where PyPI is reachable: .gpu_wheels/ (~26 MiB)
-#   bash scripts/gpu_check.sh             # on the GPU machine: about 5 minutes on one H100/H200
-#   DEVICE=cpu bash scripts/gpu_check.sh  # the same steps at tiny sizes on CPU: a dry run
-#   ONLY='train|sample' bash scripts/gpu_check.sh   # a rerun of some steps (names matched as a regex)
+#   bash tools/fetch_gpu_wheels.sh      # first, where PyPI is reachable: .gpu_wheels/ (~26 MiB)
+#   bash tools/gpu_check.sh             # on the GPU machine: about 5 minutes on one H100/H200
+#   DEVICE=cpu bash tools/gpu_check.sh  # the same steps at tiny sizes on CPU: a dry run
+#   ONLY='train|sample' bash tools/gpu_check.sh   # a rerun of some steps (names matched as a regex)
 #
 # BUDGET_S (default 420 s on a GPU) bounds the whole script: each step gets what is left of it, at
 # most its own limit, so a hung step cannot take the session's last minutes. On CPU the limits are
@@ -76,7 +76,7 @@ if [ -d "$WHEELS" ]; then
       export PYTHONPATH=$WORK/site${PYTHONPATH:+:$PYTHONPATH}
   fi
 else
-  echo "no $WHEELS folder: using what is installed (bash scripts/fetch_gpu_wheels.sh makes it)"
+  echo "no $WHEELS folder: using what is installed (bash tools/fetch_gpu_wheels.sh makes it)"
 fi
 ONLY=. step "imports" 120 python3 - "$DEVICE" <<'EOF'
 import sys
@@ -129,11 +129,11 @@ export -f sample_on
 step "sample.py from that checkpoint on $DEVICE" 90 bash -c "sample_on $DEVICE"
 [ "$DEVICE" = cpu ] || step "sample.py from that checkpoint on cpu" 90 bash -c "sample_on cpu"
 
-step "bench: baby shape (6x6x384, block 256), training step" 120 python3 bench.py device="$DEVICE" $BENCH_BABY
-step "bench: GPT-2 124M shape (12x12x768, block 1024), training step" 150 python3 bench.py device="$DEVICE" $BENCH_GPT2
-step "decode: KV cache vs recompute, fp32 and bf16 cache" 300 python3 bench_sample.py device="$DEVICE" $DECODE
+step "bench: baby shape (6x6x384, block 256), training step" 120 python3 tools/bench.py device="$DEVICE" $BENCH_BABY
+step "bench: GPT-2 124M shape (12x12x768, block 1024), training step" 150 python3 tools/bench.py device="$DEVICE" $BENCH_GPT2
+step "decode: KV cache vs recompute, fp32 and bf16 cache" 300 python3 tools/bench_sample.py device="$DEVICE" $DECODE
 for T in $BLOCKS; do
-  step "attention memory at block $T (batch 1, eager)" 60 python3 bench.py device="$DEVICE" $MEMORY model.block_size=$T
+  step "attention memory at block $T (batch 1, eager)" 60 python3 tools/bench.py device="$DEVICE" $MEMORY model.block_size=$T
 done
 
 echo

@@ -1,7 +1,7 @@
 """Export a checkpoint to a Hugging Face transformers model directory, exactly (issue 19).
 
-    python export.py ckpt=outputs/runs/X out=hf/X      # a run dir (its best.pt) or a checkpoint file
-    python export.py ckpt=best.pt out=hf/X overwrite=true
+    python tools/export.py ckpt=outputs/runs/X out=hf/X      # a run dir (its best.pt) or a checkpoint file
+    python tools/export.py ckpt=best.pt out=hf/X overwrite=true
 
 The directory holds config.json, model.safetensors, generation_config.json, the tokenizer
 (tokenizer.json, tokenizer_config.json) and a README.md model card, and loads offline with
@@ -44,6 +44,7 @@ import logging
 import math
 import os
 import shutil
+import sys
 from pathlib import Path
 from typing import Optional
 
@@ -51,10 +52,13 @@ import hydra
 import torch
 from hydra.core.config_store import ConfigStore
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as tools/X.py: the repo's modules
+
 from checkpoint import find_checkpoint, load_checkpoint, model_from_checkpoint
 from common import UserError, cli, dir_mode, private_mode, run_app, temp_suffix
-from model import GPT, NORM_EPS, GPTConfig, qk_normalize
-from tokenizer import EOT, tokenizer_from_dict
+from attention import qk_normalize
+from model import GPT, NORM_EPS, GPTConfig
+from data.tokenizer import EOT, tokenizer_from_dict
 
 log = logging.getLogger("attnlab")
 QK_NORM_EPS = inspect.signature(qk_normalize).parameters["eps"].default  # attnlab's per-head norm eps
@@ -508,7 +512,7 @@ def verify(model: GPT, path: Path) -> float:
     return diff
 
 
-@hydra.main(version_base="1.3", config_path="configs", config_name="export")
+@hydra.main(version_base="1.3", config_path="../configs", config_name="export")
 @cli
 def main(cfg):
     print(export(cfg))

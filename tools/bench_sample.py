@@ -1,8 +1,8 @@
 """Generation speed, side by side in one process: with and without the KV cache, eager and
 compiled, batch 1 and batch 8, against the memory-bandwidth bound of a decode step.
 
-    python bench_sample.py                                   # baby preset (6 x 6 x 384, block 256), 1000 tokens, CPU
-    python bench_sample.py model=cpu_small tokens=500 device=cuda batch_sizes=[1,8] compile=[false,true]
+    python tools/bench_sample.py                                   # baby preset (6 x 6 x 384, block 256), 1000 tokens, CPU
+    python tools/bench_sample.py model=cpu_small tokens=500 device=cuda batch_sizes=[1,8] compile=[false,true]
 
 Random weights (speed does not depend on what the model learned), greedy decoding. The bound:
 a cached decode step must read every weight once and the cached keys and values, so
@@ -17,16 +17,21 @@ import copy
 import itertools
 import os
 import statistics
+import sys
 from dataclasses import dataclass, field
-from typing import List, Optional
+from pathlib import Path
+from typing import ClassVar, List, Optional
 
 import hydra
 import torch
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
 
-from common import DTYPES, Timer, UserError, cli, pick_device, run_app
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as tools/X.py: the repo's modules
+
+from common import DTYPES, POSITIVE, SEED, OneOf, Range, Timer, UserError, check_values, cli, pick_device, run_app
 from config import model_config
+from counting import decode_bytes
 from model import GPT, GPTConfig
 from sample import decode_layout, generate
 
@@ -45,6 +50,11 @@ class BenchSampleConfig:
     kv_dtypes: List[str] = field(default_factory=lambda: ["float32", "bfloat16"])  # KV cache dtypes (sample.kv_dtype)
     repeats: int = 3  # timed runs per case, interleaved; the median is reported
     seed: int = 0
+
+    RULES: ClassVar[dict] = {
+        "tokens": POSITIVE, "vocab_size": POSITIVE, "batch_sizes": POSITIVE, "threads": Range(1, 4096),
+        "layouts": OneOf(("row", "column")), "kv_dtypes": OneOf(tuple(DTYPES)), "repeats": POSITIVE, "seed": SEED,
+    }
 
 
 ConfigStore.instance().store(name="base_bench_sample", node=BenchSampleConfig)
@@ -67,23 +77,11 @@ def memory_bandwidth(device, mib: int = 256, repeats: int = 5) -> float:
     return 2 * src.numel() * 4 / best
 
 
-def decode_bytes(model: GPT, batch: int, context: int, kv_bytes: int = 4) -> int:
-    """Bytes a cached decode step reads: every weight once (the tied embedding as the head) and
-    the K and V of `context` cached positions, kv_bytes each."""
-    c = model.config
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    kv = 2 * c.n_layer * batch * c.n_kv_head * context * c.head_dim * kv_bytes
-    return weights + kv
-
-
 def bench_sample(cfg) -> dict:
-    if cfg.tokens <= 0 or not cfg.batch_sizes or min(cfg.batch_sizes) <= 0 or (cfg.threads or 1) <= 0 or cfg.repeats <= 0:
-        raise UserError(f"tokens={cfg.tokens}, batch_sizes={list(cfg.batch_sizes)}, threads={cfg.threads} and "
-                        f"repeats={cfg.repeats} must be positive")
-    if not cfg.layouts or any(x not in ("row", "column") for x in cfg.layouts) or len(set(cfg.layouts)) < len(cfg.layouts):
-        raise UserError(f"layouts={list(cfg.layouts)}: use [row], [column] or [row,column]")
-    if not cfg.kv_dtypes or any(x not in DTYPES for x in cfg.kv_dtypes) or len(set(cfg.kv_dtypes)) < len(cfg.kv_dtypes):
-        raise UserError(f"kv_dtypes={list(cfg.kv_dtypes)}: list some of {', '.join(DTYPES)}, each once")
+    check_values(cfg)
+    for key in ("batch_sizes", "layouts", "kv_dtypes"):  # each a list of cases to time
+        if not cfg[key] or len(set(cfg[key])) < len(cfg[key]):
+            raise UserError(f"{key}={list(cfg[key])}: list at least one value, each once")
     device = pick_device(cfg.device)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
@@ -130,7 +128,7 @@ def bench_sample(cfg) -> dict:
         note = ""
         if kw["kv_cache"]:  # mean bytes per step over the run: the cache fills up to a block
             context = min(mcfg.block_size, (cfg.tokens + 1) // 2)
-            bound = batch * bandwidth / decode_bytes(m, batch, context, DTYPES[kw["kv_dtype"]].itemsize)
+            bound = batch * bandwidth / decode_bytes(m.config, batch, context, kv_bytes=DTYPES[kw["kv_dtype"]].itemsize)
             rows[n]["fraction_of_bound"] = rows[n]["tokens_per_sec"] / bound
             note = f"  {100 * rows[n]['fraction_of_bound']:5.1f}% of the bandwidth bound"
         spread = f"({min(speeds[n]):.0f}-{max(speeds[n]):.0f})" if cfg.repeats > 1 else ""
@@ -149,7 +147,7 @@ def bench_sample(cfg) -> dict:
     return {"bandwidth": bandwidth, "rows": rows}
 
 
-@hydra.main(version_base="1.3", config_path="configs", config_name="bench_sample")
+@hydra.main(version_base="1.3", config_path="../configs", config_name="bench_sample")
 @cli
 def main(cfg):
     bench_sample(cfg)

@@ -1,7 +1,7 @@
 """Compare runs without W&B: loss curves on one axis, attention statistics, and a Markdown table.
 
-    python report.py outputs/multirun/2026-11-29_12-00-00           # every run of a sweep
-    python report.py outputs/runs/A outputs/runs/B --out report/      # any run dirs
+    python tools/report.py outputs/multirun/2026-11-29_12-00-00           # every run of a sweep
+    python tools/report.py outputs/runs/A outputs/runs/B --out report/      # any run dirs
 
 Writes val_loss.png, attn_stats.png and attn_heads.png (when the runs were probed) and report.md into --out
 (default: the sweep dir when given one, else ./report) and prints the table.
@@ -13,8 +13,10 @@ from pathlib import Path
 
 import yaml
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as tools/X.py: the repo's modules
+
 from common import UserError, cli
-from plots import plot_head_roles_compare, plt, save_figure, series
+from plots import plot_attn_compare, plot_head_roles_compare, plot_val_loss
 from tracking import read_metrics
 
 
@@ -86,34 +88,6 @@ def table(rows) -> str:
     return "\n".join(lines)
 
 
-def plot_val_loss(rows, path):
-    fig, ax = plt.subplots(figsize=(8, 5))
-    colors = plt.cm.tab10.colors
-    for i, r in enumerate(rows):
-        steps, val = series(r["metrics"], "val/loss")
-        ax.plot(steps, val, "o-", ms=3, color=colors[i % 10], label=r["run"])
-    ax.set(xlabel="step", ylabel="val loss (nats/token)", title="validation loss")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    save_figure(fig, path)
-
-
-def plot_attn(rows, path):
-    keys = [("attn_entropy/mean", "entropy (nats)", "attention entropy"),
-            ("attn_entropy_norm/mean", "entropy / ln(keys)  (1 = uniform, 0 = one-hot)", "normalised entropy"),
-            ("attn_peak/mean", "largest attention weight of a row", "peak attention weight")]
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
-    colors = plt.cm.tab10.colors
-    for ax, (key, label, title) in zip(axes, keys):
-        for i, r in enumerate(rows):
-            steps, values = series(r["metrics"], key)
-            ax.plot(steps, values, "o-", ms=3, color=colors[i % 10], label=r["run"])
-        ax.set(xlabel="step", ylabel=label, title=f"{title} (mean over layers and heads)")
-        ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=8)
-    save_figure(fig, path)
-
-
 def report(paths, out=None) -> dict:
     runs = find_runs(paths)
     rows = [summarize(r, label) for r, label in zip(runs, run_labels(runs))]
@@ -124,7 +98,7 @@ def report(paths, out=None) -> dict:
     plot_val_loss(rows, out / "val_loss.png")
     files = [out / "val_loss.png"]
     if any(r["attn_entropy"] is not None for r in rows):
-        plot_attn(rows, out / "attn_stats.png")
+        plot_attn_compare(rows, out / "attn_stats.png")
         files.append(out / "attn_stats.png")
     if any("incontext/gain" in m for r in rows for m in r["metrics"]):  # head roles and induction (issue 15)
         plot_head_roles_compare(rows, out / "attn_heads.png")

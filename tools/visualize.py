@@ -1,7 +1,7 @@
 """Look inside: the attention weights of every layer and head for a prompt you type.
 
-    python visualize.py prompt="ROMEO: But soft"                      # newest checkpoint under outputs/
-    python visualize.py ckpt=outputs/runs/X prompt_file=p.txt out=maps query=5 top_k=3
+    python tools/visualize.py prompt="ROMEO: But soft"                      # newest checkpoint under outputs/
+    python tools/visualize.py ckpt=outputs/runs/X prompt_file=p.txt out=maps query=5 top_k=3
 
 Runs the prompt once through the model; its probe hook hands over each layer's q and k, and the
 weights are the reference path's softmax(q·kᵀ·scale + mask) of those (attnstats.attention_maps),
@@ -15,16 +15,18 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import ClassVar, Optional
 
 import hydra
 import torch
 from hydra.core.config_store import ConfigStore
 
-from attnview import format_top_keys, write_views
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as tools/X.py: the repo's modules
+
+from plots import format_top_keys, write_views
 from checkpoint import find_checkpoint, load_checkpoint, model_from_checkpoint
-from common import UserError, cli, pick_device, read_prompt, run_app
-from tokenizer import tokenizer_from_dict
+from common import POSITIVE, Range, UserError, check_values, cli, pick_device, read_prompt, run_app
+from data.tokenizer import tokenizer_from_dict
 
 log = logging.getLogger("attnlab")
 
@@ -38,6 +40,8 @@ class VisualizeConfig:
     top_k: int = 5  # keys printed per head
     out: str = "attention"  # directory for attention.png and attention.html
     device: str = "cpu"  # one forward pass of at most block_size tokens: the CPU takes seconds
+
+    RULES: ClassVar[dict] = {"top_k": POSITIVE, "query": Range(-2**31, 2**31)}
 
 
 ConfigStore.instance().store(name="base_visualize", node=VisualizeConfig)
@@ -63,8 +67,7 @@ def query_index(query, n_tokens: int) -> int:
 def visualize(cfg, out=None) -> dict:
     """Maps of cfg.prompt for the checkpoint cfg.ckpt, written to cfg.out; returns write_views'
     dict plus the query and the seconds the maps took (forward pass, PNG and HTML)."""
-    if cfg.top_k <= 0:
-        raise UserError(f"top_k={cfg.top_k} must be a positive integer")
+    check_values(cfg)
     prompt = prompt_of(cfg)
     device = pick_device(cfg.device)
     path = find_checkpoint(cfg.ckpt)
@@ -94,7 +97,7 @@ def visualize(cfg, out=None) -> dict:
     return views
 
 
-@hydra.main(version_base="1.3", config_path="configs", config_name="visualize")
+@hydra.main(version_base="1.3", config_path="../configs", config_name="visualize")
 @cli
 def main(cfg):
     visualize(cfg)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Download the wheels scripts/gpu_check.sh installs on a GPU machine that has no package index.
+# Download the wheels tools/gpu_check.sh installs on a GPU machine that has no package index.
 #
-#   bash scripts/fetch_gpu_wheels.sh            # needs PyPI; ~26 MiB into .gpu_wheels/ (ignored by git)
+#   bash tools/fetch_gpu_wheels.sh            # needs PyPI; ~26 MiB into .gpu_wheels/ (ignored by git)
 #
 # The GPU image (Python 3.12, x86-64) already has torch, numpy, pyarrow, pandas, requests, httpx,
 # huggingface-hub, tqdm, pyyaml, xxhash, tiktoken, matplotlib and pytest, but not hydra-core,

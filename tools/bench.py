@@ -1,7 +1,7 @@
 """Time training steps of the configured model on random tokens (no data preparation).
 
-    python bench.py model=cpu_small train.batch_size=12            # ms/iter, tokens/s, MFU, memory
-    python bench.py model=cpu_small train.batch_size=12 bench.compare=/path/to/nanoGPT
+    python tools/bench.py model=cpu_small train.batch_size=12            # ms/iter, tokens/s, MFU, memory
+    python tools/bench.py model=cpu_small train.batch_size=12 bench.compare=/path/to/nanoGPT
 
 With bench.compare pointing at a karpathy/nanoGPT checkout, its GPT is timed at the same shapes
 (learned positions instead of RoPE, otherwise the same block), interleaved round by round with
@@ -10,16 +10,21 @@ ours in one process, and the ratio printed: these machines are too noisy for any
 import importlib.util
 import resource
 import statistics
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import ClassVar, Optional
 
 import hydra
 import torch
 from hydra.core.config_store import ConfigStore
 
-from common import Timer, UserError, check_memory, cli, compile_wanted, is_oom, peak_flops, run_app, setup_runtime
-from config import Config, Range, check_ranges, check_train_ranges, model_config
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as tools/X.py: the repo's modules
+
+from common import (NON_NEGATIVE, POSITIVE, Range, Timer, UserError, check_memory, cli, compile_wanted, is_oom,
+                    peak_flops, run_app, setup_runtime)
+from counting import training_bytes
+from config import Config, check_train_config, model_config
 from model import GPT
 from optim import build_optimizer, train_step
 
@@ -32,6 +37,9 @@ class BenchSettings:
     compare: Optional[str] = None  # a karpathy/nanoGPT checkout to time side by side
     cpu_peak_flops: float = 180e9  # CPU peak for MFU (fp32 matmul ceiling of 2 cores here); GPUs: train.peak_flops or the table
 
+    RULES: ClassVar[dict] = {"iters": POSITIVE, "warmup": NON_NEGATIVE, "rounds": POSITIVE, "vocab_size": POSITIVE,
+                             "cpu_peak_flops": Range(0, lo_open=True)}
+
 
 @dataclass
 class BenchConfig(Config):
@@ -39,8 +47,6 @@ class BenchConfig(Config):
 
 
 ConfigStore.instance().store(name="base_bench", node=BenchConfig)
-BENCH_RANGES = {"bench.iters": Range(1), "bench.warmup": Range(0), "bench.rounds": Range(1),
-                "bench.vocab_size": Range(1), "bench.cpu_peak_flops": Range(0, lo_open=True)}
 
 
 def rss_mb() -> float:
@@ -71,14 +77,15 @@ def time_steps(model, optimizer, cfg, rt, n, batch):
 
 
 def bench(cfg) -> dict:
-    check_train_ranges(cfg)  # train.batch_size=0 would time nothing and print "0 tokens/s"
-    check_ranges(cfg.bench, "bench", BENCH_RANGES)
+    check_train_config(cfg)  # train.batch_size=0 would time nothing and print "0 tokens/s"
     torch.manual_seed(cfg.seed)
     rt = setup_runtime(cfg.device, cfg.dtype)
     device = rt.device
     mcfg = model_config(cfg.model, cfg.bench.vocab_size)
     B, T = cfg.train.batch_size, mcfg.block_size
-    check_memory(mcfg, B, device, vocab_name="model.vocab_size" if cfg.model.vocab_size else "bench.vocab_size")
+    vocab = "model.vocab_size" if cfg.model.vocab_size else "bench.vocab_size"
+    check_memory(training_bytes(mcfg, B), device, "the model and batch", f"model.n_layer={mcfg.n_layer}, "
+                 f"model.n_embd={mcfg.n_embd}, {vocab}={mcfg.vocab_size}, model.block_size={T}, train.batch_size={B}")
     x = torch.randint(mcfg.vocab_size, (B, T), device=device)
     batch = (x, torch.roll(x, -1, dims=1))
 
@@ -137,7 +144,7 @@ def print_result(r):
         print(f"speed ratio attnlab/nanoGPT (>1 = attnlab faster): {r['speed_ratio']:.3f}")
 
 
-@hydra.main(version_base="1.3", config_path="configs", config_name="bench")
+@hydra.main(version_base="1.3", config_path="../configs", config_name="bench")
 @cli
 def main(cfg):
     try:

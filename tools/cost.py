@@ -1,32 +1,32 @@
 """What does attention cost? Parameters, compute and memory of a model config at a sequence length.
 
-    python cost.py model=llama3_8b_shape seq_len=8192              # a Llama-3-8B-like shape at 8k
-    python cost.py model=gpt2_124m model.vocab_size=50304 seq_len=1024 batch_size=8 dtype=float32
-    python cost.py model=default model.n_kv_head=1 seq_len=4096 format=json
+    python tools/cost.py model=llama3_8b_shape seq_len=8192              # a Llama-3-8B-like shape at 8k
+    python tools/cost.py model=gpt2_124m model.vocab_size=50304 seq_len=1024 batch_size=8 dtype=float32
+    python tools/cost.py model=default model.n_kv_head=1 seq_len=4096 format=json
 
-Everything is counted from the config; no model is built, so any shape runs on a laptop. The
-counting convention is the one the texts and PaLM's estimate use (Chowdhery et al. 2022, arXiv
-2204.02311, appendix B; Kaplan et al. 2020, arXiv 2001.08361): per token and layer, a matrix of
-m x n weights costs m*n multiply-accumulates (MACs, 1 MAC = 2 FLOPs) forward, and attention costs
-2*N*d MACs (q.k for N keys, then weights.V) over the full N x N table, although a causal kernel
-computes only the visible half. Backward costs twice the forward, so training is 3 x forward =
-6 FLOPs per weight per token plus 12*n_layer*N*d: exactly GPT.flops_per_token.
+Everything is counted from the config by counting.py (its docstring gives the convention); no
+model is built, so any shape runs on a laptop.
 """
 import json
 import math
+import sys
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Optional
+from pathlib import Path
+from typing import ClassVar, Optional
 
 import hydra
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
-from common import DTYPES, UserError, cli, run_app
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as tools/X.py: the repo's modules
+
+from common import DTYPES, POSITIVE, OneOf, check_values, cli, run_app
+from counting import (ADAMW_BYTES_PER_PARAM, count_params, crossovers, macs_per_token, memory_breakdown,
+                      mlp_matrices)
 from config import model_config
 from model import GPTConfig
 
-ADAMW_BYTES_PER_PARAM = 8  # exp_avg + exp_avg_sq, fp32: train.py keeps fp32 weights and autocasts
 
 
 @dataclass
@@ -39,103 +39,11 @@ class CostConfig:
     format: str = "text"  # text | json (one JSON object on stdout)
     plot: Optional[str] = "cost.png"  # the figure's path; null: no figure
 
+    RULES: ClassVar[dict] = {"seq_len": POSITIVE, "batch_size": POSITIVE, "vocab_size": POSITIVE,
+                             "dtype": OneOf(tuple(DTYPES)), "format": OneOf(("text", "json"))}
+
 
 ConfigStore.instance().store(name="base_cost", node=CostConfig)
-
-
-# ----------------------------------------------------------------------------- counting
-
-def mlp_matrices(c: GPTConfig) -> int:
-    """Weight matrices of one MLP, in units of n_embd x d_ff: gate, up and down for SwiGLU."""
-    return 3 if c.mlp == "swiglu" else 2
-
-
-def layer_params(c: GPTConfig) -> dict:
-    """One block's parameters, matrices apart from the rest (biases, norm weights, QK-Norm gains),
-    in the layout GPT builds (tests hold the totals equal to num_params())."""
-    d, kv, b = c.n_embd, c.n_kv_head * c.head_dim, int(c.bias)
-    gain = {"none": 0, "head": 1, "channel": c.head_dim}[c.attn.qk_norm_gain] if c.attn.qk_norm else 0
-    k = mlp_matrices(c)
-    return {
-        "attn_matrices": d * (d + 2 * kv) + d * d,  # c_attn (q, k, v fused), c_proj
-        "attn_other": b * (d + 2 * kv + d) + gain * (c.n_head + c.n_kv_head),  # biases; q_gain, k_gain per head
-        "mlp_matrices": k * d * c.d_ff,  # c_fc (gate|up fused for swiglu), c_proj
-        "mlp_other": b * ((k - 1) * c.d_ff + d),  # their biases
-        "norm": d * (2 if c.norm == "layernorm" and c.bias else 1),  # one norm: weight (+ LayerNorm bias)
-    }
-
-
-def count_params(c: GPTConfig) -> dict:
-    """Parameters by kind, read off the config; `non_embedding` is what 6N counts: every weight a
-    token's forward multiplies by (the tied wte is the LM head), not the lookup tables."""
-    d, L, lp = c.n_embd, c.n_layer, layer_params(c)
-    p = {
-        # wte (+ wpe) (+ a value-embedding table per layer)
-        "embedding": c.vocab_size * d + (c.block_size * d if c.pos == "learned" else 0)
-        + (L * c.vocab_size * c.n_kv_head * c.head_dim if c.value_embed else 0),
-        "lm_head": 0 if c.tie_embeddings else c.vocab_size * d,
-        "attention": L * (lp["attn_matrices"] + lp["attn_other"]),
-        "mlp": L * (lp["mlp_matrices"] + lp["mlp_other"]),
-        "norms": L * 2 * lp["norm"] + (lp["norm"] if c.norm_position == "pre" else 0),  # ln_1, ln_2 (+ ln_f)
-    }
-    p["total"] = sum(p.values())
-    p["non_embedding"] = p["total"] - p["embedding"] + (c.vocab_size * d if c.tie_embeddings else 0)
-    return p
-
-
-def macs_per_token(c: GPTConfig, seq_len) -> dict:
-    """Forward MACs per token at length seq_len: per layer (q, k, v, o, scores, weighted_sum, mlp,
-    other; sums proj, attn, layer) and for the model (lm_head, other_final, forward). `other` is
-    one MAC per parameter outside a matrix (norm weights, biases, QK-Norm gains), the 6N
-    convention. seq_len may be a Fraction (the crossovers are checked exactly)."""
-    d, kv, lp = c.n_embd, c.n_kv_head * c.head_dim, layer_params(c)
-    m = {
-        "q": d * d, "k": d * kv, "v": d * kv, "o": d * d,  # projections: one MAC per weight
-        "scores": seq_len * d,  # q.k with each of N keys: N * head_dim per head, n_head heads
-        "weighted_sum": seq_len * d,  # sum of N weighted rows of V: the same count
-        "mlp": lp["mlp_matrices"],
-        "other": lp["attn_other"] + lp["mlp_other"] + 2 * lp["norm"],
-        "lm_head": d * c.vocab_size,
-        "other_final": lp["norm"] if c.norm_position == "pre" else 0,  # ln_f
-    }
-    m["proj"] = m["q"] + m["k"] + m["v"] + m["o"]
-    m["attn"] = m["scores"] + m["weighted_sum"]
-    m["layer"] = m["proj"] + m["attn"] + m["mlp"] + m["other"]
-    m["forward"] = c.n_layer * m["layer"] + m["lm_head"] + m["other_final"]
-    return m
-
-
-def training_flops_per_token(c: GPTConfig, seq_len) -> int:
-    """Forward 2 FLOPs per MAC, backward twice the forward: 6 x forward MACs (= GPT.flops_per_token)."""
-    return 6 * macs_per_token(c, seq_len)["forward"]
-
-
-def crossovers(c: GPTConfig) -> dict:
-    """Exact lengths N where attention's 2*N*d MACs per token equal (a) the projections
-    2*d*(d + d_kv), (b) the MLP k*d*d_ff (k = 2, or 3 for SwiGLU), (c) both: divide by 2*d."""
-    kv = c.n_kv_head * c.head_dim
-    proj = Fraction(c.n_embd + kv)
-    mlp = Fraction(mlp_matrices(c) * c.d_ff, 2)
-    return {"attn_vs_proj": proj, "attn_vs_mlp": mlp, "attn_vs_proj_mlp": proj + mlp}
-
-
-def kv_bytes_per_token(c: GPTConfig, dtype_bytes: int, n_kv_head=None) -> int:
-    """K and V of one token in every layer: 2 * n_layer * n_kv_head * head_dim numbers."""
-    return 2 * c.n_layer * (n_kv_head or c.n_kv_head) * c.head_dim * dtype_bytes
-
-
-def memory_bytes(c: GPTConfig, seq_len: int, batch_size: int, dtype_bytes: int) -> dict:
-    total = count_params(c)["total"]
-    table = batch_size * c.n_head * seq_len * seq_len * dtype_bytes  # one (B, H, N, N) softmax output
-    return {
-        "weights": total * dtype_bytes,
-        "adamw_state": total * ADAMW_BYTES_PER_PARAM,
-        "attn_weights_per_layer": table,
-        "attn_weights_all_layers": c.n_layer * table,
-        "kv_cache_per_token": kv_bytes_per_token(c, dtype_bytes),
-        "kv_cache": kv_bytes_per_token(c, dtype_bytes) * seq_len * batch_size,
-        "kv_cache_mha": kv_bytes_per_token(c, dtype_bytes, c.n_head) * seq_len * batch_size,
-    }
 
 
 def round_half_up(x: Fraction) -> int:
@@ -147,20 +55,13 @@ def round_half_up(x: Fraction) -> int:
 def cost(cfg) -> dict:
     """The JSON object of `format=json` (integers: counts, MACs, bytes); prints it, or the text
     report, and writes the plot."""
+    check_values(cfg)
     fallback = cfg.model.vocab_size is None  # no data is loaded: any vocabulary may be asked about
     c = model_config(cfg.model, cfg.vocab_size if fallback else None)
     N = c.block_size if cfg.seq_len is None else cfg.seq_len
-    if N <= 0:
-        raise UserError(f"seq_len={N} must be a positive integer")
-    if cfg.batch_size <= 0:
-        raise UserError(f"batch_size={cfg.batch_size} must be a positive integer")
-    if cfg.dtype not in DTYPES:
-        raise UserError(f"dtype={cfg.dtype!r} is unknown: use {', '.join(DTYPES)}")
-    if cfg.format not in ("text", "json"):
-        raise UserError(f"format={cfg.format!r} is unknown: use text or json")
     nbytes = DTYPES[cfg.dtype].itemsize
     p, m, x = count_params(c), macs_per_token(c, N), crossovers(c)
-    mem = memory_bytes(c, N, cfg.batch_size, nbytes)
+    mem = memory_breakdown(c, N, cfg.batch_size, nbytes)
     result = {
         "params": p["total"],
         "macs_per_token": {k: m[k] for k in ("proj", "attn", "mlp", "lm_head")},
@@ -333,7 +234,7 @@ def plot_cost(c, N, B, dtype, x, mem, path):
     return save_figure(fig, path)
 
 
-@hydra.main(version_base="1.3", config_path="configs", config_name="cost")
+@hydra.main(version_base="1.3", config_path="../configs", config_name="cost")
 @cli
 def main(cfg):
     cost(cfg)

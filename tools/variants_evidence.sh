@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The architecture comparisons of issue 14 on tiny shakespeare at nanoGPT's CPU size (4x4x128,
 # block 64, batch 12), one run after another, then one report per comparison:
-#   bash scripts/variants_evidence.sh [path/to/tinyshakespeare.txt] [out dir]
+#   bash tools/variants_evidence.sh [path/to/tinyshakespeare.txt] [out dir]
 # Each comparison is one sweep for a user (`python train.py -m experiment=gqa_sweep ...`); here the
 # baseline they all share (same config, same seed: the same run bit for bit) is trained once per
 # step budget and linked into each comparison, to save CPU time.
@@ -40,7 +40,7 @@ group() {  # name, then run names: a folder of links that report.py reads as one
   local g=$OUT/$1; shift
   rm -rf "$g"; mkdir -p "$g"
   for r in "$@"; do ln -s "../runs/$r" "$g/$r"; done
-  python report.py "$g"/* --out "$g"
+  python tools/report.py "$g"/* --out "$g"
 }
 group gqa base_2000 kv2 kv1
 group pos base_2000 pos_learned pos_sinusoidal pos_none
