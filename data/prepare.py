@@ -52,7 +52,7 @@ def python_docs_text() -> str:
 
 
 def repeated_spans_text(n_lines: int = 40000, seed: int = 0) -> str:
-    """A corpus where copying pays (issue 15): each line is a span of 10 to 30 characters, a space,
+    """A corpus where copying pays: each line is a span of 10 to 30 characters, a space,
     and the same span again; half the spans are random letters (a-z, A-Z), half are cut from the
     embedded docs prose (whitespace collapsed). Copying the second copy is what an induction head
     does (Olsson et al. 2022, arXiv 2209.11895), and it builds on a previous-token head: the prose

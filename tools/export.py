@@ -1,4 +1,4 @@
-"""Export a checkpoint to a Hugging Face transformers model directory, exactly (issue 19).
+"""Export a checkpoint to a Hugging Face transformers model directory, exactly.
 
     python tools/export.py ckpt=outputs/runs/X out=hf/X      # a run dir (its best.pt) or a checkpoint file
     python tools/export.py ckpt=best.pt out=hf/X overwrite=true

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One short GPU session, every check in one command (issue 13): the packages the GPU image lacks,
+# One short GPU session, every check in one command: the packages the GPU image lacks,
 # from carried wheels; the GPU-marked tests; a real training run stopped by SIGTERM and resumed;
 # sampling from its checkpoint on the GPU and on the CPU; training speed and MFU in bf16 + compile
 # at the baby and GPT-2-124M shapes; attention memory at block 1024 vs 4096; decode speed with and

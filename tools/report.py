@@ -100,7 +100,7 @@ def report(paths, out=None) -> dict:
     if any(r["attn_entropy"] is not None for r in rows):
         plot_attn_compare(rows, out / "attn_stats.png")
         files.append(out / "attn_stats.png")
-    if any("incontext/gain" in m for r in rows for m in r["metrics"]):  # head roles and induction (issue 15)
+    if any("incontext/gain" in m for r in rows for m in r["metrics"]):  # head roles and induction
         plot_head_roles_compare(rows, out / "attn_heads.png")
         files.append(out / "attn_heads.png")
     md = table(rows)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The architecture comparisons of issue 14 on tiny shakespeare at nanoGPT's CPU size (4x4x128,
+# The architecture comparisons (docs/variants.md) on tiny shakespeare at nanoGPT's CPU size (4x4x128,
 # block 64, batch 12), one run after another, then one report per comparison:
 #   bash tools/variants_evidence.sh [path/to/tinyshakespeare.txt] [out dir]
 # Each comparison is one sweep for a user (`python train.py -m experiment=gqa_sweep ...`); here the
