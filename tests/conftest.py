@@ -1,7 +1,8 @@
-"""Shared fixtures: configs composed through Hydra's compose API, forced to CPU, tiny sizes and
-tmp_path, with W&B disabled unless a test turns it on."""
+"""The test run's environment and the shared fixtures: configs composed through Hydra's compose API,
+forced to CPU, tiny sizes and tmp_path, with W&B disabled unless a test turns it on; and the
+fixtures that start processes, which mark their tests `slow`. What tests share besides fixtures is
+in helpers.py."""
 import os
-from pathlib import Path
 
 # OpenMP threads that spin while they wait make every op take a scheduler time slice once more
 # processes than cores compute (a test's subprocess next to the test itself, or a shared
@@ -11,27 +12,72 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from hydra import compose, initialize_config_dir
 
-REPO = Path(__file__).resolve().parents[1]
-SHARED_DATA = REPO.parent / "shared" / "data"
-SHAKESPEARE = SHARED_DATA / "tinyshakespeare.txt"
-TIKTOKEN_CACHE = SHARED_DATA / "tiktoken"
+from helpers import TINY, compose_cfg, dead_pid as exited_pid, popen_cli, run_chromium, run_cli  # noqa: E402
 
 os.environ.setdefault("WANDB_SILENT", "true")
 os.environ.pop("WANDB_MODE", None)  # tests choose the mode explicitly
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
-
-def compose_cfg(config_name="config", overrides=()):
-    import config  # noqa: F401  (registers the schema)
-
-    with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.3"):
-        return compose(config_name=config_name, overrides=list(overrides))
+# Fixtures that start processes: every test that uses one (directly or through another fixture) is
+# marked `slow` at collection, so `pytest -m "not slow"` starts none.
+PROCESS_FIXTURES = ("cli", "chromium", "spawn", "dead_pid")
 
 
-TINY = ["model=debug", "device=cpu", "logger.wandb.mode=disabled", "train.max_iters=20",
-        "train.eval_interval=10", "train.eval_iters=2", "train.log_interval=5", "train.batch_size=4"]
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if any(name in PROCESS_FIXTURES for name in getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
+
+
+class Cli:
+    """The repo's commands as real processes: cli("train.py", *args, env=, timeout=, cwd=, prefix=,
+    torchrun=N, check=) runs one to its end (helpers.run_cli: a CompletedProcess); cli.popen(...)
+    starts one and returns the live Popen (helpers.popen_cli). Processes still running when the test
+    ends are killed."""
+
+    def __init__(self):
+        self.started = []
+
+    def __call__(self, script, *args, **kwargs):
+        return run_cli(script, *args, **kwargs)
+
+    def popen(self, script, *args, **kwargs):
+        proc = popen_cli(script, *args, **kwargs)
+        self.started.append(proc)
+        return proc
+
+    def close(self):
+        for proc in self.started:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+
+
+@pytest.fixture
+def cli():
+    runner = Cli()
+    yield runner
+    runner.close()
+
+
+@pytest.fixture
+def chromium():
+    """chromium(profile_dir, *args, timeout=90): a headless Chromium run; its stdout."""
+    return run_chromium
+
+
+@pytest.fixture
+def spawn():
+    """torch.multiprocessing.spawn, for tests that run a function in several processes."""
+    return torch.multiprocessing.spawn
+
+
+@pytest.fixture
+def dead_pid():
+    """The pid of a process that has exited (it starts one)."""
+    return exited_pid()
 
 
 @pytest.fixture
@@ -57,7 +103,3 @@ def text_file(tmp_path):
     path = tmp_path / "corpus.txt"
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
     return path
-
-
-def requires_shared(path):
-    return pytest.mark.skipif(not Path(path).exists(), reason=f"{path} absent (a fresh clone has no ../shared)")

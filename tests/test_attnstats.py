@@ -7,8 +7,8 @@ import torch
 import attention as attention_module
 from attnstats import AttentionProbe, attention_stats, copy_losses, reading_qk, repeated_batch, role_rows
 from attention import attention
+from helpers import compose_cfg, wandb_summary
 from model import GPT, GPTConfig
-import wandb_log
 from tools.report import report
 from tracking import read_metrics
 from train import train
@@ -98,6 +98,7 @@ def test_probe_works_at_block_size_2048_on_cpu():
     assert 0 < stats["attn_entropy/mean"] < math.log(2048)
 
 
+@pytest.mark.slow  # trains 20 steps, then 2
 def test_training_steps_never_build_the_attention_matrix(train_cfg, tmp_path, monkeypatch):
     calls = []
     real = attention_module.attention_scores
@@ -108,6 +109,7 @@ def test_training_steps_never_build_the_attention_matrix(train_cfg, tmp_path, mo
     assert calls  # and the counter does see the reference path when it is used
 
 
+@pytest.mark.slow  # trains 20 steps, then a second run
 def test_entropy_logged_every_interval_to_metrics(train_cfg, tmp_path):
     train(train_cfg("train.max_iters=20", "train.log_attn_interval=5"))
     probes = [m for m in read_metrics(tmp_path / "run") if "attn_entropy/mean" in m]
@@ -128,7 +130,7 @@ def test_wandb_offline_run_holds_entropy_and_loss_keys(train_cfg, tmp_path, monk
     train(train_cfg("logger.wandb.mode=offline", "train.max_iters=10", "train.eval_interval=5"))
     runs = list((tmp_path / "run" / "wandb").glob("offline-run-*"))
     assert len(runs) == 1
-    summary = wandb_log.summary(runs[0])  # read back from the run's own transaction log
+    summary = wandb_summary(runs[0])  # read back from the run's own transaction log
     for l in range(2):
         for h in range(2):
             assert f"attn_entropy/L{l}/H{h}" in summary
@@ -299,7 +301,7 @@ def test_training_logs_head_roles_and_writes_maps_and_figure(train_cfg, tmp_path
         assert (run / name).stat().st_size > 1000, name
     # the end-of-run maps are in the W&B run too, as an image and as the HTML viewer
     offline = next((run / "wandb").glob("offline-run-*"))
-    summary = wandb_log.summary(offline)  # waits for wandb-core to finish writing the run's log
+    summary = wandb_summary(offline)  # waits for wandb-core to finish writing the run's log
     assert summary["attention/maps._type"] == "image-file" and summary["attention/viewer._type"] == "html-file"
     assert "attn_induction/L1/H1" in summary and "incontext/gain" in summary
     assert (tmp_path / "report" / "attn_heads.png") in report([str(run)], tmp_path / "report")["files"]
@@ -307,7 +309,6 @@ def test_training_logs_head_roles_and_writes_maps_and_figure(train_cfg, tmp_path
 
 def test_repeated_spans_source_is_lines_of_a_span_twice():
     from data.prepare import python_docs_text, repeated_spans_text, source_of
-    from conftest import compose_cfg
     cfg = compose_cfg("config", ["experiment=induction_cpu"])
     assert source_of(cfg.data) == ("repeated_spans", "generated") and cfg.model.n_layer == 2
     text = repeated_spans_text(n_lines=400)

@@ -2,8 +2,6 @@
 models (num_params, flops_per_token, torch's FlopCounterMode, a real KV cache), the crossovers
 plugged back in, and one-line errors."""
 import json
-import subprocess
-import sys
 from fractions import Fraction
 
 import pytest
@@ -11,10 +9,10 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from common import UserError
-from conftest import REPO, compose_cfg
 from config import model_config
 from counting import count_params, crossovers, flops_per_token, macs_per_token, memory_breakdown
 from tools.cost import cost, round_half_up
+from helpers import REPO, compose_cfg
 from model import GPT, GPTConfig
 
 # MHA + GELU, everything else the defaults (LayerNorm without bias, Pre-LN, RoPE, tied head):
@@ -269,21 +267,16 @@ def test_bad_values_are_user_errors(override, message):
         cost(cost_cfg("model=debug", override))
 
 
-def run_cost(*args, cwd=REPO):
-    return subprocess.run([sys.executable, str(REPO / "tools" / "cost.py"), *args], cwd=cwd, capture_output=True,
-                          text=True, timeout=300)
-
-
-def test_cli_prints_one_line_errors(tmp_path):
-    r = run_cost("model=debug", "model.n_kv_head=3", cwd=tmp_path)
+def test_cli_prints_one_line_errors(tmp_path, cli):
+    r = cli("tools/cost.py", "model=debug", "model.n_kv_head=3", cwd=tmp_path)
     assert r.returncode == 1 and r.stdout == ""
     assert r.stderr.startswith("error: model.n_kv_head=3 must divide model.n_head=2") and r.stderr.count("\n") == 1
     assert list(tmp_path.iterdir()) == []  # refused before the plot
 
 
-def test_cli_llama3_8b_json(tmp_path):
+def test_cli_llama3_8b_json(tmp_path, cli):
     """The README's command, in JSON, through the real CLI; the figure lands in the working directory."""
-    r = run_cost("model=llama3_8b_shape", "seq_len=8192", "format=json", cwd=tmp_path)
+    r = cli("tools/cost.py", "model=llama3_8b_shape", "seq_len=8192", "format=json", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert out["params"] == 8_030_261_248

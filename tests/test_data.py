@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import SHAKESPEARE, compose_cfg, requires_shared
+from helpers import SHAKESPEARE, compose_cfg, requires_shared
 from data.loader import TokenData
 from data.prepare import prepare, python_docs_text, token_dtype
 from common import UserError

@@ -59,7 +59,7 @@ def test_checks_every_k_tokens_see_every_token_once():
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
-    from conftest import compose_cfg
+    from helpers import compose_cfg
     from train import train
     tmp = tmp_path_factory.mktemp("decode")
     corpus = tmp / "corpus.txt"
@@ -93,7 +93,7 @@ def test_stop_string_stops_every_sample_of_a_batch(run_dir, sample_cfg):
 
 
 def test_bench_sample_prints_ratios_and_the_bandwidth_bound(capsys):
-    from conftest import compose_cfg
+    from helpers import compose_cfg
     from tools.bench_sample import bench_sample, decode_bytes
     cfg = compose_cfg("bench_sample", ["model=debug", "tokens=40", "batch_sizes=[1,2]", "compile=[false]",
                                        "layouts=[row,column]", "kv_dtypes=[float32]", "repeats=2"])
@@ -119,7 +119,7 @@ def test_bf16_kv_cache_follows_the_reference_to_bf16_rounding(static):
     """sample.kv_dtype=bfloat16: the cache holds bf16 (half the bytes), and its logits, step by step
     past block_size, stay within bf16 rounding (2% of the largest logit) of the fp32 sliding-window
     reference, which the fp32 cache matches to 1e-4."""
-    from test_variants import make
+    from helpers import variant_model as make
     model, bs = make(), 16
     seq = torch.randint(40, (2, 2 * bs + 9), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():

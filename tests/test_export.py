@@ -4,9 +4,6 @@ reference is always attnlab itself (model.py's forward, sample.generate, tokeniz
 export's own code."""
 import dataclasses
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -18,7 +15,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from tools import export  # registers its config schema
 from checkpoint import model_from_checkpoint, save_checkpoint
 from common import UserError
-from conftest import REPO, SHAKESPEARE, TIKTOKEN_CACHE, compose_cfg, requires_shared
+from helpers import SHAKESPEARE, TIKTOKEN_CACHE, compose_cfg, requires_shared
 from data.prepare import prepare
 from attention import apply_rope, rope_freqs
 from model import GPT, GPTConfig
@@ -285,10 +282,9 @@ def test_option_without_counterpart_is_a_one_line_error(kw, option, tmp_path):
     assert not (tmp_path / "hf").exists()
 
 
-def test_cli_refuses_with_one_line(tmp_path):
+def test_cli_refuses_with_one_line(tmp_path, cli):
     ckpt = write_checkpoint(tmp_path / "ckpt.pt", random_model(norm_position="post"))
-    r = subprocess.run([sys.executable, str(REPO / "tools" / "export.py"), f"ckpt={ckpt}", f"out={tmp_path / 'hf'}"],
-                       capture_output=True, text=True, cwd=REPO, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    r = cli("tools/export.py", f"ckpt={ckpt}", f"out={tmp_path / 'hf'}", env={"HF_HUB_OFFLINE": "1"})
     assert r.returncode == 1 and r.stderr.strip().count("\n") == 0, r.stderr
     assert r.stderr.startswith("error: model.norm_position=post has no exact counterpart")
 

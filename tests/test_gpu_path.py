@@ -4,8 +4,6 @@ device name or world size, the CPU GradScaler with fp16 autocast, the meta devic
 import json
 import os
 import socket
-import subprocess
-import sys
 import types
 
 import pytest
@@ -16,10 +14,9 @@ import common
 import train as train_module
 from checkpoint import load_checkpoint, step_name
 from common import Dist, Runtime, peak_flops_for, pick_dtype
-from conftest import REPO, compose_cfg
+from helpers import compose_cfg, poison_training_loss
 from model import GPT
 from optim import train_step
-from test_resume import poison_training_loss
 from train import train
 
 CUDA = torch.device("cuda")  # only named, never used: no test here touches a GPU
@@ -84,19 +81,16 @@ finally:
 """
 
 
-@pytest.mark.slow
-def test_every_point_of_a_seven_point_compile_sweep_really_compiles(tmp_path):
+def test_every_point_of_a_seven_point_compile_sweep_really_compiles(tmp_path, cli):
     """`python train.py -m ... compile=true` runs the sweep's jobs in one process: without a dynamo
     reset per run, each point's model.dropout is one more guard on the same code, the 5th point
     hits dynamo's recompile limit and later points silently run eager (while recording compiled)."""
     log = tmp_path / "compiled.json"
-    env = {**os.environ, "WANDB_SILENT": "true", "COMPILED_LOG": str(log)}
-    r = subprocess.run([sys.executable, "-c", COMPILE_SWEEP, "-m", "model=debug", "device=cpu", "compile=true",
-                        "logger.wandb.mode=disabled", "train.max_iters=2", "train.eval_interval=2",
-                        "train.eval_iters=1", "train.log_interval=1", "train.batch_size=4", "train.log_attn_interval=0",
-                        "model.dropout=0.01,0.02,0.03,0.04,0.05,0.06,0.07", f"data.cache_dir={tmp_path / 'cache'}",
-                        f"hydra.sweep.dir={tmp_path / 'sweep'}"],
-                       cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
+    env = {"COMPILED_LOG": str(log)}
+    r = cli("-c", COMPILE_SWEEP, "-m", "model=debug", "device=cpu", "compile=true", "logger.wandb.mode=disabled",
+            "train.max_iters=2", "train.eval_interval=2", "train.eval_iters=1", "train.log_interval=1",
+            "train.batch_size=4", "train.log_attn_interval=0", "model.dropout=0.01,0.02,0.03,0.04,0.05,0.06,0.07",
+            f"data.cache_dir={tmp_path / 'cache'}", f"hydra.sweep.dir={tmp_path / 'sweep'}", timeout=600, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "recompile_limit" not in r.stderr and "cache_size_limit" not in r.stderr
     assert len(list((tmp_path / "sweep").glob("[0-9]_*"))) == 7
@@ -133,6 +127,7 @@ def test_fp16_run_skips_a_nonfinite_step_and_goes_on(train_cfg, tmp_path, monkey
 
 # ----------------------------------------------------------------------------- bug 7: fp32 -> fp16 resume
 
+@pytest.mark.slow  # trains 10 steps, then resumes to 14
 def test_resume_a_float32_checkpoint_in_float16(train_cfg, tmp_path):
     train(train_cfg("train.max_iters=10", "dtype=float32"))
     assert load_checkpoint(tmp_path / "run" / step_name(10))["scaler"] == {}  # a disabled scaler's state
@@ -235,8 +230,7 @@ def two_ranks(rank, port, cfg_overrides, out):
         dist.destroy_process_group()
 
 
-@pytest.mark.slow
-def test_two_ranks_seed_their_gpus_apart_agree_on_skipping_and_save_every_ranks_cuda_rng(tmp_path):
+def test_two_ranks_seed_their_gpus_apart_agree_on_skipping_and_save_every_ranks_cuda_rng(tmp_path, spawn):
     from data.prepare import prepare
     overrides = ["model=debug", "device=cpu", "compile=true", "logger.wandb.mode=disabled",
                  f"out_dir={tmp_path / 'run'}", f"data.cache_dir={tmp_path / 'cache'}"]
@@ -244,5 +238,5 @@ def test_two_ranks_seed_their_gpus_apart_agree_on_skipping_and_save_every_ranks_
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    torch.multiprocessing.spawn(two_ranks, args=(port, overrides, tmp_path), nprocs=2, join=True)
+    spawn(two_ranks, args=(port, overrides, tmp_path), nprocs=2, join=True)
     assert sorted(p.name for p in tmp_path.glob("rank*.ok")) == ["rank0.ok", "rank1.ok"]

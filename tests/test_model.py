@@ -148,6 +148,7 @@ def test_loss_at_init_is_ln_vocab_and_targets_shift_the_same_pass():
     assert loss.item() == pytest.approx(want.item(), rel=1e-6)
 
 
+@pytest.mark.slow  # 300 optimizer steps
 def test_tiny_model_overfits_one_batch():
     torch.manual_seed(9)
     model = tiny()

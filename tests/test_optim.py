@@ -1,22 +1,18 @@
 """train.optimizer=muon: which parameters Muon takes, that its step is torch.optim.Muon's, that the schedule
 scales every group, that GradScaler and checkpoints see one optimizer, exact resume and DDP through the CLI."""
 import copy
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from checkpoint import load_checkpoint, step_name
 from common import UserError, setup_runtime
-from conftest import REPO, compose_cfg
+from helpers import assert_same_training, cli_args, compose_cfg, metrics_without_timing
 from model import GPT, GPTConfig
 from optim import MUON_NS_DTYPES, Muon, MuonAdamW, build_optimizer, lr_at, newton_schulz, set_lr, split_params, train_step
-from test_ddp import assert_same_training
-from test_resume import cli_args, metrics_without_timing
 
 CPU = torch.device("cpu")
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}  # added to the environment of the CLI runs
 VARIANTS = {  # every kind of parameter a model can have: gains (1-D and 2-D), biases, untied head, positions
     "default": {},
     "bias_untied_learned_pos": {"bias": True, "tie_embeddings": False, "pos": "learned"},
@@ -284,10 +280,10 @@ def test_bad_optimizer_settings_are_one_line_errors(override, message):
         check_train_config(compose_cfg("config", ["train.optimizer=muon", override]))
 
 
-def test_a_bad_muon_setting_is_refused_before_the_data_is_prepared(tmp_path):
-    r = run_cli(["model=debug", "train.optimizer=muon", "train.muon_ns_dtype=float16", "device=cpu",
-                 "logger.wandb.mode=disabled", f"data.cache_dir={tmp_path / 'cache'}", f"hydra.run.dir={tmp_path / 'run'}"],
-                check=False)
+def test_a_bad_muon_setting_is_refused_before_the_data_is_prepared(tmp_path, cli):
+    r = cli("train.py", "model=debug", "train.optimizer=muon", "train.muon_ns_dtype=float16", "device=cpu",
+            "logger.wandb.mode=disabled", f"data.cache_dir={tmp_path / 'cache'}", f"hydra.run.dir={tmp_path / 'run'}",
+            env=ONE_THREAD)
     assert r.returncode != 0
     assert r.stderr.strip().splitlines()[-1] == ("error: train.muon_ns_dtype='float16' is unknown: "
                                                  "use one of auto, bfloat16, float32")
@@ -305,25 +301,15 @@ def test_adamw_default_is_unchanged():
 MUON_CLI = ["train.optimizer=muon", "train.muon_lr=4e-3", "train.muon_momentum_warmup=40", "train.lr_decay_iters=60"]
 
 
-def run_cli(args, timeout=300, torchrun=False, check=True):
-    env = {**os.environ, "WANDB_SILENT": "true", "OMP_NUM_THREADS": "1"}
-    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"] if torchrun else []
-    r = subprocess.run([sys.executable, *launcher, str(REPO / "train.py"), *args], cwd=REPO, capture_output=True,
-                       text=True, timeout=timeout, env=env)
-    assert r.returncode == 0 or not check, r.stderr[-3000:]
-    return r
-
-
-@pytest.mark.slow
-def test_muon_run_stopped_and_resumed_is_bitwise_identical(tmp_path):
+def test_muon_run_stopped_and_resumed_is_bitwise_identical(tmp_path, cli):
     """60 steps straight vs 30 steps, a new process, resume to 60: every metric, weight and both optimizers'
     states equal. Momentum warmup (40 steps) spans the resume point; dropout draws from the restored RNG."""
     cache = tmp_path / "cache"
     a, b = tmp_path / "a", tmp_path / "b"
-    run_cli([*cli_args(a, cache), *MUON_CLI])
+    cli("train.py", *cli_args(a, cache), *MUON_CLI, env=ONE_THREAD, check=True)
     first = [x if x != "train.max_iters=60" else "train.max_iters=30" for x in cli_args(b, cache)]
-    run_cli([*first, *MUON_CLI])
-    r = run_cli([*cli_args(b, cache), *MUON_CLI, "resume=true"])
+    cli("train.py", *first, *MUON_CLI, env=ONE_THREAD, check=True)
+    r = cli("train.py", *cli_args(b, cache), *MUON_CLI, "resume=true", env=ONE_THREAD, check=True)
     assert f"resuming from {b / step_name(30)} at step 30" in r.stderr
     assert metrics_without_timing(b) == metrics_without_timing(a)
     wa, wb = load_checkpoint(a / step_name(60)), load_checkpoint(b / step_name(60))
@@ -342,14 +328,15 @@ DDP_COMMON = ["model=debug", "model.dropout=0.0", "train.max_iters=10", "train.e
               "train.optimizer=muon"]
 
 
-@pytest.mark.slow
-def test_muon_under_torchrun_equals_one_process_with_the_same_global_batch(tmp_path):
+def test_muon_under_torchrun_equals_one_process_with_the_same_global_batch(tmp_path, cli):
     """DDP averages gradients before the step, so every rank runs the same Muon on the same matrices:
     2 processes x 1 micro-batch = 1 process x 2. Here the two are bitwise equal (halving a sum of two is
     exact); the tolerance leaves room for another reduction order, whose ~1e-7 differences Muon's
     bfloat16 Newton-Schulz could round to one bf16 step of an update entry (~lr * 1e-3)."""
     cache = tmp_path / "cache"
     single, multi = tmp_path / "single", tmp_path / "multi"
-    run_cli([*DDP_COMMON, "train.grad_accum=2", f"data.cache_dir={cache}", f"hydra.run.dir={single}"])
-    run_cli([*DDP_COMMON, f"data.cache_dir={cache}", f"hydra.run.dir={multi}"], torchrun=True)
+    cli("train.py", *DDP_COMMON, "train.grad_accum=2", f"data.cache_dir={cache}", f"hydra.run.dir={single}",
+        env=ONE_THREAD, check=True)
+    cli("train.py", *DDP_COMMON, f"data.cache_dir={cache}", f"hydra.run.dir={multi}", env=ONE_THREAD, check=True,
+        torchrun=2)
     assert_same_training(single, multi, step=10, tol=1e-4)

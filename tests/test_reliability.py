@@ -8,8 +8,6 @@ import os
 import shutil
 import signal
 import stat
-import subprocess
-import sys
 import time
 import typing
 from pathlib import Path
@@ -23,7 +21,7 @@ import checkpoint as ck
 import model as model_module
 import train as train_module
 from common import OneOf, UserError, hydra_error_line
-from conftest import REPO, TINY, compose_cfg
+from helpers import REPO, TINY, compose_cfg, interruptible
 from data.loader import TokenData
 from data.prepare import cache_key, prepare
 from tools.report import report
@@ -68,12 +66,6 @@ def one_line(e) -> str:
     return msg
 
 
-def run_cli(script, *args, env=None, timeout=300, prefix=()):
-    full_env = {**os.environ, "WANDB_SILENT": "true", **(env or {})}
-    return subprocess.run([*prefix, sys.executable, str(REPO / script), *args], cwd=REPO, capture_output=True,
-                          text=True, timeout=timeout, env=full_env)
-
-
 def assert_one_line_error(r, needle=""):
     """Exit status 1, no traceback, and exactly one `error:` line, the last one, holding `needle`."""
     lines = r.stderr.strip().splitlines()
@@ -84,13 +76,6 @@ def assert_one_line_error(r, needle=""):
 
 def snapshot(run: Path) -> dict:
     return {p.name: p.read_bytes() for p in sorted(run.iterdir()) if p.is_file() and p.name != ".lock"}
-
-
-def dead_pid() -> int:
-    """The pid of a process that has exited."""
-    p = subprocess.Popen(["true"])
-    p.wait()
-    return p.pid
 
 
 # ----------------------------------------------------------------------------- data loss
@@ -116,13 +101,13 @@ def read_metrics_bytes(data: bytes) -> list:
     return [json.loads(line) for line in data.decode().splitlines()]
 
 
-def test_second_training_in_a_run_dir_is_refused_while_the_first_holds_it(tmp_path, shared):
+def test_second_training_in_a_run_dir_is_refused_while_the_first_holds_it(tmp_path, shared, cli):
     """Was: both exited 0, metrics.jsonl interleaved. The lock is an flock held by the first."""
     run = tmp_path / "run"
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; sys.path.insert(0, sys.argv[1]); "
-                               "from train import lock_run_dir; from pathlib import Path; "
-                               "held = lock_run_dir(Path(sys.argv[2])); print('locked', flush=True); time.sleep(60)",
-                               str(REPO), str(run)], stdout=subprocess.PIPE, text=True)
+    holder = cli.popen("-c", "import sys, time; sys.path.insert(0, sys.argv[1]); "
+                       "from train import lock_run_dir; from pathlib import Path; "
+                       "held = lock_run_dir(Path(sys.argv[2])); print('locked', flush=True); time.sleep(60)",
+                       str(REPO), str(run), stderr=None)
     try:
         assert holder.stdout.readline().strip() == "locked"
         with pytest.raises(UserError, match=r"is in use by a running training \(pid \d+") as e:
@@ -157,6 +142,7 @@ def test_checkpoints_past_step_9999999_sort_by_number(tmp_path):
     assert [p.name for p in ck.step_checkpoints(tmp_path)] == ["ckpt_9999999.pt", "ckpt_10000000.pt"]
 
 
+@pytest.mark.slow  # trains 10 steps, then resumes to 20
 def test_torn_last_metrics_line_is_dropped_so_resume_and_report_work(tmp_path, shared, caplog):
     """Was: JSONDecodeError on resume and in report.py after a kill mid-write."""
     train(make_cfg(tmp_path, shared, "train.max_iters=10"))
@@ -201,17 +187,16 @@ def test_resume_with_another_corpus_of_the_same_vocabulary_size_is_refused(tmp_p
     assert snapshot(tmp_path / "run") == before
 
 
-@pytest.mark.slow
-def test_refused_command_keeps_the_runs_hydra_record(tmp_path, shared):
+def test_refused_command_keeps_the_runs_hydra_record(tmp_path, shared, cli):
     """Was: Hydra rewrote .hydra/ before our checks, so report.py mislabelled the run."""
     run = tmp_path / "run"
     args = ["model=debug", "train.max_iters=2", "train.eval_interval=1", "train.eval_iters=1", "train.batch_size=2",
             "device=cpu", "logger.wandb.mode=disabled", f"data.path={shared['corpus']}",
             f"data.cache_dir={shared['cache']}", f"hydra.run.dir={run}"]
-    assert run_cli("train.py", *args).returncode == 0
+    assert cli("train.py", *args).returncode == 0
     record = {p.name: p.read_bytes() for p in (run / ".hydra").iterdir()}
     assert b"train.max_iters=2" in record["overrides.yaml"]
-    r = run_cli("train.py", *args, "train.lr=0.5")  # no resume=true: refused
+    r = cli("train.py", *args, "train.lr=0.5")  # no resume=true: refused
     assert_one_line_error(r, "already holds a run")
     assert {p.name: p.read_bytes() for p in (run / ".hydra").iterdir()} == record
 
@@ -237,10 +222,10 @@ def test_resume_from_best_pt_is_one_line(tmp_path, shared):
     one_line(e)
 
 
-def test_temp_files_of_killed_writes_are_removed_at_the_next_start(tmp_path, shared):
+def test_temp_files_of_killed_writes_are_removed_at_the_next_start(tmp_path, shared, dead_pid):
     """Was: `.ckpt_*.tmp-PID` files and half-prepared cache dirs piled up after every kill."""
     run, cache = tmp_path / "run", tmp_path / "cache"
-    pid = dead_pid()
+    pid = dead_pid
     run.mkdir()
     stale_run = [run / f".ckpt_0000010.pt.tmp-{pid}", run / f".metrics.jsonl.tmp-{pid}"]
     for p in stale_run:
@@ -299,6 +284,7 @@ def bpe_run(tmp_path, shared, path, name):
     return out
 
 
+@pytest.mark.slow  # trains two BPE models (a BPE tokenizer each)
 def test_bpe_model_of_a_single_document_asks_for_a_prompt(tmp_path, shared, sample_cfg, caplog):
     """Was: an empty prompt started from <|endoftext|>, a token a single-file corpus never has in
     its train split (appended once, at its end, in val): the output was byte noise."""
@@ -405,19 +391,10 @@ def wait_for(predicate, proc, timeout=120):
         time.sleep(0.02)
 
 
-def interruptible():
-    """For a child that is sent Ctrl-C: SIGINT back to its default action before exec. A shell that
-    starts the test run in the background (`cmd &`, nohup) leaves SIGINT ignored, the child inherits
-    that, and Python then never raises KeyboardInterrupt: the signal would test nothing."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-
-
-@pytest.mark.slow
-def test_ctrl_c_while_sampling_prints_what_was_generated(tiny_run):
+def test_ctrl_c_while_sampling_prints_what_was_generated(tiny_run, cli):
     """Was: max_new_tokens=<huge> printed nothing, and Ctrl-C threw the text away with a traceback."""
-    proc = subprocess.Popen([sys.executable, str(REPO / "sample.py"), f"ckpt={tiny_run}", "prompt=line",
-                             "max_new_tokens=3000000", "device=cpu"], cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=interruptible)
+    proc = cli.popen("sample.py", f"ckpt={tiny_run}", "prompt=line", "max_new_tokens=3000000", "device=cpu",
+                     preexec_fn=interruptible)
     first = proc.stderr.readline()  # the log line just before generation starts
     assert "sampling from" in first, first + proc.communicate()[1][-3000:]
     time.sleep(3)  # generating; nothing is printed yet
@@ -554,19 +531,16 @@ def test_nan_from_a_bad_model_value_is_not_blamed_on_the_learning_rate(tmp_path,
         train(make_cfg(tmp_path / "b", shared))
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("script", ["data/prepare.py", "train.py"])
-def test_ctrl_c_during_data_preparation_is_one_line_and_leaves_nothing(tmp_path, script):
+def test_ctrl_c_during_data_preparation_is_one_line_and_leaves_nothing(tmp_path, script, cli):
     # one tokenizing process: with data.num_proc > 1 a Ctrl-C can leave datasets' worker pool
     # waiting for killed workers (README, Reliability: not guaranteed)
     big = tmp_path / "big.txt"
     big.write_text(corpus_text(1000) * 300)  # ~18 MB: seconds of tokenizing
     cache = tmp_path / "cache"
-    proc = subprocess.Popen([sys.executable, str(REPO / script), "data=text", f"data.path={big}",
-                             f"data.cache_dir={cache}", "data.num_proc=1", "model=debug", "device=cpu",
-                             "logger.wandb.mode=disabled", f"hydra.run.dir={tmp_path / 'run'}"], cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-                            preexec_fn=interruptible)
+    proc = cli.popen(script, "data=text", f"data.path={big}", f"data.cache_dir={cache}", "data.num_proc=1",
+                     "model=debug", "device=cpu", "logger.wandb.mode=disabled", f"hydra.run.dir={tmp_path / 'run'}",
+                     start_new_session=True, preexec_fn=interruptible)
     wait_for(lambda: cache.is_dir() and any(cache.iterdir()), proc)
     time.sleep(1.5)
     os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does: the whole process group
@@ -597,8 +571,7 @@ def without_root_powers():
     return ("setpriv", "--inh-caps=-all", "--bounding-set=-all")
 
 
-@pytest.mark.slow
-def test_unreadable_files_are_one_line_errors(tmp_path, tiny_run, shared):
+def test_unreadable_files_are_one_line_errors(tmp_path, tiny_run, shared, cli):
     prefix = without_root_powers()
     locked = {}
     for name, src in (("corpus.txt", shared["corpus"]), ("best.pt", tiny_run / "best.pt"),
@@ -608,14 +581,14 @@ def test_unreadable_files_are_one_line_errors(tmp_path, tiny_run, shared):
         dest.write_bytes(src.read_bytes() if src else b"hello")
         dest.chmod(0)
         locked[name] = dest
-    r = run_cli("train.py", f"data.path={locked['corpus.txt']}", f"data.cache_dir={tmp_path / 'cache'}",
+    r = cli("train.py", f"data.path={locked['corpus.txt']}", f"data.cache_dir={tmp_path / 'cache'}",
                 f"hydra.run.dir={tmp_path / 'run'}", "logger.wandb.mode=disabled", prefix=prefix)
     assert_one_line_error(r, "Permission denied")
-    r = run_cli("sample.py", f"ckpt={locked['best.pt']}", "device=cpu", prefix=prefix)
+    r = cli("sample.py", f"ckpt={locked['best.pt']}", "device=cpu", prefix=prefix)
     assert_one_line_error(r, "Permission denied")
-    r = run_cli("sample.py", f"ckpt={tiny_run}", f"prompt_file={locked['prompt.txt']}", "device=cpu", prefix=prefix)
+    r = cli("sample.py", f"ckpt={tiny_run}", f"prompt_file={locked['prompt.txt']}", "device=cpu", prefix=prefix)
     assert_one_line_error(r, "Permission denied")
-    r = run_cli("tools/report.py", str(tmp_path / "locked" / "run"), "--out", str(tmp_path / "out"), prefix=prefix)
+    r = cli("tools/report.py", str(tmp_path / "locked" / "run"), "--out", str(tmp_path / "out"), prefix=prefix)
     assert_one_line_error(r, "Permission denied")
 
 
@@ -742,7 +715,6 @@ def test_every_config_key_refuses_its_bad_values_in_one_line(name, key, typ, kin
 TRAINING = ["device=cpu", "logger.wandb.mode=disabled"]
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("script,args,needle", [
     ("train.py", ["train.lr=nan", *TRAINING], "error: train.lr=nan must be a finite number"),
     ("train.py", ["train.batch_size=abc", *TRAINING], "error: Error merging override train.batch_size=abc"),
@@ -751,9 +723,9 @@ TRAINING = ["device=cpu", "logger.wandb.mode=disabled"]
     ("tools/bench.py", ["train.batch_size=0", "model=debug", *TRAINING], "error: train.batch_size=0 must be an integer >= 1"),
     ("data/prepare.py", ["data.max_tokens=-5"], "error: data.max_tokens=-5.0 must be"),
 ])
-def test_bad_values_through_the_real_cli_are_one_line(tmp_path, script, args, needle):
+def test_bad_values_through_the_real_cli_are_one_line(tmp_path, script, args, needle, cli):
     """A few of the cases above end to end: `error: ...` as the one last line, status 1, no traceback,
     and for train.py nothing written into the run dir."""
-    r = run_cli(script, *args, f"hydra.run.dir={tmp_path / 'run'}")
+    r = cli(script, *args, f"hydra.run.dir={tmp_path / 'run'}")
     assert_one_line_error(r, needle)
     assert not (tmp_path / "run").exists() or not [p for p in (tmp_path / "run").iterdir() if p.name != "train.log"]

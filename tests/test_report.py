@@ -3,9 +3,9 @@ import struct
 
 import pytest
 
-import wandb_log
+from common import UserError
+from helpers import wandb_run_record
 from tools.report import report
-from test_train import run_cli
 
 
 def png_size(path):
@@ -14,10 +14,9 @@ def png_size(path):
     return struct.unpack(">II", data[16:24])  # IHDR width, height
 
 
-@pytest.mark.slow
-def test_two_run_sweep_then_report(tmp_path):
+def test_two_run_sweep_then_report(tmp_path, cli):
     sweep = tmp_path / "sweep"
-    r = run_cli("train.py", "-m", "model=debug", "train.max_iters=20", "train.eval_interval=10",
+    r = cli("train.py", "-m", "model=debug", "train.max_iters=20", "train.eval_interval=10",
                 "train.eval_iters=2", "train.batch_size=4", "device=cpu", f"data.cache_dir={tmp_path / 'cache'}",
                 "model.attn.scale=sqrt_dk,none", f"hydra.sweep.dir={sweep}", "logger.wandb.mode=offline",
                 env={"WANDB_DIR": str(tmp_path / "wandb_env")})
@@ -29,7 +28,7 @@ def test_two_run_sweep_then_report(tmp_path):
     for run in runs:  # one W&B run per job, grouped by the sweep, named by its overrides
         offline = list((run / "wandb").glob("offline-run-*"))
         assert len(offline) == 1 and (run / "best.pt").is_file()
-        identities.append(wandb_log.run_record(offline[0]))
+        identities.append(wandb_run_record(offline[0]))
     assert identities[0]["group"] == identities[1]["group"] == "sweep"
     assert identities[0]["id"] != identities[1]["id"]
     assert "model.attn.scale=none" in identities[1]["name"]
@@ -50,6 +49,15 @@ def test_two_run_sweep_then_report(tmp_path):
     assert f"{last['val/loss']:.4f}" in table_rows[1]
 
 
-def test_report_cli_on_missing_dir_is_one_line_error(tmp_path):
-    r = run_cli("tools/report.py", str(tmp_path / "nope"))
+def test_report_cli_on_missing_dir_is_one_line_error(tmp_path, cli):
+    r = cli("tools/report.py", str(tmp_path / "nope"))
     assert r.returncode != 0 and "error:" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_report_on_missing_or_empty_dirs_is_one_line_error(tmp_path):
+    """The test above in-process (so this module has a fast test): a missing dir, and a dir without runs."""
+    with pytest.raises(UserError, match="is not a run dir or a sweep dir") as e:
+        report([str(tmp_path / "nope")])
+    assert "\n" not in str(e.value)
+    with pytest.raises(UserError, match="no metrics.jsonl under"):
+        report([str(tmp_path)])

@@ -1,51 +1,24 @@
 """Never lose a run: exact resume after SIGKILL, SIGTERM checkpoints, the NaN guard."""
 import json
-import os
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
 import torch
 
-import model as model_module
 from checkpoint import BEST_NAME, load_checkpoint, step_name
-from conftest import REPO
 from common import UserError
+from helpers import cli_args, metrics_without_timing, poison_training_loss, wandb_run_record
 from train import train
 
-TIMING = ("tokens_per_sec", "ms_per_iter", "mfu")  # wall-clock figures differ between any two runs
 
-
-def cli_args(run_dir, cache):
-    # dropout on, so the resumed run must also restore the RNG that draws the dropout masks
-    return ["model=debug", "model.n_embd=64", "model.block_size=64", "model.dropout=0.1", "train.batch_size=16",
-            "train.max_iters=60", "train.eval_interval=10", "train.eval_iters=2", "train.log_interval=1",
-            "train.ckpt_interval=10", "train.keep_ckpts=10", "device=cpu", "logger.wandb.mode=disabled",
-            f"data.cache_dir={cache}", f"hydra.run.dir={run_dir}"]
-
-
-def metrics_without_timing(run_dir):
-    lines = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in m.items() if k not in TIMING} for m in lines]
-
-
-def popen(args):
-    env = {**os.environ, "WANDB_SILENT": "true"}
-    return subprocess.Popen([sys.executable, str(REPO / "train.py"), *args], cwd=REPO, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-@pytest.mark.slow
-def test_sigkill_then_resume_is_bitwise_identical(tmp_path):
+def test_sigkill_then_resume_is_bitwise_identical(tmp_path, cli):
     cache = tmp_path / "cache"
     a, b = tmp_path / "a", tmp_path / "b"
-    r = subprocess.run([sys.executable, str(REPO / "train.py"), *cli_args(a, cache)], cwd=REPO,
-                       capture_output=True, text=True, timeout=300)
+    r = cli("train.py", *cli_args(a, cache))
     assert r.returncode == 0, r.stderr[-2000:]
 
-    proc = popen(cli_args(b, cache))
+    proc = cli.popen("train.py", *cli_args(b, cache))
     deadline = time.time() + 120
     while not (b / step_name(30)).exists() and proc.poll() is None and time.time() < deadline:
         time.sleep(0.001)
@@ -56,8 +29,7 @@ def test_sigkill_then_resume_is_bitwise_identical(tmp_path):
     resumed_from = max(int(p.stem.split("_")[1]) for p in b.glob("ckpt_*.pt"))
     assert 30 <= resumed_from < 60
 
-    r = subprocess.run([sys.executable, str(REPO / "train.py"), *cli_args(b, cache), "resume=true"], cwd=REPO,
-                       capture_output=True, text=True, timeout=300)
+    r = cli("train.py", *cli_args(b, cache), "resume=true")
     assert r.returncode == 0, r.stderr[-2000:]
     assert f"resuming from {b / step_name(resumed_from)} at step {resumed_from}" in r.stderr
     # every metric line, before and after the resume point, equals the uninterrupted run's
@@ -68,13 +40,12 @@ def test_sigkill_then_resume_is_bitwise_identical(tmp_path):
     assert wa["optimizer"]["state"][0]["exp_avg"].equal(wb["optimizer"]["state"][0]["exp_avg"])
 
 
-@pytest.mark.slow
-def test_sigterm_checkpoints_the_current_step_and_exits_zero(tmp_path):
+def test_sigterm_checkpoints_the_current_step_and_exits_zero(tmp_path, cli):
     run = tmp_path / "run"
     args = cli_args(run, tmp_path / "cache")
     args[args.index("train.max_iters=60")] = "train.max_iters=100000"
     args[args.index("train.ckpt_interval=10")] = "train.ckpt_interval=100000"
-    proc = popen(args)
+    proc = cli.popen("train.py", *args)
     deadline = time.time() + 120
     while not (run / "metrics.jsonl").exists() or (run / "metrics.jsonl").read_text().count('"lr"') < 15:
         assert proc.poll() is None and time.time() < deadline
@@ -90,8 +61,8 @@ def test_sigterm_checkpoints_the_current_step_and_exits_zero(tmp_path):
     assert last_logged == step
 
 
+@pytest.mark.slow  # trains 20 steps, then resumes to 30
 def test_resume_continues_in_process_and_keeps_the_wandb_run(train_cfg, tmp_path):
-    import wandb_log
     first = train(train_cfg("train.max_iters=20", "logger.wandb.mode=offline"))
     assert first["steps"] == 20
     # W&B names an offline run's folder by the second it started and the run id: a resume within
@@ -101,7 +72,7 @@ def test_resume_continues_in_process_and_keeps_the_wandb_run(train_cfg, tmp_path
     assert again["steps"] == 30
     steps = [json.loads(l)["step"] for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert steps == sorted(steps) and steps[-1] == 30
-    ids = {wandb_log.run_record(d)["id"] for d in (tmp_path / "run" / "wandb").glob("offline-run-*")}
+    ids = {wandb_run_record(d)["id"] for d in (tmp_path / "run" / "wandb").glob("offline-run-*")}
     assert len(ids) == 1  # one W&B run, resumed
 
 
@@ -119,21 +90,6 @@ def test_resume_errors_are_one_line(train_cfg, tmp_path):
         train(train_cfg("resume=true", "model.n_embd=64"))
 
 
-def poison_training_loss(monkeypatch, at: dict):
-    """Multiply the loss of the n-th training forward pass by at[n] (NaN, Inf)."""
-    real_forward = model_module.GPT.forward
-    calls = {"n": 0}
-
-    def poisoned(self, idx, targets=None, **kw):
-        out = real_forward(self, idx, targets, **kw)
-        if targets is not None and self.training:
-            calls["n"] += 1
-            if calls["n"] in at:
-                return out[0], out[1] * at[calls["n"]]
-        return out
-    monkeypatch.setattr(model_module.GPT, "forward", poisoned)
-
-
 def test_nan_loss_stops_naming_the_step_and_keeps_finite_checkpoints(train_cfg, tmp_path, monkeypatch):
     poison_training_loss(monkeypatch, {14: float("nan")})  # the 14th training step: step 13 -> 14
     with pytest.raises(UserError, match=r"non-finite loss or gradients at step 13 .*last good checkpoint: .*ckpt_0000010.pt"):
@@ -144,6 +100,7 @@ def test_nan_loss_stops_naming_the_step_and_keeps_finite_checkpoints(train_cfg, 
         assert torch.isfinite(t).all()
 
 
+@pytest.mark.slow  # trains 20 steps
 def test_skip_nonfinite_skips_bad_steps_and_goes_on(train_cfg, tmp_path, monkeypatch):
     poison_training_loss(monkeypatch, {5: float("inf"), 9: float("inf")})
     result = train(train_cfg("train.max_iters=20", "train.skip_nonfinite=2"))
@@ -152,18 +109,15 @@ def test_skip_nonfinite_skips_bad_steps_and_goes_on(train_cfg, tmp_path, monkeyp
         assert torch.isfinite(t).all()
 
 
-@pytest.mark.slow
-def test_sigterm_stops_a_whole_sweep_not_only_its_current_run(tmp_path):
+def test_sigterm_stops_a_whole_sweep_not_only_its_current_run(tmp_path, cli):
     """Was: the signalled run checkpointed and returned, and Hydra started the next point."""
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("".join(f"line {i}: the quick brown fox jumps over the lazy dog\n" for i in range(300)))
     sweep = tmp_path / "sweep"
-    env = {**os.environ, "WANDB_SILENT": "true"}
-    proc = subprocess.Popen([sys.executable, str(REPO / "train.py"), "-m", "model=debug", "model.n_embd=32,64",
-                             "train.max_iters=100000", "train.ckpt_interval=100000", "train.eval_interval=1000",
-                             "train.eval_iters=1", "device=cpu", "logger.wandb.mode=disabled", f"data.path={corpus}",
-                             f"data.cache_dir={tmp_path / 'cache'}", f"hydra.sweep.dir={sweep}"],
-                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = cli.popen("train.py", "-m", "model=debug", "model.n_embd=32,64", "train.max_iters=100000",
+                     "train.ckpt_interval=100000", "train.eval_interval=1000", "train.eval_iters=1", "device=cpu",
+                     "logger.wandb.mode=disabled", f"data.path={corpus}", f"data.cache_dir={tmp_path / 'cache'}",
+                     f"hydra.sweep.dir={sweep}")
     deadline = time.time() + 120
     while not list(sweep.glob("0_*/metrics.jsonl")) or '"lr"' not in next(sweep.glob("0_*/metrics.jsonl")).read_text():
         assert proc.poll() is None and time.time() < deadline

@@ -29,7 +29,7 @@ def corpus(path: Path) -> Path:
 
 
 def run_metrics(tmp: Path) -> list:
-    from conftest import compose_cfg
+    from helpers import compose_cfg
     from tracking import read_metrics
     from train import train
 

@@ -6,7 +6,7 @@ import pytest
 import rustbpe
 import tiktoken
 
-from conftest import SHAKESPEARE, TIKTOKEN_CACHE, compose_cfg, requires_shared
+from helpers import SHAKESPEARE, TIKTOKEN_CACHE, compose_cfg, requires_shared
 from data.loader import TokenData
 from data.prepare import prepare, split_points
 from common import UserError
@@ -132,12 +132,11 @@ def test_several_documents_split_by_a_seeded_draw(tmp_path):
     assert np.array_equal(again.splits["val"], d.splits["val"])  # the draw is seeded
 
 
-def test_hub_preset_offline_fails_fast_with_one_line(tmp_path):
-    from test_train import run_cli
+def test_hub_preset_offline_fails_fast_with_one_line(tmp_path, cli):
     t0 = time.time()
-    r = run_cli("data/prepare.py", "data=tinystories", f"data.cache_dir={tmp_path / 'cache'}",
-                f"hydra.run.dir={tmp_path / 'hydra'}",
-                env={"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")})
+    r = cli("data/prepare.py", "data=tinystories", f"data.cache_dir={tmp_path / 'cache'}",
+            f"hydra.run.dir={tmp_path / 'hydra'}",
+            env={"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")})
     assert r.returncode == 1 and time.time() - t0 < 60
     assert "data=tinystories needs the network" in r.stderr and "HF_HUB_OFFLINE is set" in r.stderr
     assert "Traceback" not in r.stderr and not list((tmp_path / "cache").glob("*/meta.json"))

@@ -1,28 +1,20 @@
 """Training end to end through Hydra's compose API and the real CLI, in tmp_path."""
 import json
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from checkpoint import load_checkpoint, model_from_checkpoint
-from conftest import REPO
 from common import UserError
+from helpers import REPO, compose_cfg
 from sample import sample
 from tracking import read_metrics
 from optim import lr_at
 from train import train
 
 
-def run_cli(script, *args, cwd=REPO, env=None, timeout=300):
-    full_env = {**os.environ, "WANDB_SILENT": "true", **(env or {})}
-    return subprocess.run([sys.executable, str(REPO / script), *args], cwd=cwd, capture_output=True,
-                          text=True, timeout=timeout, env=full_env)
-
-
+@pytest.mark.slow  # trains 40 steps
 def test_train_then_sample_end_to_end(train_cfg, sample_cfg, tmp_path):
     cfg = train_cfg("train.max_iters=40")
     result = train(cfg)
@@ -147,35 +139,35 @@ def test_data_errors_one_line(train_cfg, tmp_path):
     assert not list((tmp_path / "cache").glob("*/meta.json"))  # no prepared dataset was left behind
 
 
-def test_cli_bad_input_prints_one_line_and_exits_nonzero(tmp_path):
-    r = run_cli("train.py", "model=debug", "model.n_embd=33", f"hydra.run.dir={tmp_path / 'r'}",
+def test_cli_bad_input_prints_one_line_and_exits_nonzero(tmp_path, cli):
+    r = cli("train.py", "model=debug", "model.n_embd=33", f"hydra.run.dir={tmp_path / 'r'}",
                 "logger.wandb.mode=disabled")
     assert r.returncode != 0
     assert "error: model.n_embd=33 is not divisible" in r.stderr
     assert "Traceback" not in r.stderr
-    r = run_cli("train.py", "model.n_layers=3", f"hydra.run.dir={tmp_path / 'r'}")  # unknown key
+    r = cli("train.py", "model.n_layers=3", f"hydra.run.dir={tmp_path / 'r'}")  # unknown key
     assert r.returncode != 0 and "n_layers" in r.stderr
-    r = run_cli("train.py", "model.n_layer=three", f"hydra.run.dir={tmp_path / 'r'}")  # wrong type
+    r = cli("train.py", "model.n_layer=three", f"hydra.run.dir={tmp_path / 'r'}")  # wrong type
     assert r.returncode != 0 and "n_layer" in r.stderr
 
 
-def test_cfg_job_composes():
-    r = run_cli("train.py", "--cfg", "job")
+def test_cfg_job_composes(cli):
+    r = cli("train.py", "--cfg", "job")
     assert r.returncode == 0, r.stderr
     for key in ("n_layer:", "scale: sqrt_dk", "qk_norm: false", "grad_accum:", "lr_decay_iters:", "mode:"):
         assert key in r.stdout
 
 
-def test_cli_train_and_sample_pipe(tmp_path):
+def test_cli_train_and_sample_pipe(tmp_path, cli):
     """The README's two commands, through the real CLI: samples on stdout, logs on stderr."""
     run = tmp_path / "run"
-    r = run_cli("train.py", "model=debug", "train.max_iters=20", "train.eval_interval=10", "train.eval_iters=2",
+    r = cli("train.py", "model=debug", "train.max_iters=20", "train.eval_interval=10", "train.eval_iters=2",
                 "train.batch_size=4", f"hydra.run.dir={run}", f"data.cache_dir={tmp_path / 'cache'}",
                 "logger.wandb.mode=disabled")
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout == ""  # logs go to stderr
     assert (run / ".hydra" / "config.yaml").is_file() and (run / "best.pt").is_file()
-    r = run_cli("sample.py", f"ckpt={run}", "prompt=def", "max_new_tokens=20", "device=cpu", cwd=tmp_path)
+    r = cli("sample.py", f"ckpt={run}", "prompt=def", "max_new_tokens=20", "device=cpu", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("def") and r.stdout.count("\n") >= 2
     assert "sampling from" in r.stderr and "sampling from" not in r.stdout
@@ -184,7 +176,6 @@ def test_cli_train_and_sample_pipe(tmp_path):
 
 def test_default_run_config_fits_the_budget():
     """The default `python train.py` must stay a few-minute CPU job: a fixed token budget."""
-    from conftest import compose_cfg
     cfg = compose_cfg("config")
     tokens = cfg.train.max_iters * cfg.train.batch_size * cfg.model.block_size * (cfg.train.grad_accum or 1)
     assert tokens <= 3.2e6 and cfg.data.name == "python_docs" and cfg.device == "auto"
@@ -202,8 +193,8 @@ def test_every_experiment_preset_composes_and_runs(experiment, train_cfg, text_f
     assert result["steps"] == 2 and math.isfinite(result["val_loss"])
 
 
-def test_help_describes_the_app_and_lists_only_real_choices():
-    r = run_cli("train.py", "--help")
+def test_help_describes_the_app_and_lists_only_real_choices(cli):
+    r = cli("train.py", "--help")
     assert r.returncode == 0, r.stderr
     assert "train a decoder-only Transformer" in r.stdout and "python train.py -m" in r.stdout
     groups = r.stdout.split("== Config groups (group=option) ==")[1].split("==")[0]
@@ -211,7 +202,7 @@ def test_help_describes_the_app_and_lists_only_real_choices():
     assert "schema" not in groups and "base_" not in groups
 
 
-def test_unknown_key_is_rejected_by_every_hydra_entry_point(tmp_path):
+def test_unknown_key_is_rejected_by_every_hydra_entry_point(tmp_path, cli):
     for script in ("train.py", "sample.py", "tools/bench.py", "tools/bench_sample.py", "data/prepare.py"):
-        r = run_cli(script, "modle=baby", cwd=tmp_path)
+        r = cli(script, "modle=baby", cwd=tmp_path)
         assert r.returncode != 0 and "modle" in r.stderr, script

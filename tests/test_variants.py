@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from common import UserError
+from helpers import variant_model as make  # a model of any variant, trained-looking weights
 from attention import attention
 from model import GPT, GPTConfig, sinusoidal_table
 from sample import generate
@@ -33,20 +34,6 @@ VARIANTS = [
     {"n_kv_head": 1, "attn": {"qk_norm": True, "qk_norm_type": "l2", "qk_norm_gain": "head", "scale": "4.0"}},
 ]
 IDS = [",".join(f"{k}={v}" for k, v in v.items()) or "default" for v in VARIANTS]
-
-
-def make(seed=0, block_size=16, n_layer=2, n_head=4, n_embd=32, vocab=40, impl="sdpa", **kw):
-    attn = {"impl": impl, **kw.pop("attn", {})}
-    torch.manual_seed(seed)
-    model = GPT(GPTConfig(vocab_size=vocab, block_size=block_size, n_layer=n_layer, n_head=n_head, n_embd=n_embd,
-                          attn=attn, **kw))
-    with torch.no_grad():  # trained-looking weights: gains away from 1, no zero projections
-        for name, p in model.named_parameters():
-            if p.dim() < 2:
-                p.uniform_(0.5, 1.5)
-            else:
-                p.normal_(0, 0.3)
-    return model.eval()
 
 
 def max_diff(a, b):
@@ -248,7 +235,12 @@ def test_cached_generation_equals_recomputation(variant):
     assert a.shape == (2, 45) and torch.equal(a, b)
 
 
-@pytest.mark.parametrize("variant", [v for v in VARIANTS if v], ids=IDS[1:])
+# the two combinations of most options train in the fast tier, each option on its own in the slow one
+FAST_TRAINING = IDS[-2:]
+
+
+@pytest.mark.parametrize("variant", [pytest.param(v, id=i, marks=() if i in FAST_TRAINING else pytest.mark.slow)
+                                     for v, i in zip(VARIANTS, IDS) if v])
 def test_every_variant_trains_probes_and_samples(variant, train_cfg, sample_cfg, tmp_path):
     from sample import sample
     from train import train

@@ -5,9 +5,7 @@ import base64
 import dataclasses
 import io
 import re
-import shutil
 import struct
-import subprocess
 
 import pytest
 import torch
@@ -15,9 +13,8 @@ import torch
 from attnstats import attention_maps
 from plots import format_top_keys, label, pack_weights, token_pieces, top_keys, write_views
 from checkpoint import save_checkpoint
-from conftest import compose_cfg
+from helpers import compose_cfg, needs_chromium
 from model import GPT, GPTConfig
-from test_train import run_cli
 from data.tokenizer import CharTokenizer, TiktokenTokenizer
 from tools.visualize import visualize
 
@@ -162,14 +159,14 @@ def test_top_keys_of_a_hand_made_map():
     (["prompt=null"], "no prompt"),
     (["bogus_key=1"], "bogus_key"),
 ], ids=["unknown-ckpt", "too-long", "outside-vocab", "query-range", "top-k", "no-prompt", "unknown-key"])
-def test_bad_input_is_a_one_line_error(tmp_path, args, message):
+def test_bad_input_is_a_one_line_error(tmp_path, args, message, cli):
     save_tiny_checkpoint(tmp_path / "run" / "best.pt")
     (tmp_path / "euro.txt").write_text("ROMEO: 5 €", encoding="utf-8")
     defaults = {"ckpt": f"ckpt={tmp_path / 'run'}", "prompt": "prompt=ROMEO: But soft", "out": f"out={tmp_path / 'maps'}"}
     given = [a.replace("{tmp}", str(tmp_path)) for a in args]
     for a in given:
         defaults.pop(a.split("=")[0], None)
-    r = run_cli("tools/visualize.py", *defaults.values(), *given, "device=cpu", timeout=120)
+    r = cli("tools/visualize.py", *defaults.values(), *given, "device=cpu", timeout=120)
     assert r.returncode == 1, r.stderr[-2000:]
     errors = [line for line in r.stderr.splitlines() if line.strip()]
     assert errors[-1].startswith("error:") and message in errors[-1], r.stderr[-2000:]
@@ -179,24 +176,12 @@ def test_bad_input_is_a_one_line_error(tmp_path, args, message):
 
 # ----------------------------------------------------------------------------- the viewer in a real browser
 
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
-needs_chromium = pytest.mark.skipif(CHROMIUM is None, reason="no headless Chromium on PATH (apt-get install chromium; "
-                                    ".ci/run installs it where apt is available)")
-
-
-def chromium(*args, timeout=90):
-    r = subprocess.run([CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
-                        "--user-data-dir=" + args[0], *args[1:]], capture_output=True, text=True, timeout=timeout)
-    assert r.returncode == 0, r.stderr[-2000:]
-    return r.stdout
-
-
 def cell_numbers(dom, cls):
     return [float(x) for x in re.findall(rf'<t[dh] class="{cls}"[^>]*>([0-9.]+)</t[dh]>', dom)]
 
 
 @needs_chromium
-def test_viewer_builds_its_page_in_headless_chromium(tmp_path):
+def test_viewer_builds_its_page_in_headless_chromium(tmp_path, chromium):
     tok = CharTokenizer("".join(sorted(set(VOCAB + "<>/!-"))))  # ids in code-point order
     model = make_model(vocab=tok.vocab_size, block_size=96, **VARIANTS["gqa"])  # 2 layers x 4 heads
     text = "ROMEO: But soft, what light\nthrough yonder </script><!--<script> window"  # markup stays text

@@ -1,0 +1,250 @@
+"""What the tests share besides fixtures (those are in conftest.py): paths, composing configs, the one
+way to start the repo's commands as processes, reading back W&B offline logs, and helpers that more
+than one test module uses. Test modules import from here (`from helpers import ...`), never from
+each other or from conftest.
+
+A test that starts a process gets the means through a fixture (`cli`, `chromium`, `spawn`,
+`dead_pid` in conftest.py), never by calling run_cli / popen_cli / run_chromium here directly: the
+fixtures are what marks a test `slow`."""
+import json
+import os
+import shutil
+import signal
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+# ----------------------------------------------------------------------------- paths and configs
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED_DATA = REPO.parent / "shared" / "data"
+SHAKESPEARE = SHARED_DATA / "tinyshakespeare.txt"
+TIKTOKEN_CACHE = SHARED_DATA / "tiktoken"
+
+
+def compose_cfg(config_name="config", overrides=()):
+    import config  # noqa: F401  (registers the schema)
+
+    with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.3"):
+        return compose(config_name=config_name, overrides=list(overrides))
+
+
+TINY = ["model=debug", "device=cpu", "logger.wandb.mode=disabled", "train.max_iters=20",
+        "train.eval_interval=10", "train.eval_iters=2", "train.log_interval=5", "train.batch_size=4"]
+
+
+def requires_shared(path):
+    return pytest.mark.skipif(not Path(path).exists(), reason=f"{path} absent (a fresh clone has no ../shared)")
+
+
+# ----------------------------------------------------------------------------- processes (through fixtures)
+
+TORCHRUN = ["-m", "torch.distributed.run", "--standalone"]
+
+
+def cli_command(script, args=(), prefix=(), torchrun=0):
+    """The argv of `python SCRIPT ARGS...`: SCRIPT relative to the repo (or a python flag such as
+    "-c", passed as it is, its code the first of ARGS); torchrun=N starts N processes through torchrun;
+    prefix goes before python (e.g. a command that drops root's powers)."""
+    launcher = [*TORCHRUN, f"--nproc_per_node={torchrun}"] if torchrun else []
+    target = script if str(script).startswith("-") else str(REPO / script)
+    return [*prefix, sys.executable, *launcher, target, *map(str, args)]
+
+
+def cli_env(env=None):
+    return {**os.environ, "WANDB_SILENT": "true", **(env or {})}
+
+
+def run_cli(script, *args, env=None, timeout=300, cwd=REPO, prefix=(), torchrun=0, check=False):
+    """Run a repo command to its end: the CompletedProcess, text output captured. env adds to the
+    test's environment; check=True asserts exit status 0 (showing the end of stderr)."""
+    r = subprocess.run(cli_command(script, args, prefix, torchrun), cwd=cwd, capture_output=True, text=True,
+                       timeout=timeout, env=cli_env(env))
+    assert r.returncode == 0 or not check, r.stderr[-3000:]
+    return r
+
+
+def popen_cli(script, *args, env=None, cwd=REPO, prefix=(), torchrun=0, **popen_kwargs):
+    """Start a repo command and return the live Popen (for signals): stdout and stderr piped, text;
+    popen_kwargs override those or add others (preexec_fn, start_new_session)."""
+    kwargs = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True, **popen_kwargs}
+    return subprocess.Popen(cli_command(script, args, prefix, torchrun), cwd=cwd, env=cli_env(env), **kwargs)
+
+
+def interruptible():
+    """For a child that is sent Ctrl-C: SIGINT back to its default action before exec. A shell that
+    starts the test run in the background (`cmd &`, nohup) leaves SIGINT ignored, the child inherits
+    that, and Python then never raises KeyboardInterrupt: the signal would test nothing."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def dead_pid() -> int:
+    """The pid of a process that has exited."""
+    p = subprocess.Popen(["true"])
+    p.wait()
+    return p.pid
+
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
+needs_chromium = pytest.mark.skipif(CHROMIUM is None, reason="no headless Chromium on PATH (apt-get install chromium; "
+                                    ".ci/run installs it where apt is available)")
+
+
+def run_chromium(*args, timeout=90):
+    """Headless Chromium with its profile in args[0]; its stdout (e.g. --dump-dom)."""
+    r = subprocess.run([CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
+                        "--user-data-dir=" + args[0], *args[1:]], capture_output=True, text=True, timeout=timeout)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return r.stdout
+
+
+# ----------------------------------------------------------------------------- models and training runs
+
+def variant_model(seed=0, block_size=16, n_layer=2, n_head=4, n_embd=32, vocab=40, impl="sdpa", **kw):
+    """A small GPT of any variant (GPTConfig fields as keywords; attn options merged with impl) with
+    trained-looking weights, in eval mode."""
+    import torch
+
+    from model import GPT, GPTConfig
+
+    attn = {"impl": impl, **kw.pop("attn", {})}
+    torch.manual_seed(seed)
+    model = GPT(GPTConfig(vocab_size=vocab, block_size=block_size, n_layer=n_layer, n_head=n_head, n_embd=n_embd,
+                          attn=attn, **kw))
+    with torch.no_grad():  # trained-looking weights: gains away from 1, no zero projections
+        for name, p in model.named_parameters():
+            if p.dim() < 2:
+                p.uniform_(0.5, 1.5)
+            else:
+                p.normal_(0, 0.3)
+    return model.eval()
+
+
+TIMING = ("tokens_per_sec", "ms_per_iter", "mfu")  # wall-clock figures differ between any two runs
+
+
+def cli_args(run_dir, cache):
+    """train.py arguments of a 60-step CPU run with checkpoints every 10 steps, for exact-resume tests."""
+    # dropout on, so the resumed run must also restore the RNG that draws the dropout masks
+    return ["model=debug", "model.n_embd=64", "model.block_size=64", "model.dropout=0.1", "train.batch_size=16",
+            "train.max_iters=60", "train.eval_interval=10", "train.eval_iters=2", "train.log_interval=1",
+            "train.ckpt_interval=10", "train.keep_ckpts=10", "device=cpu", "logger.wandb.mode=disabled",
+            f"data.cache_dir={cache}", f"hydra.run.dir={run_dir}"]
+
+
+def metrics_without_timing(run_dir):
+    lines = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in m.items() if k not in TIMING} for m in lines]
+
+
+def poison_training_loss(monkeypatch, at: dict):
+    """Multiply the loss of the n-th training forward pass by at[n] (NaN, Inf)."""
+    import model as model_module
+
+    real_forward = model_module.GPT.forward
+    calls = {"n": 0}
+
+    def poisoned(self, idx, targets=None, **kw):
+        out = real_forward(self, idx, targets, **kw)
+        if targets is not None and self.training:
+            calls["n"] += 1
+            if calls["n"] in at:
+                return out[0], out[1] * at[calls["n"]]
+        return out
+    monkeypatch.setattr(model_module.GPT, "forward", poisoned)
+
+
+def assert_same_training(single, multi, step: int, tol: float):
+    """The two runs' weights at `step` and their val losses agree within tol."""
+    from checkpoint import load_checkpoint, step_name
+    from tracking import read_metrics
+
+    a, b = load_checkpoint(single / step_name(step)), load_checkpoint(multi / step_name(step))
+    for name, t in a["model"].items():
+        d = (t - b["model"][name]).abs().max().item()
+        assert d < tol, f"{name}: max diff {d:.2e} (tolerance {tol:g})"
+    la = [m["val/loss"] for m in read_metrics(single) if "val/loss" in m]
+    lb = [m["val/loss"] for m in read_metrics(multi) if "val/loss" in m]
+    assert la and la == pytest.approx(lb, abs=tol)
+
+
+# ----------------------------------------------------------------------------- W&B offline logs
+# Read back what the real wandb package wrote for an offline run.
+#
+# wandb 0.31 keeps an offline run's data only in its transaction log (`run-<id>.wandb`; no
+# files/wandb-summary.json until it is synced). That log is the LevelDB log format (32 KiB blocks,
+# records with a 7-byte header: crc32, length, type) after a 7-byte ':W&B' header, each record a
+# protobuf `Record` from wandb.proto. This reads the history rows back, for tests only.
+
+WANDB_BLOCK = 32 * 1024
+WANDB_FULL, WANDB_FIRST, WANDB_MIDDLE, WANDB_LAST = 1, 2, 3, 4
+
+
+def wandb_records(path):
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    data = Path(path).read_bytes()
+    assert data[:4] == b":W&B", f"{path} is not a W&B transaction log"
+    pos, pending = 7, b""
+    while pos + 7 <= len(data):
+        left = WANDB_BLOCK - pos % WANDB_BLOCK
+        if left < 7:  # block trailer padding
+            pos += left
+            continue
+        _crc, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        if length == 0 and kind == 0:  # zero padding to the end of the block
+            pos += left
+            continue
+        if pos + 7 + length > len(data):  # a record still being written: stop before it
+            return
+        pending += data[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind in (WANDB_FULL, WANDB_LAST):
+            record = pb.Record()
+            record.ParseFromString(pending)
+            pending = b""
+            yield record
+
+
+def wandb_finished_log(run_dir, timeout: float = 30.0) -> Path:
+    """The run's transaction log once it holds the run's exit record. run.finish() can return before
+    wandb-core has written the log (seen: 7 bytes, its header alone, right after finish, complete a
+    moment later), so a test that reads it at once would see an empty run."""
+    log = next(Path(run_dir).glob("run-*.wandb"))
+    deadline = time.monotonic() + timeout
+    while not any(r.WhichOneof("record_type") == "exit" for r in wandb_records(log)):
+        assert time.monotonic() < deadline, f"{log}: no exit record after {timeout:.0f} s"
+        time.sleep(0.1)
+    return log
+
+
+def wandb_history(run_dir) -> list:
+    """The logged rows of an offline run dir (offline-run-*), as dicts of JSON values."""
+    log = wandb_finished_log(run_dir)
+    rows = []
+    for r in wandb_records(log):
+        if r.WhichOneof("record_type") == "history":
+            rows.append({item.key or ".".join(item.nested_key): json.loads(item.value_json) for item in r.history.item})
+    return rows
+
+
+def wandb_summary(run_dir) -> dict:
+    """Last value of every key, as W&B's run summary shows it."""
+    out = {}
+    for row in wandb_history(run_dir):
+        out.update(row)
+    return out
+
+
+def wandb_run_record(run_dir) -> dict:
+    """The run's identity as W&B stored it: id, display name, group."""
+    log = wandb_finished_log(run_dir)
+    for r in wandb_records(log):
+        if r.WhichOneof("record_type") == "run":
+            return {"id": r.run.run_id, "name": r.run.display_name, "group": r.run.run_group}
+    raise AssertionError(f"no run record in {log}")
