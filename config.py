@@ -86,6 +86,8 @@ class TrainConfig:
     keep_ckpts: int = 2  # periodic checkpoints kept (best.pt is kept besides)
     skip_nonfinite: int = 0  # steps with NaN/Inf loss or gradients skipped before the run stops
     peak_flops: Optional[float] = None  # FLOP/s that MFU is measured against; default: the GPU's table entry
+    data_seed: Optional[int] = None  # seed of the batch order, the eval windows and the probe batch; unset: seed
+    final_eval_tokens: int = 1000000  # at the last step, val loss over the whole val split up to this many tokens; 0 = off
 
     RULES: ClassVar[dict] = {
         "batch_size": POSITIVE, "grad_accum": POSITIVE, "max_iters": NON_NEGATIVE,
@@ -102,7 +104,7 @@ class TrainConfig:
         "eval_interval": POSITIVE, "eval_iters": POSITIVE, "log_interval": POSITIVE,
         "log_attn_interval": Range(0, why="0 turns the probe off"), "probe_batch_size": POSITIVE,
         "ckpt_interval": POSITIVE, "keep_ckpts": POSITIVE, "skip_nonfinite": NON_NEGATIVE,
-        "peak_flops": Range(0, lo_open=True),
+        "peak_flops": Range(0, lo_open=True), "data_seed": SEED, "final_eval_tokens": NON_NEGATIVE,
     }
 
 
@@ -132,7 +134,7 @@ class Config:
     device: str = "auto"  # auto (cuda > mps > cpu) | cpu | cuda | cuda:N | mps
     dtype: str = "auto"  # auto (bfloat16 autocast on capable CUDA, else float32) | float32 | bfloat16 | float16
     compile: Optional[bool] = None  # torch.compile the model; unset: on for CUDA, off elsewhere
-    seed: int = 1337
+    seed: int = 1337  # the weights' initialisation and dropout; also the data's (train.data_seed) unless set
     out_dir: Optional[str] = None  # run directory; train.py sets it to Hydra's run dir
     resume: Optional[str] = None  # true: continue this run dir from its newest checkpoint; or a run dir / file
 

@@ -155,34 +155,24 @@ def plot_head_roles_compare(rows, path):
     return path
 
 
-def plot_val_loss(rows, path):
-    """Several runs' val loss against the step, one line each (tools/report.py)."""
-    fig, ax = plt.subplots(figsize=(8, 5))
-    colors = plt.cm.tab10.colors
-    for i, r in enumerate(rows):
-        steps, val = series(r["metrics"], "val/loss")
-        ax.plot(steps, val, "o-", ms=3, color=colors[i % 10], label=r["run"])
-    ax.set(xlabel="step", ylabel="val loss (nats/token)", title="validation loss")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    save_figure(fig, path)
-
-
-def plot_attn_compare(rows, path):
-    """Several runs' mean attention entropy, normalised entropy and peak weight against the step."""
-    keys = [("attn_entropy/mean", "entropy (nats)", "attention entropy"),
-            ("attn_entropy_norm/mean", "entropy / ln(keys)  (1 = uniform, 0 = one-hot)", "normalised entropy"),
-            ("attn_peak/mean", "largest attention weight of a row", "peak attention weight")]
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
-    colors = plt.cm.tab10.colors
-    for ax, (key, label, title) in zip(axes, keys):
-        for i, r in enumerate(rows):
-            steps, values = series(r["metrics"], key)
-            ax.plot(steps, values, "o-", ms=3, color=colors[i % 10], label=r["run"])
-        ax.set(xlabel="step", ylabel=label, title=f"{title} (mean over layers and heads)")
+def plot_bands(lines, path, panels, reference=None):
+    """Curves with bands, one panel per (title, ylabel): lines [(label, panel index, steps, mean, lo,
+    hi)], lo/hi None where no interval exists (one run). reference: a y value drawn as a grey line."""
+    fig, axes = plt.subplots(1, len(panels), figsize=(7.5 * len(panels), 5), squeeze=False)
+    colors = {}
+    for label, panel, steps, mean, lo, hi in lines:
+        color = colors.setdefault(label, plt.cm.tab10.colors[len(colors) % 10])
+        ax = axes[0][panel]
+        ax.plot(steps, mean, "o-", ms=3, color=color, label=label)
+        if lo is not None:
+            ax.fill_between(steps, lo, hi, color=color, alpha=0.2, lw=0)
+    for ax, (title, ylabel) in zip(axes[0], panels):
+        if reference is not None:
+            ax.axhline(reference, color="grey", lw=0.8)
+        ax.set(xlabel="step", ylabel=ylabel, title=title)
         ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=8)
-    save_figure(fig, path)
+    axes[0][0].legend(fontsize=8)
+    return save_figure(fig, path)
 
 
 # ----------------------------------------------------------------------------- attention maps of one text

@@ -104,7 +104,7 @@ def train(cfg, run_name=None, run_group=None, overrides=None) -> dict:
             with meter.paused():
                 if not (run.resuming and run.step == start_step):  # done before that checkpoint was written
                     if due(run.step, tcfg.eval_interval, last):
-                        evaluate(run)
+                        evaluate(run, last)
                     if run.probe is not None and due(run.step, probe_every(tcfg), last):
                         probe_s += probe_attention(run)
                     if run.step > 0 and due(run.step, ckpt_every, last):
@@ -138,6 +138,7 @@ def train(cfg, run_name=None, run_group=None, overrides=None) -> dict:
             dist.destroy_process_group()
     result = {"out_dir": str(run.out_dir), "steps": run.step, "best_val_loss": run.best_val,
               "train_loss": run.evals.get("train"), "val_loss": run.evals.get("val"),
+              "val_loss_full": run.evals.get("val_full"),
               "tokens_per_sec": meter.tokens_per_sec, "stopped": stop.signal, "compiled": run.compiled,
               "ckpt": str(latest_checkpoint(run.out_dir)), "wall_s": time.perf_counter() - t_start,
               "train_s": meter.train_s, "probe_s": probe_s, "attn": run.attn_history}
@@ -212,7 +213,7 @@ def build(cfg, out_dir, dist_, grad_accum, lock) -> Run:
         torch._dynamo.reset()  # a fresh compile per run: a sweep never hits the recompile limit
         fwd_model = torch.compile(fwd_model)
     return Run(cfg, out_dir, dist_, rt, data, mcfg, model, fwd_model, optimizer, scaler,
-               sampler=torch.Generator().manual_seed(cfg.seed), grad_accum=grad_accum, compiled=compiled,
+               sampler=torch.Generator().manual_seed(data_seed(cfg)), grad_accum=grad_accum, compiled=compiled,
                lock=lock, file_mode=file_mode)
 
 
@@ -259,7 +260,7 @@ def record(run: Run, run_name=None, run_group=None, overrides=None):
                           run_id=run.wandb_id)
     if run.dist.master and probe_every(cfg.train) > 0:  # a fixed val batch, drawn once: curves compare across runs
         px, _ = run.data.get_batch("val", cfg.train.probe_batch_size, run.mcfg.block_size,
-                                   torch.Generator().manual_seed(cfg.seed + 7))
+                                   torch.Generator().manual_seed(data_seed(cfg) + 7))
         run.probe = AttentionProbe(px.to(run.rt.device))
 
 
@@ -300,14 +301,21 @@ def save(run: Run) -> Path:
 
 
 @torch.no_grad()
+def data_seed(cfg) -> int:
+    """The seed of everything about the data a run sees: the order of its training batches, the
+    windows its evaluations read and the probe batch. Unset, the run's seed; set apart from it, arms
+    of an ablation can share data and differ only in their initialisation (or the reverse)."""
+    return cfg.seed if cfg.train.data_seed is None else cfg.train.data_seed
+
+
 def estimate_loss(run: Run) -> dict:
     """Mean loss over a fixed set of eval_iters batches per split: the same tokens at every
-    evaluation and in every run with the same seed, so curves and runs compare."""
+    evaluation and in every run with the same data seed, so curves and runs compare."""
     tcfg = run.cfg.train
     run.fwd_model.eval()
     out = {}
     for i, split in enumerate(("train", "val")):
-        gen = torch.Generator().manual_seed(run.cfg.seed + 1000 + i)
+        gen = torch.Generator().manual_seed(data_seed(run.cfg) + 1000 + i)
         losses = []
         for _ in range(tcfg.eval_iters):
             x, y = run.data.get_batch(split, tcfg.batch_size, run.mcfg.block_size, gen)
@@ -319,12 +327,41 @@ def estimate_loss(run: Run) -> dict:
     return out
 
 
-def evaluate(run: Run):
-    """Log train and val loss on the fixed batches; keep best.pt at the lowest val loss."""
+@torch.no_grad()
+def full_val_loss(run: Run):
+    """Mean loss over the whole val split (up to train.final_eval_tokens tokens), in consecutive
+    windows of block_size: the run's final figure, free of the sampling noise of eval_iters random
+    windows (what runs of an ablation are compared by). Shared across ranks; returns (loss, tokens)."""
+    T, B = run.mcfg.block_size, run.cfg.train.batch_size
+    n = min(len(run.data.splits["val"]) - 1, run.cfg.train.final_eval_tokens) // T
+    starts = torch.arange(n) * T
+    total = torch.zeros(2, dtype=torch.float64, device=run.rt.device)  # summed loss, tokens
+    run.model.eval()
+    for chunk in starts[run.dist.rank::run.dist.world].split(B):
+        x, y = run.data.batch("val", chunk, T)
+        with run.rt.autocast():
+            _, loss = run.model(x.to(run.rt.device), y.to(run.rt.device))
+        total[0] += loss.double() * y.numel()
+        total[1] += y.numel()
+    run.model.train()
+    if run.dist.world > 1:
+        dist.all_reduce(total)
+    return (total[0] / total[1]).item(), int(total[1].item())
+
+
+def evaluate(run: Run, last: bool = False):
+    """Log train and val loss on the fixed batches, and at the last step the whole val split's
+    loss (val/loss_full); keep best.pt at the lowest val loss."""
     run.evals = estimate_loss(run)
     bpc = run.data.bits_per_char_factor()
-    run.tracker.log({"train/loss": run.evals["train"], "val/loss": run.evals["val"],
-                     **({"val/bpc": run.evals["val"] * bpc} if bpc else {})}, run.step)
+    line = {"train/loss": run.evals["train"], "val/loss": run.evals["val"],
+            **({"val/bpc": run.evals["val"] * bpc} if bpc else {})}
+    if last and run.cfg.train.final_eval_tokens and run.step > 0:
+        full, tokens = full_val_loss(run)
+        run.evals["val_full"] = full
+        line.update({"val/loss_full": full, "val/tokens_full": tokens, **({"val/bpc_full": full * bpc} if bpc else {})})
+        log.info("step %d: val loss %.4f over the whole val split (%d tokens)", run.step, full, tokens)
+    run.tracker.log(line, run.step)
     log.info("eval step %d: train loss %.4f, val loss %.4f", run.step, run.evals["train"], run.evals["val"])
     if run.evals["val"] < run.best_val and run.dist.master:
         run.best_val = run.evals["val"]
@@ -456,15 +493,21 @@ def write_plots(run: Run):
 
 
 def hydra_run_info():
-    """(name, group, overrides) for W&B and the run dir, from Hydra: the job's overrides, and
-    the sweep dir in multirun."""
+    """(name, group, overrides) for W&B and the run dir, from Hydra: the job's overrides; in a
+    multirun, the group is the sweep dir and the arm (the overrides minus the seeds), so the seeds of
+    one arm are the runs of one W&B group."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
     hc = HydraConfig.get()
     name = hc.job.override_dirname or None
-    group = Path(hc.sweep.dir).name if hc.mode == RunMode.MULTIRUN else None
-    return name, group, list(hc.overrides.task)
+    overrides = list(hc.overrides.task)
+    group = None
+    if hc.mode == RunMode.MULTIRUN:
+        skip = {*hc.job.config.override_dirname.exclude_keys, "seed", "train.data_seed"}
+        arm = ",".join(sorted(o for o in overrides if o.split("=", 1)[0].lstrip("+~") not in skip))
+        group = f"{Path(hc.sweep.dir).name}/{arm or 'base'}"[:128]  # W&B's limit on a group name
+    return name, group, overrides
 
 
 @hydra.main(version_base="1.3", config_path="configs", config_name="config")

@@ -1,23 +1,46 @@
-"""Compare runs without W&B: loss curves on one axis, attention statistics, and a Markdown table.
+"""Compare runs without W&B: arms with seeds, intervals and verdicts, curves with bands, and plots.
 
     python tools/report.py outputs/multirun/2026-11-29_12-00-00           # every run of a sweep
     python tools/report.py outputs/runs/A outputs/runs/B --out report/      # any run dirs
+    python tools/report.py SWEEP --baseline "model.attn.qk_norm=false"      # compare each arm with one
 
-Writes val_loss.png, attn_stats.png and attn_heads.png (when the runs were probed) and report.md into --out
-(default: the sweep dir when given one, else ./report) and prints the table.
+Runs whose resolved configs differ only in their seeds (`seed`, `train.data_seed`) are one arm:
+`python train.py -m experiment=attn_scale_ablation_cpu seed=1,2,3` gives four arms of three runs.
+For each arm: n, the mean ± sd over its runs and a 95% interval of the mean (Student t) of the final
+val loss (the whole val split's, `val/loss_full`, where the run logged it), bits per character,
+attention entropy, peak weight and largest logit. For each pair of arms: the difference of the
+means with its 95% interval, a paired t-test when both arms ran the same seeds (else Welch's), and
+a verdict in words. One run per arm gives no interval, and the report says so.
+
+Writes into --out (default: the sweep dir when given one, else ./report): report.md, val_loss.png
+and attn_stats.png (mean per arm with a band over seeds), val_loss_diff.png (each arm minus the
+baseline over training, with its interval) and attn_heads.png (when the runs were probed for head
+roles), and prints the tables.
 """
 import argparse
+import itertools
+import math
 import statistics
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as tools/X.py: the repo's modules
 
-from common import UserError, cli
-from plots import plot_attn_compare, plot_head_roles_compare, plot_val_loss
-from tracking import read_metrics
+from common import UserError, cli  # noqa: E402
+from plots import plot_bands, plot_head_roles_compare, series  # noqa: E402
+from tracking import read_metrics  # noqa: E402
+
+REPLICATES = ("seed", "train.data_seed")  # what sets runs of one arm apart
+# keys that do not change what a run computes (paths, logging, bookkeeping)
+IGNORED = ("out_dir", "resume", "device", "logger.", "data.cache_dir", "data.num_proc", "train.log_interval",
+           "train.peak_flops", "train.keep_ckpts", "train.ckpt_interval")
+METRICS = [  # (name, column title, format)
+    ("val_loss", "val loss", ".4f"), ("val_bpc", "val bits/char", ".4f"), ("attn_entropy", "attn entropy (nats)", ".3f"),
+    ("attn_peak", "attn peak", ".3f"), ("attn_logit_max", "max logit", ".2f")]
+LEVEL = 0.95
 
 
 def find_runs(paths) -> list:
@@ -35,78 +58,301 @@ def find_runs(paths) -> list:
     return runs
 
 
-def run_overrides(run: Path) -> list:
-    """The run's command-line overrides that change the model or training (not paths or logging)."""
-    overrides = run / ".hydra" / "overrides.yaml"
-    if not overrides.is_file():
-        return []
+# ----------------------------------------------------------------------------- runs and arms
+
+def flat_config(run: Path) -> dict:
+    """The run's resolved config (config.yaml) as {dotted key: value}; {} if it has none."""
     try:
-        listed = yaml.safe_load(overrides.read_text())
-    except (OSError, yaml.YAMLError) as e:  # a label is not worth failing the report for
-        print(f"warning: {overrides} is unreadable ({type(e).__name__}): the run is labelled by its dir name",
-              file=sys.stderr)
-        return []
-    if not isinstance(listed, list):
-        return []
-    return [o for o in map(str, listed)
-            if not o.split("=")[0].lstrip("+~").startswith(("hydra.", "logger.", "data.", "device", "out_dir"))]
+        cfg = yaml.safe_load((run / "config.yaml").read_text())
+    except (OSError, yaml.YAMLError):
+        return {}
+    out = {}
+
+    def walk(node, prefix):
+        for k, v in node.items():
+            key = f"{prefix}{k}"
+            if isinstance(v, dict):
+                walk(v, key + ".")
+            else:
+                out[key] = v
+    if isinstance(cfg, dict):
+        walk(cfg, "")
+    return out
 
 
-def run_labels(runs) -> list:
-    """Each run named by the overrides that set it apart (those all runs share are dropped)."""
-    overrides = [run_overrides(r) for r in runs]
-    shared = set.intersection(*map(set, overrides)) if len(runs) > 1 else set()
-    return [", ".join(o for o in ov if o not in shared) or run.name for run, ov in zip(runs, overrides)]
-
-
-def summarize(run: Path, label: str) -> dict:
-    metrics = read_metrics(run)
+def final_values(metrics: list) -> dict:
+    """A run's final figures: val loss and bits/char (the whole val split's where logged, else the
+    last evaluation's), and the last probe's mean entropy, mean peak weight and largest logit."""
     evals = [m for m in metrics if "val/loss" in m]
-    speeds = [m["tokens_per_sec"] for m in metrics if "tokens_per_sec" in m]
-    probes = [m for m in metrics if "attn_entropy/mean" in m]
     last = evals[-1] if evals else {}
-    return {"run": label, "dir": str(run), "metrics": metrics, "steps": last.get("step"),
-            "train_loss": last.get("train/loss"), "val_loss": last.get("val/loss"),
-            "best_val_loss": min((m["val/loss"] for m in evals), default=None),
-            "val_bpc": last.get("val/bpc"),
-            "tokens_per_sec": statistics.median(speeds) if speeds else None,
-            "attn_entropy": probes[-1]["attn_entropy/mean"] if probes else None,
-            "attn_peak": probes[-1].get("attn_peak/mean") if probes else None}
+    probes = [m for m in metrics if "attn_entropy/mean" in m]
+    probe = probes[-1] if probes else {}
+    logits = [v for k, v in probe.items() if k.startswith("attn_logit_max/L")]
+    return {"steps": last.get("step"), "val_loss": last.get("val/loss_full", last.get("val/loss")),
+            "val_bpc": last.get("val/bpc_full", last.get("val/bpc")), "attn_entropy": probe.get("attn_entropy/mean"),
+            "attn_peak": probe.get("attn_peak/mean"), "attn_logit_max": max(logits) if logits else None,
+            "full_val": "val/loss_full" in last}
 
+
+@dataclass
+class RunSummary:
+    dir: Path
+    config: dict
+    metrics: list
+    final: dict
+    replicate: tuple  # (seed, data seed): which runs of two arms pair up
+
+    @property
+    def seed(self):
+        return self.replicate[0]
+
+
+@dataclass
+class Arm:
+    label: str
+    runs: list = field(default_factory=list)
+
+    def values(self, name) -> list:
+        return [r.final[name] for r in self.runs if r.final[name] is not None]
+
+
+def summarize(run: Path) -> RunSummary:
+    config, metrics = flat_config(run), read_metrics(run)
+    seed = config.get("seed")
+    data_seed = config.get("train.data_seed")
+    return RunSummary(run, config, metrics, final_values(metrics), (seed, seed if data_seed is None else data_seed))
+
+
+def arm_key(config: dict, run: Path):
+    """What an arm is: the resolved config without the replicate and bookkeeping keys (a run
+    without config.yaml is an arm of its own)."""
+    if not config:
+        return (("run", str(run)),)
+    return tuple(sorted((k, repr(v)) for k, v in config.items()
+                        if k not in REPLICATES and not k.startswith(IGNORED)))
+
+
+def group_arms(runs: list) -> list:
+    """Runs grouped into arms, in the order their first run appears; each arm labelled by the keys
+    whose values differ between arms (`key=value, ...`); a lone arm by its run's dir name."""
+    keyed = {}
+    for r in runs:
+        keyed.setdefault(arm_key(r.config, r.dir), []).append(r)
+    configs = [dict(k) for k in keyed]
+    every = set().union(*configs)
+    differing = sorted(k for k in every if len({c.get(k, "(unset)") for c in configs}) > 1)
+    arms = []
+    for c, members in zip(configs, keyed.values()):
+        label = ", ".join(f"{k}={c.get(k, '(unset)')}".replace("'", "") for k in differing if k != "run")
+        if not label:
+            label = members[0].dir.name if len(members) == 1 else "all runs"
+        arms.append(Arm(label, sorted(members, key=lambda r: (str(r.replicate), str(r.dir)))))
+    return arms
+
+
+# ----------------------------------------------------------------------------- statistics
+
+def t_quantile(df: float) -> float:
+    """The two-sided 95% quantile of Student's t with df degrees of freedom (df may be fractional)."""
+    from scipy import stats
+    return float(stats.t.ppf(0.5 + LEVEL / 2, df))
+
+
+def describe(values: list) -> dict:
+    """n, mean, sd (n - 1 in the denominator) and the half width of the 95% t-interval of the mean;
+    sd and the interval are None for one value."""
+    n = len(values)
+    if n == 0:
+        return {"n": 0, "mean": None, "sd": None, "half": None}
+    mean = statistics.fmean(values)
+    if n == 1:
+        return {"n": 1, "mean": mean, "sd": None, "half": None}
+    sd = statistics.stdev(values)
+    return {"n": n, "mean": mean, "sd": sd, "half": t_quantile(n - 1) * sd / math.sqrt(n)}
+
+
+def paired_interval(a: list, b: list) -> dict:
+    """b - a for values paired by position: the mean difference, the half width of its 95%
+    t-interval and the p-value of the paired t-test (Student 1908)."""
+    from scipy import stats
+
+    d = [y - x for x, y in zip(a, b)]
+    half = t_quantile(len(d) - 1) * statistics.stdev(d) / math.sqrt(len(d))
+    p = float(stats.ttest_rel(b, a).pvalue) if any(d) else 1.0
+    return {"diff": statistics.fmean(d), "half": half, "p": p, "df": len(d) - 1, "test": "paired t", "n": len(d)}
+
+
+def welch_interval(a: list, b: list) -> dict:
+    """mean(b) - mean(a) for independent samples: Welch's t-test, its Welch-Satterthwaite degrees
+    of freedom and the half width of the 95% interval of the difference (Welch 1947)."""
+    from scipy import stats
+
+    va, vb = statistics.variance(a) / len(a), statistics.variance(b) / len(b)
+    df = (va + vb) ** 2 / (va ** 2 / (len(a) - 1) + vb ** 2 / (len(b) - 1)) if va + vb > 0 else math.inf
+    half = t_quantile(df) * math.sqrt(va + vb) if va + vb > 0 else 0.0
+    p = float(stats.ttest_ind(b, a, equal_var=False).pvalue) if va + vb > 0 else 1.0
+    return {"diff": statistics.fmean(b) - statistics.fmean(a), "half": half, "p": p, "df": df, "test": "Welch t",
+            "n": min(len(a), len(b))}
+
+
+def compare(a: Arm, b: Arm, name: str = "val_loss") -> dict:
+    """b minus a for metric `name`: the difference of the means with its 95% interval and p-value.
+    Paired when both arms ran the same replicates (seed and data seed), else Welch's t-test; with one
+    run in either arm, no interval."""
+    ra = {r.replicate: r.final[name] for r in a.runs if r.final[name] is not None}
+    rb = {r.replicate: r.final[name] for r in b.runs if r.final[name] is not None}
+    out = {"a": a.label, "b": b.label, "metric": name, "n_a": len(ra), "n_b": len(rb),
+           "diff": statistics.fmean(rb.values()) - statistics.fmean(ra.values()) if ra and rb else None,
+           "half": None, "p": None, "test": None}
+    if out["diff"] is None:
+        return out
+    if set(ra) == set(rb) and len(ra) >= 2:
+        keys = sorted(ra, key=str)
+        out.update(paired_interval([ra[k] for k in keys], [rb[k] for k in keys]))
+    elif len(ra) >= 2 and len(rb) >= 2:
+        out.update(welch_interval(list(ra.values()), list(rb.values())))
+    return out
+
+
+def curve_band(curves: list):
+    """(steps, mean, lo, hi) of several runs' curves [(steps, values)] over the steps they all
+    share; lo/hi the 95% t-interval of the mean at each step (None for one run)."""
+    steps = sorted(set.intersection(*[set(s) for s, _ in curves]))
+    rows = [[dict(zip(*c))[t] for c in curves] for t in steps]
+    d = [describe(r) for r in rows]
+    mean = [x["mean"] for x in d]
+    if len(curves) < 2:
+        return steps, mean, None, None
+    return steps, mean, [x["mean"] - x["half"] for x in d], [x["mean"] + x["half"] for x in d]
+
+
+def difference_curve(base: Arm, arm: Arm, key: str = "val/loss"):
+    """(steps, mean, lo, hi, paired) of arm minus base for a metric over training: the 95% interval
+    of the paired differences where both arms ran the same seeds, else Welch's."""
+    ref = {r.replicate: dict(zip(*series(r.metrics, key))) for r in base.runs}
+    own = {r.replicate: dict(zip(*series(r.metrics, key))) for r in arm.runs}
+    keys = sorted(own, key=str)
+    paired = set(own) == set(ref) and len(own) >= 2
+    steps = sorted(set.intersection(*[set(c) for c in [*ref.values(), *own.values()]]))
+    mean, lo, hi = [], [], []
+    for t in steps:
+        if paired:
+            c = paired_interval([ref[k][t] for k in keys], [own[k][t] for k in keys])
+        elif len(ref) >= 2 and len(own) >= 2:
+            c = welch_interval([v[t] for v in ref.values()], [v[t] for v in own.values()])
+        else:
+            c = {"diff": statistics.fmean(v[t] for v in own.values()) - statistics.fmean(v[t] for v in ref.values()),
+                 "half": None}
+        mean.append(c["diff"])
+        lo.append(None if c["half"] is None else c["diff"] - c["half"])
+        hi.append(None if c["half"] is None else c["diff"] + c["half"])
+    return steps, mean, (None if None in lo else lo), (None if None in hi else hi), paired
+
+
+def verdict(c: dict, what: str = "") -> str:
+    """A comparison in words: 'lower by 0.031 ± 0.012', 'within noise (+0.004 ± 0.015)', or why no
+    interval can be given."""
+    if c["diff"] is None:
+        return "not measured in both arms"
+    if c["half"] is None or not math.isfinite(c["half"]):
+        return (f"{c['diff']:+.4f}, one run in an arm: no interval can be given (run more seeds: "
+                "seed=1,2,3)")
+    if c["half"] == 0 and c["diff"] == 0:
+        return "identical in every run"
+    if abs(c["diff"]) > c["half"]:
+        return f"{'lower' if c['diff'] < 0 else 'higher'} by {abs(c['diff']):.4f} ± {c['half']:.4f}"
+    return f"within noise ({c['diff']:+.4f} ± {c['half']:.4f})"
+
+
+# ----------------------------------------------------------------------------- tables
 
 def fmt(v, spec=".4f"):
     return "-" if v is None else format(v, spec)
 
 
-def table(rows) -> str:
-    lines = ["| run | steps | train loss | val loss | best val loss | val bits/char | tokens/s | attn entropy (nats) | attn peak |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        lines.append(f"| {r['run']} | {fmt(r['steps'], 'd')} | {fmt(r['train_loss'])} | {fmt(r['val_loss'])} | "
-                     f"{fmt(r['best_val_loss'])} | {fmt(r['val_bpc'])} | {fmt(r['tokens_per_sec'], '.0f')} | {fmt(r['attn_entropy'], '.3f')} | "
-                     f"{fmt(r['attn_peak'], '.3f')} |")
+def arm_table(arms: list) -> str:
+    head = "| arm | n | " + " | ".join(f"{title} (mean ± sd)" for _, title, _ in METRICS[:1]) + \
+        " | 95% interval | " + " | ".join(title for _, title, _ in METRICS[1:]) + " |"
+    lines = [head, "|" + "---|" * (4 + len(METRICS) - 1)]
+    for arm in arms:
+        d = describe(arm.values("val_loss"))
+        loss = fmt(d["mean"]) + (f" ± {d['sd']:.4f}" if d["sd"] is not None else "")
+        ci = f"{d['mean'] - d['half']:.4f} to {d['mean'] + d['half']:.4f}" if d["half"] is not None else \
+            ("one run: none" if d["n"] == 1 else "-")
+        rest = []
+        for name, _, spec in METRICS[1:]:
+            e = describe(arm.values(name))
+            rest.append(fmt(e["mean"], spec) + (f" ± {e['sd']:{spec}}" if e["sd"] is not None else ""))
+        lines.append(f"| {arm.label} | {d['n']} | {loss} | {ci} | " + " | ".join(rest) + " |")
     return "\n".join(lines)
 
 
-def report(paths, out=None) -> dict:
-    runs = find_runs(paths)
-    rows = [summarize(r, label) for r, label in zip(runs, run_labels(runs))]
+def pairs_table(comparisons: list) -> str:
+    lines = ["| arm | minus arm | val loss difference | 95% interval | test | p | verdict |", "|---|---|---|---|---|---|---|"]
+    for c in comparisons:
+        ci = f"{c['diff'] - c['half']:+.4f} to {c['diff'] + c['half']:+.4f}" if c["half"] is not None else "-"
+        test = f"{c['test']}, n={c.get('n', min(c['n_a'], c['n_b']))}" if c["test"] else "-"
+        lines.append(f"| {c['b']} | {c['a']} | {fmt(c['diff'], '+.4f')} | {ci} | {test} | {fmt(c['p'], '.3f')} | "
+                     f"{verdict(c)} |")
+    return "\n".join(lines)
+
+
+def footnote(arms: list) -> str:
+    full = all(r.final["full_val"] for a in arms for r in a.runs)
+    return ("Val loss: " + ("over the whole val split at the last step (val/loss_full)" if full else
+                            "the last evaluation's (eval_iters random windows; runs logged no whole-split loss)")
+            + ". Mean ± sd over an arm's runs (sd with n − 1); 95% interval of the mean = mean ± t(0.975, n − 1)·sd/√n "
+            "(Student t). Differences: a paired t-test on the per-seed differences where both arms ran the same "
+            "seeds (seed and train.data_seed), else Welch's t-test; 95% intervals of the difference; no correction "
+            "for the number of pairs compared. An arm of one run gives no interval.")
+
+
+# ----------------------------------------------------------------------------- the report
+
+def plot_arm_bands(arms: list, path, keys: list):
+    """Each arm's mean over its runs against the step with its 95% band, one panel per metric key."""
+    lines = []
+    for i, (key, label) in enumerate(keys):
+        for a in arms:
+            curves = [c for c in (series(r.metrics, key) for r in a.runs) if c[0]]
+            if curves:
+                lines.append((f"{a.label} (n={len(curves)})", i, *curve_band(curves)))
+    return plot_bands(lines, path, [(f"{label}: mean over seeds, 95% band", label) for _, label in keys])
+
+
+def report(paths, out=None, baseline=None) -> dict:
+    runs = [summarize(r) for r in find_runs(paths)]
+    arms = group_arms(runs)
+    if baseline is not None and baseline not in [a.label for a in arms]:
+        raise UserError(f"--baseline {baseline!r} is not an arm; the arms are: " + "; ".join(a.label for a in arms))
+    base = next((a for a in arms if a.label == baseline), arms[0])
+    pairs = [(base, a) for a in arms if a is not base] if baseline or len(arms) > 5 else \
+        list(itertools.combinations(arms, 2))
+    comparisons = [compare(a, b) for a, b in pairs]
     if out is None:
         out = paths[0] if len(paths) == 1 and not (Path(paths[0]) / "metrics.jsonl").is_file() else "report"
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    plot_val_loss(rows, out / "val_loss.png")
-    files = [out / "val_loss.png"]
-    if any(r["attn_entropy"] is not None for r in rows):
-        plot_attn_compare(rows, out / "attn_stats.png")
-        files.append(out / "attn_stats.png")
-    if any("incontext/gain" in m for r in rows for m in r["metrics"]):  # head roles and induction
-        plot_head_roles_compare(rows, out / "attn_heads.png")
-        files.append(out / "attn_heads.png")
-    md = table(rows)
+    files = [plot_arm_bands(arms, out / "val_loss.png", [("val/loss", "val loss (nats/token)")])]
+    if any(a.values("attn_entropy") for a in arms):
+        files.append(plot_arm_bands(arms, out / "attn_stats.png", [
+            ("attn_entropy/mean", "attention entropy (nats)"), ("attn_entropy_norm/mean", "entropy / ln(keys)"),
+            ("attn_peak/mean", "peak attention weight")]))
+    if len(arms) > 1:
+        lines = [(f"{a.label}{' (paired by seed)' if paired else ''}", 0, *curve)
+                 for a in arms if a is not base for *curve, paired in [difference_curve(base, a)]]
+        files.append(plot_bands(lines, out / "val_loss_diff.png",
+                                [(f"val loss minus {base.label}'s, 95% band", "difference (nats/token)")], reference=0))
+    if any("incontext/gain" in m for r in runs for m in r.metrics):  # head roles and induction
+        rows = [{"run": f"{a.label} [{r.seed}]" if len(a.runs) > 1 else a.label, "metrics": r.metrics}
+                for a in arms for r in a.runs]
+        files.append(plot_head_roles_compare(rows, out / "attn_heads.png"))
+    md = "\n\n".join([arm_table(arms), pairs_table(comparisons) if comparisons else "", footnote(arms)]).replace("\n\n\n", "\n\n")
     (out / "report.md").write_text(md + "\n")
     files.append(out / "report.md")
-    return {"table": md, "rows": rows, "files": files}
+    rows = [{"run": a.label, "dir": str(r.dir), "seed": r.seed, **r.final, "metrics": r.metrics}
+            for a in arms for r in a.runs]
+    return {"table": md, "arms": arms, "comparisons": comparisons, "rows": rows, "files": files}
 
 
 @cli
@@ -114,8 +360,9 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("dirs", nargs="+", help="run dirs or sweep (multirun) dirs")
     parser.add_argument("--out", default=None, help="where to write the PNGs and report.md")
+    parser.add_argument("--baseline", default=None, help="compare every arm with this one (its label as printed)")
     args = parser.parse_args(argv)
-    result = report(args.dirs, args.out)
+    result = report(args.dirs, args.out, args.baseline)
     print(result["table"])
     print("wrote " + ", ".join(map(str, result["files"])), file=sys.stderr)
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The architecture comparisons (docs/variants.md) on tiny shakespeare at nanoGPT's CPU size (4x4x128,
-# block 64, batch 12), one run after another, then one report per comparison:
+# block 64, batch 12), each for SEEDS ("1 2 3"), one run after another, then one report per comparison:
 #   bash tools/variants_evidence.sh [path/to/tinyshakespeare.txt] [out dir]
 # Each comparison is one sweep for a user (`python train.py -m experiment=gqa_sweep ...`); here the
 # baseline they all share (same config, same seed: the same run bit for bit) is trained once per
@@ -9,12 +9,18 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 DATA=${1:-../shared/data/tinyshakespeare.txt}
 OUT=${2:-outputs/variants}
-run() {  # dir, then overrides
-  local dir=$OUT/runs/$1; shift
-  [ -f "$dir/ckpt_done" ] && return 0
-  rm -rf "$dir"
-  python train.py experiment=nanogpt_cpu "$@" data.path="$DATA" logger.wandb.mode=disabled hydra.run.dir="$dir"
-  touch "$dir/ckpt_done"
+SEEDS=${SEEDS:-"1 2 3"}
+mkdir -p "$OUT/runs"
+run() {  # name, then overrides: one run dir per seed, NAME_sSEED
+  local name=$1 seed; shift
+  for seed in $SEEDS; do
+    local dir=$OUT/runs/${name}_s$seed
+    [ -f "$dir/ckpt_done" ] && continue
+    rm -rf "$dir"
+    python train.py experiment=nanogpt_cpu "$@" seed="$seed" data.path="$DATA" logger.wandb.mode=disabled \
+      hydra.run.dir="$dir" 2> "$dir.log" || { tail -5 "$dir.log"; return 1; }
+    touch "$dir/ckpt_done"
+  done
 }
 SHORT=(train.max_iters=1000 train.lr_decay_iters=1000)
 DEEP=(model.n_layer=12 train.max_iters=500 train.lr_decay_iters=500 train.eval_interval=50)  # 3x the cost per step
@@ -36,10 +42,10 @@ run rmsnorm "${SHORT[@]}" model.norm=rmsnorm
 run swiglu "${SHORT[@]}" model.mlp=swiglu model.d_ff=344
 run relu2 "${SHORT[@]}" model.mlp=relu2
 run rmsnorm_swiglu "${SHORT[@]}" model.norm=rmsnorm model.mlp=swiglu model.d_ff=344
-group() {  # name, then run names: a folder of links that report.py reads as one sweep
-  local g=$OUT/$1; shift
+group() {  # name, then run names: a folder of links (every seed of each) that report.py reads as one sweep
+  local g=$OUT/$1 r seed; shift
   rm -rf "$g"; mkdir -p "$g"
-  for r in "$@"; do ln -s "../runs/$r" "$g/$r"; done
+  for r in "$@"; do for seed in $SEEDS; do ln -s "../runs/${r}_s$seed" "$g/${r}_s$seed"; done; done
   python tools/report.py "$g"/* --out "$g"
 }
 group gqa base_2000 kv2 kv1
