@@ -209,8 +209,21 @@ class KVCache:
 
 class StaticKVCache(KVCache):
     """The same ring buffer with fixed shapes, for a compiled decode step (as gpt-fast does): the
-    position is a tensor, each step attends over all `length` slots and a mask hides those not
-    written yet, so one graph serves every step and nothing waits for the host."""
+    position is a tensor, each step attends over every slot and a mask hides those not written yet,
+    so one graph serves every step and nothing waits for the host.
+
+    The storage is padded to a multiple of ALIGN slots (masked, never written: GPU attention kernels
+    want aligned key lengths) and its tensors are marked as static addresses, so a CUDA graph can
+    capture the step: inputs mutated in place that are not static make torch.compile skip CUDA graphs."""
+    ALIGN = 64
+
+    def __init__(self, batch_size, n_kv_head, length, head_dim, device=None, dtype=torch.float32):
+        padded = -(-length // self.ALIGN) * self.ALIGN
+        super().__init__(batch_size, n_kv_head, padded, head_dim, device, dtype)
+        self.length = length  # the ring's size: position p lives in slot p % length
+        self.slots = torch.arange(padded, device=device)
+        for t in (self.k, self.v, self.slots):
+            torch._dynamo.mark_static_address(t)
 
     def update(self, pos, k, v):
         if not torch.is_tensor(pos):  # the prefill runs eagerly, as for KVCache
@@ -218,7 +231,7 @@ class StaticKVCache(KVCache):
         slot = pos % self.length  # (1,)
         self.k.index_copy_(2, slot, k.to(self.k.dtype))
         self.v.index_copy_(2, slot, v.to(self.v.dtype))
-        written = torch.arange(self.length, device=pos.device) <= pos  # positions 0..pos, all once full
+        written = (self.slots <= pos) & (self.slots < self.length)  # positions 0..pos, all once full; never the pad
         return self.k, self.v, written.view(1, 1, 1, -1)
 
 

@@ -326,9 +326,9 @@ def setup_runtime(device_name: str, dtype_name: str) -> Runtime:
     """Device and autocast dtype; TF32 matmuls on CUDA (free speed, fp32 range)."""
     device = pick_device(device_name)
     dtype = pick_dtype(dtype_name, device)
-    if device.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
+    if device.type == "cuda":  # torch >= 2.9's precision API (allow_tf32 is its deprecated form)
+        torch.backends.cuda.matmul.fp32_precision = "tf32"
+        torch.backends.cudnn.fp32_precision = "tf32"
     return Runtime(device, dtype)
 
 

@@ -117,6 +117,7 @@ class CachedDecoder:
         if compile:  # one graph for every step: the position is a tensor, the cache has a fixed shape
             model.rope_at(0, prompt.size(1) + max_new_tokens)  # grow the RoPE table now, not inside the graph
             self.pos_t = torch.tensor([self.pos], device=idx.device)
+            torch._dynamo.mark_static_address(self.pos_t)  # updated in place each step: CUDA graphs need it static
             mode = "reduce-overhead" if idx.device.type == "cuda" else None  # CUDA graphs: no launch overhead
             decode = torch.compile(self.static_step, mode=mode, fullgraph=True, dynamic=False)
             self.step = lambda token: decode(token, self.pos_t)

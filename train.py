@@ -369,9 +369,12 @@ def evaluate(run: Run, last: bool = False):
 
 
 def probe_attention(run: Run) -> float:
-    """Attention statistics of the fixed probe batch, logged; returns the seconds it took."""
+    """Attention statistics of the fixed probe batch, logged; returns the seconds it took. The probe's
+    forward runs under the run's autocast, as training does: on a GPU in bf16, q, k and v then reach
+    the flash kernel in a dtype it has (it has no fp32); the statistics are computed in fp32."""
     t0 = time.perf_counter()
-    stats = run.probe.run(run.model)
+    with run.rt.autocast():
+        stats = run.probe.run(run.model)
     run.tracker.log(stats, run.step)
     run.attn_history.append({"step": run.step, **stats})
     return time.perf_counter() - t0
@@ -480,9 +483,10 @@ def write_plots(run: Run):
     try:  # the maps of the probe text (its first row, at most 256 tokens: the HTML stays a few MB)
         from plots import write_views
         m = run.mcfg
-        views = write_views(run.model, run.probe.idx[:1, :256], run.data.tokenizer, run.out_dir,
-                            title=f"attention on the probe text at step {run.step}",
-                            meta=f"{run.out_dir.name} · {m.n_layer} layers × {m.n_head} heads · block {m.block_size}")
+        with run.rt.autocast():  # as the probe: the flash kernel has no fp32
+            views = write_views(run.model, run.probe.idx[:1, :256], run.data.tokenizer, run.out_dir,
+                                title=f"attention on the probe text at step {run.step}",
+                                meta=f"{run.out_dir.name} · {m.n_layer} layers × {m.n_head} heads · block {m.block_size}")
         run.tracker.log_image("attention/maps", views["png"], run.step)
         if run.tracker.run is not None:
             import wandb

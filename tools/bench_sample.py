@@ -29,11 +29,12 @@ from omegaconf import MISSING, OmegaConf
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as tools/X.py: the repo's modules
 
-from common import DTYPES, POSITIVE, SEED, OneOf, Range, Timer, UserError, check_values, cli, pick_device, run_app
+from common import (DTYPES, POSITIVE, SEED, OneOf, Range, Timer, UserError, check_values, cli, run_app,
+                    setup_runtime)
 from config import model_config
 from counting import decode_bytes
 from model import GPT, GPTConfig
-from sample import decode_layout, generate
+from sample import decode_layout, generate, kv_cache_dtype
 
 
 @dataclass
@@ -46,14 +47,16 @@ class BenchSampleConfig:
     compile: List[bool] = field(default_factory=lambda: [False, True])  # cached decode step eager / compiled
     recompute: bool = True  # also time the no-cache path (batch 1, eager)
     threads: Optional[int] = None  # intra-op CPU threads for the timed runs; unset: torch's default
-    layouts: List[str] = field(default_factory=lambda: ["column"])  # Linear weights as trained (row) or as sample.py lays them out on CPU (column)
-    kv_dtypes: List[str] = field(default_factory=lambda: ["float32", "bfloat16"])  # KV cache dtypes (sample.kv_dtype)
+    dtype: str = "auto"  # autocast dtype, as sample.py: auto = bfloat16 on capable GPUs, else float32
+    layouts: List[str] = field(default_factory=lambda: ["auto"])  # Linear weights: auto (what sample.py does: column-major on CPU) | row | column
+    kv_dtypes: List[str] = field(default_factory=lambda: ["float32", "bfloat16"])  # KV cache dtypes (sample.kv_dtype; auto = sample.py's choice)
     repeats: int = 3  # timed runs per case, interleaved; the median is reported
     seed: int = 0
 
     RULES: ClassVar[dict] = {
         "tokens": POSITIVE, "vocab_size": POSITIVE, "batch_sizes": POSITIVE, "threads": Range(1, 4096),
-        "layouts": OneOf(("row", "column")), "kv_dtypes": OneOf(tuple(DTYPES)), "repeats": POSITIVE, "seed": SEED,
+        "layouts": OneOf(("auto", "row", "column")), "kv_dtypes": OneOf(("auto", *DTYPES)), "repeats": POSITIVE,
+        "seed": SEED, "dtype": OneOf(("auto", *DTYPES)),
     }
 
 
@@ -82,13 +85,15 @@ def bench_sample(cfg) -> dict:
     for key in ("batch_sizes", "layouts", "kv_dtypes"):  # each a list of cases to time
         if not cfg[key] or len(set(cfg[key])) < len(cfg[key]):
             raise UserError(f"{key}={list(cfg[key])}: list at least one value, each once")
-    device = pick_device(cfg.device)
+    rt = setup_runtime(cfg.device, cfg.dtype)  # the device and autocast sample.py would use
+    device = rt.device
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
     mcfg = model_config({**OmegaConf.to_container(cfg.model, resolve=True), "dropout": 0.0}, cfg.vocab_size)
     model = GPT(mcfg).to(device).eval()
-    models = {layout: decode_layout(copy.deepcopy(model)) if layout == "column" else model for layout in cfg.layouts}
+    column = {"row": False, "column": True, "auto": device.type == "cpu"}  # auto: as sample.py lays weights out
+    models = {layout: decode_layout(copy.deepcopy(model)) if column[layout] else model for layout in cfg.layouts}
     bandwidth = memory_bandwidth(device)
     print(f"{model.num_params() / 1e6:.1f}M params, block {mcfg.block_size}, {cfg.tokens} new tokens, "
           f"device {device}, {torch.get_num_threads()} threads, memory bandwidth {bandwidth / 1e9:.1f} GB/s, "
@@ -109,9 +114,10 @@ def bench_sample(cfg) -> dict:
 
     def timed(case, tokens):
         m, batch, kw = case
-        kw = {**kw, "kv_dtype": DTYPES.get(kw.get("kv_dtype"))}  # None: the model's
+        if "kv_dtype" in kw:
+            kw = {**kw, "kv_dtype": kv_cache_dtype(kw["kv_dtype"], rt, batch)}  # sample.py's rule for auto
         prompt = torch.zeros(batch, 1, dtype=torch.long, device=device)
-        with Timer(device) as t:
+        with Timer(device) as t, rt.autocast():
             out = generate(m, prompt, tokens, temperature=0, **kw)
         assert out.shape == (batch, tokens + 1)
         return batch * tokens / t.seconds
@@ -128,7 +134,8 @@ def bench_sample(cfg) -> dict:
         note = ""
         if kw["kv_cache"]:  # mean bytes per step over the run: the cache fills up to a block
             context = min(mcfg.block_size, (cfg.tokens + 1) // 2)
-            bound = batch * bandwidth / decode_bytes(m.config, batch, context, kv_bytes=DTYPES[kw["kv_dtype"]].itemsize)
+            kv_bytes = kv_cache_dtype(kw["kv_dtype"], rt, batch).itemsize
+            bound = batch * bandwidth / decode_bytes(m.config, batch, context, kv_bytes=kv_bytes)
             rows[n]["fraction_of_bound"] = rows[n]["tokens_per_sec"] / bound
             note = f"  {100 * rows[n]['fraction_of_bound']:5.1f}% of the bandwidth bound"
         spread = f"({min(speeds[n]):.0f}-{max(speeds[n]):.0f})" if cfg.repeats > 1 else ""
