@@ -1,6 +1,6 @@
-"""Causal self-attention, read top-down: the scale, the mask, one attention function (a fast path
-and a plain-math reference path), RoPE, QK-Norm, KV caches, and the attention module that puts them
-together.
+"""Causal self-attention, read top-down: the scale, the mask, one attention function (a fast path,
+a plain-math reference path and FlashAttention's tiled algorithm), RoPE, QK-Norm, KV caches, and the
+attention kinds that put them together: softmax attention, and linear attention.
 
     softmax(q·kᵀ·scale + M) · v
 
@@ -8,9 +8,17 @@ together.
   2017), `none` (1.0) or `dk` (1/d_k, muP), or any positive number, to ablate it.
 - M: 0 where a key is visible, -inf elsewhere: causal (a query sees itself and earlier keys), and
   optionally within a window of the latest keys.
-- Two paths, one function: `sdpa` (F.scaled_dot_product_attention: flash / memory-efficient kernels
-  on a GPU) and `reference` (explicit scores, mask, softmax, weights @ V). Tests hold them equal, and
-  the attention statistics are computed from the reference scores.
+- Three paths, one function: `sdpa` (F.scaled_dot_product_attention: flash / memory-efficient
+  kernels on a GPU), `reference` (explicit scores, mask, softmax, weights @ V) and `tiled`
+  (FlashAttention's algorithm in plain PyTorch: blocks of keys and an online softmax, so the N x N
+  table is never built, forward or backward). Tests hold them equal, and the attention statistics
+  are computed from the reference scores.
+- Sliding windows (`model.attn.window`, Longformer, Mistral, Gemma 2): a query sees only the latest
+  W keys, in every layer or in the local layers of a local/global pattern; a local layer's KV cache
+  holds W positions.
+- Linear attention (`model.attn.kind=linear`, Katharopoulos et al. 2020, arXiv 2006.16236): the
+  kernel φ(q)·φ(k) instead of softmax, so the product re-associates and a constant-size state
+  replaces the KV cache.
 - RoPE (Su et al. 2021, arXiv 2104.09864) rotates q and k, never v: q·k then depends only on the
   offset between two positions, which is also what lets a KV cache slide past block_size.
 - QK-Norm (Henry et al. 2020, arXiv 2010.04245; Dehghani et al. 2023, arXiv 2302.05442): q and k
@@ -20,22 +28,25 @@ together.
 - Grouped-query / multi-query attention (`n_kv_head`, Ainslie et al. 2023, arXiv 2305.13245; Shazeer
   2019, arXiv 1911.02150): consecutive query heads share one key/value head.
 
-Every option is chosen once, in CausalSelfAttention.__init__ (which function normalises, which path
-attends); what forward still branches on is the call itself: a cache, a window, grouped heads.
+Every option is chosen once, at construction (which class is the layer's attention, which function
+normalises, which path attends, which window the layer has); what forward still branches on is the
+call itself: a cache, a window, grouped heads.
 """
 import math
 from dataclasses import dataclass
-from typing import ClassVar
+from functools import partial
+from typing import ClassVar, Optional
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from common import OneOf, Rule
+from common import OneOf, Range, Rule, UserError
 
 QK_NORM_TYPES = ("rms", "layer", "l2")
 QK_NORM_GAINS = ("none", "head", "channel")
-IMPLS = ("sdpa", "reference")
+IMPLS = ("sdpa", "reference", "tiled")
+KINDS = ("softmax", "linear")
 NAMED_SCALES = ("sqrt_dk", "none", "dk")
 
 
@@ -52,14 +63,36 @@ class AttnConfig:
     qk_norm: bool = False  # normalise q and k per head before RoPE
     qk_norm_type: str = "rms"  # rms | layer | l2 (all parameter-free unless qk_norm_gain is set)
     qk_norm_gain: str = "none"  # none | head (one scalar per head) | channel (one per head dim)
-    impl: str = "sdpa"  # sdpa (fast path) | reference (plain math, for checking and statistics)
+    impl: str = "sdpa"  # sdpa (fast path) | reference (plain math, for checking and statistics) | tiled (FlashAttention's algorithm)
+    block: int = 128  # impl=tiled: queries and keys per tile
+    window: Optional[int] = None  # each query sees only the latest `window` keys (itself included); unset: all
+    window_pattern: str = "L"  # with a window: L (local) or G (global) per layer, repeated over the layers (LG: alternating)
+    kind: str = "softmax"  # softmax | linear (phi(q).phi(k) with phi = elu + 1: linear in N, an RNN's state when decoding)
 
     RULES: ClassVar[dict] = {
         "scale": Rule(lambda v: str(v) in NAMED_SCALES or positive_number(v), "sqrt_dk, none, dk or a positive number"),
         "qk_norm_type": OneOf(QK_NORM_TYPES),
         "qk_norm_gain": OneOf(QK_NORM_GAINS),
         "impl": OneOf(IMPLS),
+        "block": Range(1, 65536),
+        "window": Range(1, why="keys a query sees, itself included"),
+        "window_pattern": Rule(lambda v: bool(v) and set(str(v)) <= {"L", "G"}, "a string of L (local) and G (global)"),
+        "kind": OneOf(KINDS),
     }
+
+
+def check_attention_options(attn: AttnConfig, dropout: float):
+    """The attention options that only fail together: each must change what the model computes."""
+    if attn.kind == "linear":
+        for key, default in (("impl", "sdpa"), ("scale", "sqrt_dk"), ("window", None)):
+            if getattr(attn, key) != default:
+                raise UserError(f"model.attn.{key}={getattr(attn, key)} has no effect with model.attn.kind=linear "
+                                "(no softmax, no logits, no N x N table): leave it unset")
+    if attn.impl == "tiled" and dropout > 0:
+        raise UserError(f"model.attn.impl=tiled does not drop attention weights: set model.dropout=0 (now {dropout}) "
+                        "or use impl=sdpa")
+    if attn.window is None and attn.window_pattern != "L":
+        raise UserError(f"model.attn.window_pattern={attn.window_pattern} has no effect without model.attn.window=W")
 
 
 def resolve_scale(scale, head_dim: int) -> float:
@@ -124,17 +157,126 @@ def reference_attention(q, k, v, scale, causal=True, dropout_p=0.0, window=None,
     return weights @ v
 
 
-ATTENTION_PATHS = {"sdpa": sdpa_attention, "reference": reference_attention}
+def key_blocks(q0: int, q1: int, Tk: int, offset: int, block: int, causal: bool, window):
+    """The key blocks [k0, k1) the queries q0..q1-1 (positions offset + q) can see any key of: a
+    causal query sees no later key, a windowed one none older than its window. Blocks past that are
+    never computed (FlashAttention skips them too: the causal half of the table costs nothing)."""
+    lo = 0 if not causal or window is None else max(0, offset + q0 - window + 1) // block * block
+    hi = Tk if not causal else min(Tk, offset + q1)
+    return [(k0, min(k0 + block, hi)) for k0 in range(lo, hi, block)]
+
+
+def tile_mask(q0, q1, k0, k1, offset, causal, window, key_mask, device):
+    """Which keys k0..k1-1 the queries q0..q1-1 see: (q1 - q0, k1 - k0) bool, or None if all."""
+    mask = None
+    if causal:
+        i = torch.arange(q0, q1, device=device)[:, None] + offset
+        j = torch.arange(k0, k1, device=device)[None, :]
+        mask = j <= i
+        if window is not None:
+            mask &= j > i - window
+    if key_mask is not None:
+        slots = key_mask.reshape(-1)[k0:k1]
+        mask = slots.expand(q1 - q0, -1) if mask is None else mask & slots
+    return mask
+
+
+class TiledAttention(torch.autograd.Function):
+    """FlashAttention's algorithm (Dao et al. 2022, arXiv 2205.14135), written for reading: queries
+    and keys in blocks, an online softmax (Milakov & Gimelshein 2018, arXiv 1805.02867) and a
+    backward pass that recomputes each block's scores. All N² dot products are still computed (less
+    the blocks a causal mask hides); the N x N table never exists: a training step keeps only q, k, v,
+    the output and one log-sum-exp per query row, O(N) memory.
+
+    Forward, per block of queries: a running maximum m, a running sum l of exp(s - m) and a running
+    output o. For each block of keys, s = q·kᵀ·scale; m' = max(m, max_j s); the old l and o are
+    rescaled by exp(m - m'), then l += Σ_j exp(s - m'), o += exp(s - m')·v. At the end o / l is the
+    softmax-weighted sum, and m + ln l (the log-sum-exp) is all the backward needs to rebuild the
+    weights p = exp(s - lse) of any block. Backward, with D_i = Σ_d dO_id O_id:
+    dV += pᵀ dO, dP = dO Vᵀ, dS = p ∘ (dP - D), dQ += dS K · scale, dK += dSᵀ Q · scale.
+    Grouped-query heads read their shared k, v without copying them (the g query heads of a kv head
+    are one batch dimension); everything accumulates in at least fp32."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, scale, causal, window, key_mask, block):
+        B, nh, Tq, hs = q.shape
+        n_kv, Tk = k.size(1), k.size(2)
+        acc = torch.promote_types(q.dtype, torch.float32)
+        qg = q.view(B, n_kv, nh // n_kv, Tq, hs).to(acc)  # (B, n_kv, g, Tq, hs): query heads by kv head
+        kg, vg = k.unsqueeze(2).to(acc), v.unsqueeze(2).to(acc)  # (B, n_kv, 1, Tk, hs)
+        out = torch.zeros_like(qg)
+        lse = torch.full(qg.shape[:-1], float("-inf"), dtype=acc, device=q.device)  # (B, n_kv, g, Tq)
+        offset = Tk - Tq  # the queries are the last Tq positions
+        for q0 in range(0, Tq, block):
+            q1 = min(q0 + block, Tq)
+            m = torch.full((*qg.shape[:3], q1 - q0), float("-inf"), dtype=acc, device=q.device)
+            l, o = torch.zeros_like(m), torch.zeros_like(qg[..., q0:q1, :])
+            for k0, k1 in key_blocks(q0, q1, Tk, offset, block, causal, window):
+                s = qg[..., q0:q1, :] @ kg[..., k0:k1, :].transpose(-2, -1) * scale  # (B, n_kv, g, bq, bk)
+                mask = tile_mask(q0, q1, k0, k1, offset, causal, window, key_mask, q.device)
+                if mask is not None:
+                    s = s.masked_fill(~mask, float("-inf"))
+                m_new = torch.maximum(m, s.amax(-1))
+                m_safe = m_new.masked_fill(m_new == float("-inf"), 0.0)  # a row that sees no key yet
+                p = torch.exp(s - m_safe.unsqueeze(-1))
+                rescale = torch.exp(m - m_safe)  # the earlier blocks' partial sums, moved to the new max
+                l = l * rescale + p.sum(-1)
+                o = o * rescale.unsqueeze(-1) + p @ vg[..., k0:k1, :]
+                m = m_new
+            out[..., q0:q1, :] = o / l.unsqueeze(-1)
+            lse[..., q0:q1] = m + torch.log(l)
+        ctx.save_for_backward(q, k, v, out, lse, key_mask)
+        ctx.args = (scale, causal, window, block)
+        return out.view(B, nh, Tq, hs).to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse, key_mask = ctx.saved_tensors
+        scale, causal, window, block = ctx.args
+        B, nh, Tq, hs = q.shape
+        n_kv, Tk = k.size(1), k.size(2)
+        acc = out.dtype
+        qg, kg, vg = q.view(B, n_kv, nh // n_kv, Tq, hs).to(acc), k.unsqueeze(2).to(acc), v.unsqueeze(2).to(acc)
+        do = dout.reshape(qg.shape).to(acc)
+        D = (do * out).sum(-1)  # (B, n_kv, g, Tq)
+        dq, dk, dv = torch.zeros_like(qg), torch.zeros_like(kg), torch.zeros_like(vg)
+        offset = Tk - Tq
+        for q0 in range(0, Tq, block):
+            q1 = min(q0 + block, Tq)
+            for k0, k1 in key_blocks(q0, q1, Tk, offset, block, causal, window):
+                s = qg[..., q0:q1, :] @ kg[..., k0:k1, :].transpose(-2, -1) * scale
+                mask = tile_mask(q0, q1, k0, k1, offset, causal, window, key_mask, q.device)
+                if mask is not None:
+                    s = s.masked_fill(~mask, float("-inf"))
+                p = torch.exp(s - lse[..., q0:q1].unsqueeze(-1))  # this block's softmax weights, rebuilt
+                dv[..., k0:k1, :] += (p.transpose(-2, -1) @ do[..., q0:q1, :]).sum(2, keepdim=True)
+                dp = do[..., q0:q1, :] @ vg[..., k0:k1, :].transpose(-2, -1)
+                ds = p * (dp - D[..., q0:q1].unsqueeze(-1))
+                dq[..., q0:q1, :] += ds @ kg[..., k0:k1, :] * scale
+                dk[..., k0:k1, :] += (ds.transpose(-2, -1) @ qg[..., q0:q1, :]).sum(2, keepdim=True) * scale
+        return (dq.view(q.shape).to(q.dtype), dk.squeeze(2).to(k.dtype), dv.squeeze(2).to(v.dtype),
+                None, None, None, None, None)
+
+
+def tiled_attention(q, k, v, scale, causal=True, dropout_p=0.0, window=None, key_mask=None, block=128):
+    """FlashAttention's algorithm in plain PyTorch (TiledAttention); no attention dropout."""
+    if dropout_p > 0:
+        raise ValueError("the tiled path does not drop attention weights")
+    return TiledAttention.apply(q, k, v, scale, causal, window, key_mask, block)
+
+
+ATTENTION_PATHS = {"sdpa": sdpa_attention, "reference": reference_attention, "tiled": tiled_attention}
 
 
 def attention(q, k, v, scale: float, *, causal: bool = True, impl: str = "sdpa", dropout_p: float = 0.0,
-              window=None, key_mask=None):
+              window=None, key_mask=None, block: int = 128):
     """softmax(q·kᵀ·scale + M)·v for q (B, nh, Tq, hs) and k, v (B, n_kv, Tk, hs) -> (B, nh, Tq, hs).
 
     M is 0 where a key is visible (causal, and within `window` if given), -inf elsewhere. With
     n_kv < nh (grouped-query attention) each kv head serves nh / n_kv consecutive query heads.
     key_mask (1, 1, 1, Tk) bool, for a single query: which cache slots hold a key (a static cache)."""
-    return ATTENTION_PATHS[impl](q, k, v, scale, causal, dropout_p, window, key_mask)
+    kw = {"block": block} if impl == "tiled" else {}
+    return ATTENTION_PATHS[impl](q, k, v, scale, causal, dropout_p, window, key_mask, **kw)
 
 
 # ----------------------------------------------------------------------------- RoPE and QK-Norm
@@ -194,12 +336,17 @@ class KVCache:
 
     def update(self, pos: int, k, v):
         """Store k, v (B, n_kv, T, hs) for positions pos..pos+T-1; return all cached (B, n_kv, n, hs)
-        and a key mask (None: every returned slot holds a key)."""
+        and a key mask (None: every returned slot holds a key). A prefill longer than the cache (a
+        windowed layer's cache holds one window) keeps its latest `length` positions and returns all
+        T for its own, windowed, attention."""
         T = k.size(2)
         if T > 1 and pos != 0:
             raise ValueError("a KV cache takes a multi-token chunk only as the first (prefill) step")
-        if T > self.length:
-            raise ValueError(f"prefill of {T} tokens does not fit a cache of {self.length}")
+        if T > self.length:  # ring slot of position p is p % length, as for every later step
+            keep = torch.arange(T - self.length, T, device=k.device)
+            self.k.index_copy_(2, keep % self.length, k[:, :, keep].to(self.k.dtype))
+            self.v.index_copy_(2, keep % self.length, v[:, :, keep].to(self.v.dtype))
+            return k, v, None
         slot = pos % self.length  # a prefill starts at 0 and fits, a decode step writes one slot: no wrap
         self.k[:, :, slot:slot + T] = k  # cast to the cache's dtype on the way in
         self.v[:, :, slot:slot + T] = v
@@ -249,6 +396,7 @@ class CausalSelfAttention(nn.Module):
     """Multi-head causal self-attention: one fused q|k|v projection, QK-Norm and RoPE on q and k,
     the attention function, the output projection. Hook points: hook_q (B, nh, T, hs) and hook_k
     (B, n_kv, T, hs), the q and k that enter attention (normed, rotated)."""
+    softmax = True  # its weights are a softmax of logits: the attention probe reads them
 
     def __init__(self, config, layer: int):
         super().__init__()
@@ -269,6 +417,11 @@ class CausalSelfAttention(nn.Module):
         self.k_gain = nn.Parameter(torch.ones(config.n_kv_head, per)) if per else None
         self.norm_kind = config.attn.qk_norm_type if config.attn.qk_norm else None
         self.attend = ATTENTION_PATHS[config.attn.impl]
+        if config.attn.impl == "tiled":
+            self.attend = partial(tiled_attention, block=config.attn.block)
+        pattern = config.attn.window_pattern
+        local = config.attn.window is not None and pattern[layer % len(pattern)] == "L"
+        self.window = config.attn.window if local else None  # this layer's own window (None: global)
         self.hook_q, self.hook_k = HookPoint(), HookPoint()
 
     def normalize(self, x, gain):
@@ -311,11 +464,18 @@ class CausalSelfAttention(nn.Module):
         gains = 1.0 if self.q_gain is None else self.q_gain.abs().max().item() * self.k_gain.abs().max().item()
         return self.scale * norm_sq * gains
 
+    def new_cache(self, batch_size: int, length: int, device, dtype, static: bool = False):
+        """This layer's KV cache for generation: `length` positions, or its window's if shorter."""
+        length = length if self.window is None else min(length, self.window)
+        return (StaticKVCache if static else KVCache)(batch_size, self.n_kv_head, length, self.head_dim, device, dtype)
+
     def forward(self, x, *, rope=None, kv_cache=None, pos=0, window=None, ve=None):
         """x (B, T, C) at positions pos..pos+T-1 -> (B, T, C). kv_cache: this layer's cache (k, v
         are added to it and attention reads all it holds); window: each query sees only the latest
-        `window` keys; ve: the value embedding added to v."""
+        `window` keys (with the layer's own window, the narrower); ve: the value embedding added to v."""
         B, T, C = x.shape
+        if self.window is not None:
+            window = self.window if window is None else min(window, self.window)
         q, k, v = self.qkv(x, rope, ve)
         q, k = self.hook_q(q), self.hook_k(k)  # what the attention probe reads
         key_mask = None
@@ -326,3 +486,78 @@ class CausalSelfAttention(nn.Module):
                         key_mask).to(q.dtype)  # (B, nh, T, hs)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # re-assemble heads side by side
         return self.resid_dropout(self.c_proj(y))
+
+
+# ----------------------------------------------------------------------------- linear attention
+
+def elu_feature(x):
+    """φ(x) = elu(x) + 1 > 0: the feature map of Katharopoulos et al. (2020), whose inner products
+    φ(q)·φ(k) stand in for exp(q·k) (positive, so each row is still a weighted mean of values)."""
+    return F.elu(x) + 1
+
+
+class LinearState:
+    """A linear-attention layer's whole context, in constant size whatever its length: S = Σ_j
+    rope(φ(k_j)) v_jᵀ (B, n_kv, hs, hs) and z = Σ_j φ(k_j) (B, n_kv, hs). What a KV cache is to
+    softmax attention, this is to linear attention: an RNN's hidden state ("Transformers are RNNs")."""
+
+    def __init__(self, batch_size, n_kv_head, head_dim, device=None, dtype=torch.float32):
+        self.S = torch.zeros(batch_size, n_kv_head, head_dim, head_dim, device=device, dtype=dtype)
+        self.z = torch.zeros(batch_size, n_kv_head, head_dim, device=device, dtype=dtype)
+        for t in (self.S, self.z):  # updated in place by a compiled decode step
+            torch._dynamo.mark_static_address(t)
+
+    def nbytes(self) -> int:
+        return self.S.numel() * self.S.element_size() + self.z.numel() * self.z.element_size()
+
+
+class LinearAttention(CausalSelfAttention):
+    """Causal linear attention (Katharopoulos et al. 2020, arXiv 2006.16236): the weights of query i
+    on key j are φ(q_i)·φ(k_j) / Σ_{j'≤i} φ(q_i)·φ(k_j'), φ(x) = elu(x) + 1, so
+
+        y_i = φ(q_i)ᵀ S_i / φ(q_i)ᵀ z_i,   S_i = Σ_{j≤i} φ(k_j) v_jᵀ,   z_i = Σ_{j≤i} φ(k_j)
+
+    and the N x N product re-associates: training computes every S_i at once as prefix sums (the
+    parallel form, O(N·hs²) per head), generation carries S and z as a constant-size state (the
+    recurrent form). With RoPE, φ(q) and φ(k) are rotated in the numerator only, as the RoPE paper
+    does for linear attention (Su et al. 2021, §3.4.4): the denominator keeps every weight's sum.
+    QK-Norm applies before φ. No softmax: no scale, no logits, no windows, no N x N table."""
+
+    softmax = False  # the attention probe reads softmax attention only
+
+    def features(self, x, rope, ve):
+        """q, k, v as linear attention uses them: (φ rotated, φ) for q and k, v as is."""
+        q, k, v = self.qkv(x, None, ve)  # normed (QK-Norm), not rotated: φ comes first
+        fq, fk = elu_feature(q), elu_feature(k)  # (B, heads, T, hs)
+        if rope is None:
+            return (fq, fq), (fk, fk), v
+        rot = lambda t: rotate(t.transpose(1, 2), rope).transpose(1, 2)  # noqa: E731  rope wants (B, T, h, hs)
+        return (rot(fq), fq), (rot(fk), fk), v
+
+    def new_cache(self, batch_size: int, length: int, device, dtype, static: bool = False):
+        """The layer's recurrent state: its size does not depend on `length`."""
+        return LinearState(batch_size, self.n_kv_head, self.head_dim, device, torch.promote_types(dtype, torch.float32))
+
+    def forward(self, x, *, rope=None, kv_cache=None, pos=0, window=None, ve=None):
+        """x (B, T, C) -> (B, T, C); kv_cache: this layer's LinearState (prefill or one decode step)."""
+        B, T, C = x.shape
+        (qn, qd), (kn, kd), v = self.features(x, rope, ve)  # numerator (rotated) and denominator features
+        g = self.n_head // self.n_kv_head
+        acc = torch.promote_types(x.dtype, torch.float32)
+        qn, qd = (t.view(B, self.n_kv_head, g, T, -1).to(acc) for t in (qn, qd))  # query heads by kv head
+        kn, kd, v = kn.to(acc), kd.to(acc), v.to(acc)
+        # the parallel form: prefix sums over positions of φ(k_j) v_jᵀ and φ(k_j)
+        S = torch.cumsum(kn.unsqueeze(-1) * v.unsqueeze(-2), dim=2)  # (B, n_kv, T, hs, hs)
+        z = torch.cumsum(kd, dim=2)  # (B, n_kv, T, hs)
+        if kv_cache is not None:  # prefill from an empty state, or one step on top of it (recurrent form)
+            S, z = S + kv_cache.S.unsqueeze(2), z + kv_cache.z.unsqueeze(2)
+            kv_cache.S.copy_(S[:, :, -1])
+            kv_cache.z.copy_(z[:, :, -1])
+        num = torch.einsum("bkgtd,bktde->bkgte", qn, S)  # φ(q_i)ᵀ S_i
+        den = torch.einsum("bkgtd,bktd->bkgt", qd, z)  # φ(q_i)ᵀ z_i > 0
+        y = (num / den.unsqueeze(-1)).to(x.dtype).reshape(B, self.n_head, T, -1)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        return self.resid_dropout(self.c_proj(y))
+
+
+ATTENTION_KINDS = {"softmax": CausalSelfAttention, "linear": LinearAttention}

@@ -66,6 +66,8 @@ def reading_qk(model, fn):
     handles = []
     for layer, block in enumerate(model.blocks):
         attn, seen = block.attn, {}
+        if not attn.softmax:  # linear attention has no softmax weights to read (no hook points fire)
+            continue
 
         def read_q(module, args, q, seen=seen):
             seen["q"] = q
@@ -146,6 +148,8 @@ def attention_maps(model, idx, block: int = 256):
         model(idx)
     model.train(was_training)
     layers = sorted(maps)
+    if not layers:
+        raise ValueError("no layer of this model has softmax attention: there are no attention weights to map")
     names = ("entropy",) + ROLE_STATS
     return (torch.stack([maps[l] for l in layers]),
             {name: torch.stack([stats[l][name].cpu() for l in layers]) for name in names})
@@ -244,6 +248,8 @@ def flatten_stats(per_layer: dict) -> dict:
     """{layer: stats} -> metric keys attn_entropy/L{l}/H{h}, attn_entropy/L{l}, .../mean, etc.;
     the role statistics (and induction, when measured) per head and as per-layer means."""
     out = {}
+    if not per_layer:  # no softmax layer (linear attention): no attention statistics
+        return out
     for l, s in sorted(per_layer.items()):
         for h, v in enumerate(s["entropy"].tolist()):
             out[metric_key("entropy", l, h)] = v

@@ -10,6 +10,7 @@ keys, then weights.V) over the full N x N table, although a causal kernel comput
 half. Backward costs twice the forward, so training is 3 x forward = 6 FLOPs per weight per token
 plus 12*n_layer*N*d.
 """
+import math
 from fractions import Fraction
 
 ADAMW_BYTES_PER_PARAM = 8  # exp_avg + exp_avg_sq, fp32: train.py keeps fp32 weights and autocasts
@@ -54,21 +55,41 @@ def count_params(c) -> dict:
     return p
 
 
+def attention_macs(c, seq_len, layer: int) -> tuple:
+    """(scores, weighted_sum) MACs per token of one layer's attention at length seq_len. Softmax
+    attention: N * d each for q.k with N keys and the weighted sum of N values, over the full N x N
+    table (the texts' and PaLM's convention; a causal kernel computes about half) and over the
+    latest W keys in a layer with a window of W. Linear attention: each token adds φ(k)vᵀ and φ(k)
+    to its kv head's state (n_kv * hs * (hs + 1)) and each query head reads it (n_head * hs * (hs + 1)):
+    independent of N."""
+    a, hs = c.attn, c.head_dim
+    if a.kind == "linear":
+        return c.n_kv_head * hs * (hs + 1), c.n_head * hs * (hs + 1)
+    pattern = a.window_pattern
+    keys = seq_len if a.window is None or pattern[layer % len(pattern)] == "G" else min(seq_len, a.window)
+    return keys * c.n_embd, keys * c.n_embd
+
+
 def macs_per_token(c, seq_len) -> dict:
     """Forward MACs per token at length seq_len: per layer (q, k, v, o, scores, weighted_sum, mlp,
-    other; sums proj, attn, layer) and for the model (lm_head, other_final, forward). `other` is
+    other; sums proj, attn, layer; attention averaged over the layers, which differ only with a
+    local/global window pattern) and for the model (lm_head, other_final, forward). `other` is
     one MAC per parameter outside a matrix (norm weights, biases, QK-Norm gains), the 6N
     convention. seq_len may be a Fraction (the crossovers are checked exactly)."""
     d, kv, lp = c.n_embd, c.n_kv_head * c.head_dim, layer_params(c)
+    attn = [attention_macs(c, seq_len, layer) for layer in range(c.n_layer)]
     m = {
         "q": d * d, "k": d * kv, "v": d * kv, "o": d * d,  # projections: one MAC per weight
-        "scores": seq_len * d,  # q.k with each of N keys: N * head_dim per head, n_head heads
-        "weighted_sum": seq_len * d,  # sum of N weighted rows of V: the same count
+        "scores": sum(s for s, _ in attn) / Fraction(c.n_layer),  # q.k with each key a query sees (attention_macs)
+        "weighted_sum": sum(w for _, w in attn) / Fraction(c.n_layer),  # the weighted sum of their values
         "mlp": lp["mlp_matrices"],
         "other": lp["attn_other"] + lp["mlp_other"] + 2 * lp["norm"],
         "lm_head": d * c.vocab_size,
         "other_final": lp["norm"] if c.norm_position == "pre" else 0,  # ln_f
     }
+    for key in ("scores", "weighted_sum"):  # whole numbers stay ints (N may be a Fraction: keep it exact)
+        if m[key].denominator == 1:
+            m[key] = int(m[key])
     m["proj"] = m["q"] + m["k"] + m["v"] + m["o"]
     m["attn"] = m["scores"] + m["weighted_sum"]
     m["layer"] = m["proj"] + m["attn"] + m["mlp"] + m["other"]
@@ -78,8 +99,8 @@ def macs_per_token(c, seq_len) -> dict:
 
 def flops_per_token(c, seq_len) -> int:
     """Training FLOPs per token: forward 2 FLOPs per MAC, backward twice the forward, so 6 x the
-    forward MACs = 6 x non-embedding params + 12 * n_layer * N * d."""
-    return 6 * macs_per_token(c, seq_len)["forward"]
+    forward MACs = 6 x non-embedding params + 12 * n_layer * N * d (full softmax attention)."""
+    return round(6 * macs_per_token(c, seq_len)["forward"])
 
 
 def crossovers(c) -> dict:
@@ -134,3 +155,32 @@ def decode_bytes(c, batch: int, context: int, weight_bytes: int = 4, kv_bytes: i
     """What one decode step must read: every weight once, and the K and V of `context` cached
     positions for each of `batch` samples (the memory-bandwidth bound of tools/bench_sample.py)."""
     return count_params(c)["total"] * weight_bytes + kv_cache_bytes(c, context, batch, kv_bytes)
+
+
+def attention_variants(c, seq_len: int, batch: int = 1, dtype_bytes: int = 4) -> list:
+    """Softmax attention's ways of paying for the N x N table, against full attention at length N,
+    per layer for the config's shape: forward MACs per token (scores + weighted sum) and the
+    attention memory a training step keeps for its backward (per layer, `batch` sequences), with
+    the length from which each costs less than the reference path. Rows:
+    - reference: the table of weights, B*h*N*N numbers, saved for the backward;
+    - tiled (FlashAttention): the same MACs (every dot product is still computed; the causal half is
+      skipped by whole blocks, as by the reference convention's "about half"), but only the output
+      and one log-sum-exp per query row, B*h*N*(hs + 1): O(N) memory, less than the table for N > hs + 1;
+    - window W: W keys per query, B*h*N*W weights with a banded kernel: O(N*W), less for N > W;
+    - linear: (h + h_kv)*hs*(hs + 1) MACs per token whatever N, and the prefix sums of φ(k)vᵀ this
+      implementation keeps, B*h_kv*N*hs*hs: O(N*hs²), less compute than full attention for
+      N > (h + h_kv)*hs*(hs + 1)/(2*d), about hs."""
+    d, h, hkv, hs, N, B = c.n_embd, c.n_head, c.n_kv_head, c.head_dim, seq_len, batch
+    W = c.attn.window or max(1, N // 8)
+    linear_macs = (h + hkv) * hs * (hs + 1)
+    full = {"macs": 2 * N * d, "memory": B * h * N * N * dtype_bytes}
+    rows = [
+        {"name": "reference (full table)", **full, "beats_full_from": None, "memory_order": "N^2"},
+        {"name": "tiled (FlashAttention)", "macs": 2 * N * d, "memory": B * h * N * (hs + 1) * dtype_bytes,
+         "beats_full_from": hs + 2, "memory_order": "N"},
+        {"name": f"window W={W}", "macs": 2 * min(N, W) * d, "memory": B * h * N * min(N, W) * dtype_bytes,
+         "beats_full_from": W + 1, "memory_order": "N*W"},
+        {"name": "linear (elu + 1)", "macs": linear_macs, "memory": B * hkv * N * hs * hs * dtype_bytes,
+         "beats_full_from": math.floor(Fraction(linear_macs, 2 * d)) + 1, "memory_order": "N*hs^2"},
+    ]
+    return rows

@@ -30,7 +30,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from attention import AttnConfig, CausalSelfAttention, KVCache, StaticKVCache, resolve_scale, rope_freqs
+from attention import ATTENTION_KINDS, AttnConfig, check_attention_options, resolve_scale, rope_freqs
 from common import FRACTION, POSITIVE, OneOf, Range, UserError, check_values
 from counting import flops_per_token
 
@@ -98,6 +98,7 @@ class GPTConfig:
         if self.d_ff is None:
             self.d_ff = 64 * math.ceil(8 * self.n_embd / 3 / 64) if self.mlp == "swiglu" else 4 * self.n_embd
         self.attn_scale = resolve_scale(self.attn.scale, self.head_dim)
+        check_attention_options(self.attn, self.dropout)
 
 
 # ----------------------------------------------------------------------------- MLPs, norms, blocks
@@ -155,7 +156,7 @@ class Block(nn.Module):
     def __init__(self, config: GPTConfig, layer: int):
         super().__init__()
         self.ln_1 = make_norm(config)
-        self.attn = CausalSelfAttention(config, layer)
+        self.attn = ATTENTION_KINDS[config.attn.kind](config, layer)
         self.ln_2 = make_norm(config)
         self.mlp = MLP_CLASSES[config.mlp](config)
 
@@ -317,11 +318,12 @@ class GPT(nn.Module):
         return logits, loss
 
     def new_kv_cache(self, batch_size: int, length: int, device=None, dtype=None, static=False):
-        """One preallocated KVCache per layer holding up to `length` positions (StaticKVCache,
-        fixed shapes, for a compiled decode step)."""
+        """One cache per layer for generation, as its attention keeps one: K and V of up to `length`
+        positions (a windowed layer's window; StaticKVCache, fixed shapes, for a compiled decode
+        step), or linear attention's constant-size state."""
         p = self.wte.weight
-        return [(StaticKVCache if static else KVCache)(batch_size, self.config.n_kv_head, length, self.config.head_dim,
-                        device or p.device, dtype or p.dtype) for _ in range(self.config.n_layer)]
+        return [block.attn.new_cache(batch_size, length, device or p.device, dtype or p.dtype, static)
+                for block in self.blocks]
 
     def configure_optimizer(self, lr, weight_decay, betas=(0.9, 0.95), fused=False):
         """AdamW with weight decay on matrices (Linear weights, embedding) only, not on biases,

@@ -22,8 +22,8 @@ from omegaconf import MISSING
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as tools/X.py: the repo's modules
 
 from common import DTYPES, POSITIVE, OneOf, check_values, cli, run_app
-from counting import (ADAMW_BYTES_PER_PARAM, count_params, crossovers, macs_per_token, memory_breakdown,
-                      mlp_matrices)
+from counting import (ADAMW_BYTES_PER_PARAM, attention_variants, count_params, crossovers, macs_per_token,
+                      memory_breakdown, mlp_matrices)
 from config import model_config
 from model import GPTConfig
 
@@ -67,6 +67,7 @@ def cost(cfg) -> dict:
         "macs_per_token": {k: m[k] for k in ("proj", "attn", "mlp", "lm_head")},
         "crossover": {k: round_half_up(v) for k, v in x.items()},
         "memory_bytes": mem,
+        "attention_variants": attention_variants(c, N, cfg.batch_size, nbytes),
     }
     if cfg.format == "json":
         print(json.dumps(result))
@@ -74,6 +75,7 @@ def cost(cfg) -> dict:
         if fallback:
             print(f"(model.vocab_size unset: vocab_size={cfg.vocab_size} assumed; set model.vocab_size=V)")
         print(report(c, N, cfg.batch_size, cfg.dtype, p, m, x, mem))
+        print(variants_report(result["attention_variants"], c, N, cfg.batch_size, cfg.dtype))
     if cfg.plot:
         plot_cost(c, N, cfg.batch_size, cfg.dtype, x, mem, cfg.plot)
         if cfg.format == "text":
@@ -180,6 +182,20 @@ def report(c, N, B, dtype, p, m, x, mem) -> str:
                    f"make the cache {c.n_head // c.n_kv_head}x smaller, saving "
                    f"{size(mem['kv_cache_mha'] - mem['kv_cache'])} at N={N:,}, batch {B}")
     out.append("  a fused kernel (FlashAttention) never materialises the N x N table: O(N) memory, not O(N^2)")
+    return "\n".join(out)
+
+
+def variants_report(rows, c, N, B, dtype) -> str:
+    """The table of counting.attention_variants: what each way of computing attention costs at N."""
+    out = ["", f"attention's N x N table, paid for four ways (one layer, N={N:,}, batch {B}, {dtype}; "
+               "counting.attention_variants says what each counts)",
+           f"  {'path or kind':<26}{'MACs per token':>16}{'training memory':>18}{'  grows as':<12}{'costs less than the reference from N =':>40}"]
+    for r in rows:
+        beats = "-" if r["beats_full_from"] is None else f"{r['beats_full_from']:,} (memory" + \
+            (" and compute)" if r["macs"] < 2 * N * c.n_embd or r["name"].startswith("linear") else ")")
+        out.append(f"  {r['name']:<26}{r['macs']:>16,}{size(r['memory']):>18}  {r['memory_order']:<10}{beats:>40}")
+    out.append("  tiled computes every dot product the reference does (FlashAttention lowers memory, not FLOPs);"
+               " a window and linear attention change what is computed")
     return "\n".join(out)
 
 

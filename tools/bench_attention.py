@@ -1,0 +1,168 @@
+"""Attention's N² wall, measured: the time of a training step (forward and backward) of one attention
+layer and the memory it keeps for its backward pass, against the sequence length N, for every way
+attnlab computes attention, next to tools/cost.py's counts.
+
+    python tools/bench_attention.py                                   # N = 64 ... 4096 at a CPU width
+    python tools/bench_attention.py lengths=[256,1024] window=64 out=attention_n2.png
+
+Paths: sdpa (PyTorch's fused kernel), reference (the explicit N x N table), tiled (FlashAttention's
+algorithm in plain PyTorch: slow in Python, but it never builds the table), window (sdpa with a
+band of `window` keys; the tiled path skips the blocks outside the band), linear (elu + 1 features,
+prefix sums). The memory is the bytes of the tensors autograd saves for the backward pass
+(torch.autograd.graph.saved_tensors_hooks, each storage counted once): exact and the same on every
+machine, unlike a process's resident size. Times are the median of `repeats` interleaved rounds.
+"""
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import ClassVar, List, Optional
+
+import hydra
+import torch
+from hydra.core.config_store import ConfigStore
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as tools/X.py: the repo's modules
+
+from attention import ATTENTION_KINDS  # noqa: E402
+from common import POSITIVE, OneOf, Range, check_values, cli, run_app  # noqa: E402
+from counting import attention_variants  # noqa: E402
+from model import GPTConfig  # noqa: E402
+
+PATHS = ("sdpa", "reference", "tiled", "window", "linear")
+
+
+@dataclass
+class BenchAttentionConfig:
+    lengths: List[int] = field(default_factory=lambda: [64, 128, 256, 512, 1024, 2048, 4096])  # N
+    paths: List[str] = field(default_factory=lambda: list(PATHS))  # sdpa | reference | tiled | window | linear
+    n_embd: int = 128  # a CPU width: nanoGPT's CPU config
+    n_head: int = 4
+    batch_size: int = 1
+    window: int = 256  # keys a query sees on the window path
+    block: int = 128  # the tiled path's tile
+    repeats: int = 3  # timed rounds (interleaved); the median is reported
+    max_seconds: float = 20.0  # a path whose one step takes longer stops being timed at longer N
+    threads: Optional[int] = None  # intra-op CPU threads; unset: torch's default
+    out: Optional[str] = "attention_n2.png"  # the plot; null: none
+
+    RULES: ClassVar[dict] = {
+        "lengths": POSITIVE, "paths": OneOf(PATHS), "n_embd": POSITIVE, "n_head": POSITIVE, "batch_size": POSITIVE,
+        "window": POSITIVE, "block": POSITIVE, "repeats": POSITIVE, "max_seconds": Range(0, lo_open=True),
+        "threads": Range(1, 4096),
+    }
+
+
+ConfigStore.instance().store(name="base_bench_attention", node=BenchAttentionConfig)
+
+
+def layer_for(path: str, cfg, N: int):
+    """One attention layer (attention.py's own class for the path) at the benchmark's width."""
+    attn = {"sdpa": {}, "reference": {"impl": "reference"}, "tiled": {"impl": "tiled", "block": cfg.block},
+            "window": {"window": cfg.window}, "linear": {"kind": "linear"}}[path]
+    c = GPTConfig(vocab_size=2, block_size=N, n_layer=1, n_head=cfg.n_head, n_embd=cfg.n_embd, attn=attn)
+    return ATTENTION_KINDS[c.attn.kind](c, layer=0), c
+
+
+def saved_bytes(fn) -> int:
+    """Bytes of the tensors autograd saves while fn() runs its forward, each storage counted once."""
+    seen = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        seen[(st.device, st.data_ptr())] = st.nbytes()
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return sum(seen.values())
+
+
+def step(layer, x, rope):
+    """One training step of the layer: forward, then backward of a scalar of its output."""
+    y = layer(x, rope=rope)
+    y.square().mean().backward()
+    return y
+
+
+def bench_attention(cfg) -> dict:
+    check_values(cfg)
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    from attention import rope_freqs
+    rows = {}
+    for N in cfg.lengths:
+        torch.manual_seed(0)
+        x = torch.randn(cfg.batch_size, N, cfg.n_embd, requires_grad=True)
+        layers = {}
+        for path in cfg.paths:
+            layer, c = layer_for(path, cfg, N)
+            rope = rope_freqs(c.head_dim, N, c.rope_base)
+            layers[path] = (layer, rope)
+            memory = saved_bytes(lambda: layer(x, rope=rope))  # the forward's saved tensors, x excluded below
+            step(layer, x, rope)  # warm-up: the first call of a shape allocates
+            rows[(path, N)] = {"path": path, "N": N, "saved_bytes": memory - x.numel() * x.element_size(),
+                               "seconds": []}
+        for r in range(cfg.repeats):
+            for path in (cfg.paths if r % 2 == 0 else list(reversed(cfg.paths))):
+                row = rows[(path, N)]
+                if any(rows.get((path, n), {}).get("skipped") for n in cfg.lengths if n < N):
+                    row["skipped"] = True
+                    continue
+                layer, rope = layers[path]
+                t0 = time.perf_counter()
+                step(layer, x, rope)
+                row["seconds"].append(time.perf_counter() - t0)
+                if row["seconds"][-1] > cfg.max_seconds:
+                    row["skipped"] = True  # too slow for the longer lengths
+        for path in cfg.paths:
+            row = rows[(path, N)]
+            row["ms"] = 1000 * statistics.median(row["seconds"]) if row["seconds"] else None
+            predicted = {v["name"].split()[0]: v for v in attention_variants(c, N, cfg.batch_size, 4)}
+            key = {"sdpa": "reference", "reference": "reference", "tiled": "tiled", "window": "window",
+                   "linear": "linear"}[path]
+            row["predicted_macs_per_token"] = predicted[key]["macs"]
+            print(f"N={N:5d} {path:9s} {row['ms'] if row['ms'] is not None else float('nan'):10.2f} ms/step  "
+                  f"{row['saved_bytes'] / 2**20:9.2f} MiB saved for backward", flush=True)
+    result = {"rows": list(rows.values())}
+    if cfg.out:
+        plot(result["rows"], cfg, cfg.out)
+        print(f"wrote {cfg.out}")
+    return result
+
+
+def plot(rows, cfg, path):
+    """Two panels against N (log-log): a training step's time, and the memory it keeps for backward
+    with cost.py's prediction of the table (reference), the tiled path's O(N) and linear's O(N hs²)."""
+    from plots import plt, save_figure
+
+    fig, (tx, mx) = plt.subplots(1, 2, figsize=(14, 5))
+    for i, p in enumerate(cfg.paths):
+        pts = [r for r in rows if r["path"] == p]
+        color = plt.cm.tab10.colors[i]
+        tx.plot([r["N"] for r in pts if r["ms"]], [r["ms"] for r in pts if r["ms"]], "o-", color=color, label=p)
+        mx.plot([r["N"] for r in pts], [r["saved_bytes"] / 2**20 for r in pts], "o-", color=color, label=f"{p} (measured)")
+    hs = cfg.n_embd // cfg.n_head
+    Ns = sorted({r["N"] for r in rows})
+    mx.plot(Ns, [cfg.batch_size * cfg.n_head * n * n * 4 / 2**20 for n in Ns], "k--", lw=1,
+            label="cost.py: one table B*h*N*N fp32")
+    mx.plot(Ns, [cfg.batch_size * cfg.n_head * n * (hs + 1) * 4 / 2**20 for n in Ns], "k:", lw=1,
+            label="cost.py: tiled B*h*N*(hs+1)")
+    tx.set(xscale="log", yscale="log", xlabel="sequence length N", ylabel="ms per training step (one layer)",
+           title=f"time: d={cfg.n_embd}, {cfg.n_head} heads, batch {cfg.batch_size}")
+    mx.set(xscale="log", yscale="log", xlabel="sequence length N", ylabel="MiB kept for the backward pass",
+           title="memory a training step keeps (saved tensors)")
+    for ax in (tx, mx):
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize=8)
+    return save_figure(fig, path)
+
+
+@hydra.main(version_base="1.3", config_path="../configs", config_name="bench_attention")
+@cli
+def main(cfg):
+    bench_attention(cfg)
+
+
+if __name__ == "__main__":
+    run_app(main)
