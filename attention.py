@@ -481,6 +481,8 @@ class CausalSelfAttention(nn.Module):
         key_mask = None
         if kv_cache is not None:
             k, v, key_mask = kv_cache.update(pos, k, v)  # (B, n_kv, n_cached, hs)
+            if T == 1:  # a decode step: the cache (one window long) holds just the keys it may see, in slot order
+                window = None
         # a cache may hold another dtype (sample.kv_dtype): q joins it, the output returns to q's
         y = self.attend(q.to(k.dtype), k, v, self.scale, True, self.dropout if self.training else 0.0, window,
                         key_mask).to(q.dtype)  # (B, nh, T, hs)

@@ -127,7 +127,9 @@ def test_bf16_kv_cache_follows_the_reference_to_bf16_rounding(static):
     top = max(w.abs().max().item() for w in want)
     for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 0.02 * top)):
         cache = model.new_kv_cache(2, bs, dtype=dtype, static=static)
-        assert all(c.k.dtype == c.v.dtype == dtype and c.k.numel() == 2 * 4 * bs * 8 for c in cache)
+        slots = 64 if static else bs  # a static cache pads its storage to a multiple of 64 slots (masked)
+        assert all(c.k.dtype == c.v.dtype == dtype and c.k.numel() == 2 * 4 * slots * 8 and c.length == bs
+                   for c in cache)
         with torch.no_grad():
             got = [model(seq[:, :5], kv_cache=cache, pos=0)[:, -1]]
             for t in range(5, seq.size(1)):

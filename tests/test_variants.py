@@ -32,8 +32,22 @@ VARIANTS = [
     {"norm": "rmsnorm", "mlp": "swiglu", "n_kv_head": 2, "tie_embeddings": False,
      "attn": {"qk_norm": True, "qk_norm_gain": "channel"}},
     {"n_kv_head": 1, "attn": {"qk_norm": True, "qk_norm_type": "l2", "qk_norm_gain": "head", "scale": "4.0"}},
+    {"attn": {"impl": "tiled", "block": 5}},
+    {"n_kv_head": 2, "attn": {"window": 6}},
+    {"attn": {"window": 6, "window_pattern": "LG", "impl": "tiled", "block": 4}},
+    {"attn": {"kind": "linear"}},
+    {"n_kv_head": 2, "attn": {"kind": "linear", "qk_norm": True}},
 ]
 IDS = [",".join(f"{k}={v}" for k, v in v.items()) or "default" for v in VARIANTS]
+
+
+def linear(variant) -> bool:
+    return variant.get("attn", {}).get("kind") == "linear"
+
+
+def as_reference(variant) -> dict:
+    """The same variant on the plain-math reference path."""
+    return {**variant, "attn": {**variant.get("attn", {}), "impl": "reference"}}
 
 
 def max_diff(a, b):
@@ -210,10 +224,14 @@ def test_absolute_positions_refuse_positions_past_their_table():
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=IDS)
 def test_fast_path_equals_reference_and_is_causal(variant):
-    fast, ref = make(**variant), make(impl="reference", **variant)
+    """The variant's path (sdpa or tiled) equals the plain-math reference; linear attention has one
+    path (its formula is tests/test_attention_kinds.py's)."""
+    fast = make(**variant)
     idx = torch.randint(40, (2, 16))
-    a, b = fast(idx), ref(idx)
-    assert torch.allclose(a, b, atol=1e-4), max_diff(a, b)
+    a = fast(idx)
+    if not linear(variant):
+        b = make(**as_reference(variant))(idx)
+        assert torch.allclose(a, b, atol=1e-4), max_diff(a, b)
     changed = idx.clone()
     changed[:, 9:] = torch.randint(40, (2, 7))
     assert torch.allclose(fast(changed)[:, :9], a[:, :9], atol=1e-5)  # the future never leaks back
@@ -229,6 +247,8 @@ def test_cached_generation_equals_recomputation(variant):
     within = (generate(model, prompt, 11, temperature=0, kv_cache=True),
               generate(model, prompt, 11, temperature=0, kv_cache=False))
     assert torch.equal(*within)
+    if linear(variant):  # its state keeps the whole context; cropping to block_size is another function
+        return
     past = make(n_layer=1 if model.slides else 2, **variant)
     a = generate(past, prompt, 40, temperature=0, kv_cache=True)
     b = generate(past, prompt, 40, temperature=0, kv_cache=False)
@@ -236,7 +256,7 @@ def test_cached_generation_equals_recomputation(variant):
 
 
 # the two combinations of most options train in the fast tier, each option on its own in the slow one
-FAST_TRAINING = IDS[-2:]
+FAST_TRAINING = IDS[15:17]
 
 
 @pytest.mark.parametrize("variant", [pytest.param(v, id=i, marks=() if i in FAST_TRAINING else pytest.mark.slow)
@@ -249,9 +269,12 @@ def test_every_variant_trains_probes_and_samples(variant, train_cfg, sample_cfg,
         overrides += [f"model.attn.{a}={b}" for a, b in v.items()] if k == "attn" else [f"model.{k}={v}"]
     result = train(train_cfg(*overrides, "model.n_head=4", "train.max_iters=6", "train.eval_interval=3",
                              "train.log_attn_interval=3"))
-    assert math.isfinite(result["val_loss"]) and result["val_loss"] < result["attn"][0]["attn_entropy/mean"] + 10
+    assert math.isfinite(result["val_loss"]) and result["val_loss"] < 10  # a char model starts near ln(vocab) < 5
     probe = result["attn"][-1]
-    assert {f"attn_entropy/L1/H{h}" for h in range(4)} <= probe.keys()  # one value per query head
+    if linear(variant):  # no softmax weights: the probe logs the in-context losses only
+        assert "incontext/gain" in probe and not any(k.startswith("attn_") for k in probe)
+    else:
+        assert {f"attn_entropy/L1/H{h}" for h in range(4)} <= probe.keys()  # one value per query head
     text = sample(sample_cfg(f"ckpt={tmp_path / 'run'}", "prompt=line", "max_new_tokens=40", "temperature=0"))[0]
     assert text.startswith("line") and len(text) == 44
 
