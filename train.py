@@ -300,7 +300,6 @@ def save(run: Run) -> Path:
     return path
 
 
-@torch.no_grad()
 def data_seed(cfg) -> int:
     """The seed of everything about the data a run sees: the order of its training batches, the
     windows its evaluations read and the probe batch. Unset, the run's seed; set apart from it, arms
@@ -308,6 +307,7 @@ def data_seed(cfg) -> int:
     return cfg.seed if cfg.train.data_seed is None else cfg.train.data_seed
 
 
+@torch.no_grad()
 def estimate_loss(run: Run) -> dict:
     """Mean loss over a fixed set of eval_iters batches per split: the same tokens at every
     evaluation and in every run with the same data seed, so curves and runs compare."""

@@ -48,9 +48,11 @@ TORCHRUN = ["-m", "torch.distributed.run", "--standalone"]
 
 
 def cli_command(script, args=(), prefix=(), torchrun=0):
-    """The argv of `python SCRIPT ARGS...`: SCRIPT relative to the repo (or a python flag such as
+    """The argv of `python SCRIPT ARGS...` (`bash SCRIPT ...` for a .sh): SCRIPT relative to the repo (or a python flag such as
     "-c", passed as it is, its code the first of ARGS); torchrun=N starts N processes through torchrun;
     prefix goes before python (e.g. a command that drops root's powers)."""
+    if str(script).endswith(".sh"):  # a shell script of tools/
+        return [*prefix, "bash", str(REPO / script), *map(str, args)]
     launcher = [*TORCHRUN, f"--nproc_per_node={torchrun}"] if torchrun else []
     target = script if str(script).startswith("-") else str(REPO / script)
     return [*prefix, sys.executable, *launcher, target, *map(str, args)]

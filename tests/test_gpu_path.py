@@ -240,3 +240,100 @@ def test_two_ranks_seed_their_gpus_apart_agree_on_skipping_and_save_every_ranks_
         port = s.getsockname()[1]
     spawn(two_ranks, args=(port, overrides, tmp_path), nprocs=2, join=True)
     assert sorted(p.name for p in tmp_path.glob("rank*.ok")) == ["rank0.ok", "rank1.ok"]
+
+
+# ----------------------------------------------------------------------------- the GPU check's own findings
+
+def test_compiled_decode_step_mutates_only_static_inputs_so_cuda_graphs_can_capture_it(monkeypatch):
+    """mode="reduce-overhead" skips CUDA graphs when an input the graph mutates in place is not a static
+    address ("skipping cudagraphs due to mutated inputs"). The step writes the KV cache and the position:
+    inductor must see every mutated input as static. Read from what inductor compiles (on the CPU its
+    CUDA-graph path is never taken, but the mutated and static inputs are the same), and one graph
+    serves every step (no recompile)."""
+    import inspect
+
+    from torch._inductor import output_code
+
+    from helpers import variant_model
+    from sample import generate
+    seen, real = [], output_code.CompiledFxGraph.__init__
+    names = list(inspect.signature(real).parameters)[1:]
+
+    def spy(self, *args, **kwargs):
+        real(self, *args, **kwargs)
+        static = {**dict(zip(names, args)), **kwargs}.get("static_input_idxs") or ()
+        seen.append((sorted(self.mutated_input_idxs), sorted(static)))
+    monkeypatch.setattr(output_code.CompiledFxGraph, "__init__", spy)
+    torch._dynamo.reset()
+    model = variant_model(block_size=32)
+    generate(model, torch.zeros(1, 3, dtype=torch.long), 40, temperature=0, compile=True)  # past block_size too
+    assert len(seen) == 1, f"{len(seen)} graphs compiled"
+    mutated, static = seen[0]
+    assert mutated and set(mutated) <= set(static), f"mutated inputs {mutated} not all static {static}"
+
+
+def test_static_cache_pads_to_aligned_key_lengths_and_computes_the_same():
+    """The static cache's storage is a multiple of 64 slots (GPU kernels want aligned key lengths);
+    the pad is never visible: step by step past the ring's wrap, the logits equal the dynamic cache's."""
+    from helpers import variant_model
+    model = variant_model(block_size=20)
+    idx = torch.randint(40, (2, 50))
+    out = {}
+    for static in (False, True):
+        cache = model.new_kv_cache(2, 20, static=static)
+        with torch.no_grad():
+            steps = [model(idx[:, :7], kv_cache=cache, pos=0)[:, -1]]
+            for t in range(7, 50):
+                steps.append(model(idx[:, t:t + 1], kv_cache=cache, pos=torch.tensor([t]) if static else t)[:, -1])
+        out[static] = torch.stack(steps)
+        assert all(c.k.size(2) == (64 if static else 20) for c in cache)
+    assert torch.allclose(out[True], out[False], atol=1e-5)
+
+
+def test_tf32_is_set_with_the_precision_api_and_warns_nothing(monkeypatch):
+    """torch >= 2.9 deprecates allow_tf32 (it warns): CUDA runs set fp32_precision = "tf32"."""
+    import warnings
+    saved = (torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.fp32_precision)
+    monkeypatch.setattr(common, "pick_device", lambda name: CUDA)
+    monkeypatch.setattr(common, "pick_dtype", lambda name, device, key="dtype": torch.bfloat16)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            rt = common.setup_runtime("cuda", "auto")
+        assert rt.device == CUDA
+        assert torch.backends.cuda.matmul.fp32_precision == torch.backends.cudnn.fp32_precision == "tf32"
+    finally:
+        torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.fp32_precision = saved
+
+
+def test_bench_sample_times_what_sample_py_runs(monkeypatch):
+    """The decode benchmark uses sample.py's rules: its autocast dtype, its weight layout on the
+    device (column-major on a CPU), and kv_dtype=auto as sample.py resolves it per batch size."""
+    import sample as sample_module
+    from helpers import compose_cfg
+    from tools import bench_sample as bs
+    seen = []
+    real = sample_module.generate
+
+    def spy(model, idx, *args, **kwargs):
+        w = model.blocks[0].attn.c_attn.weight
+        seen.append((torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"), w.stride(0) == 1,
+                     idx.size(0), kwargs.get("kv_dtype")))
+        return real(model, idx, *args, **kwargs)
+    monkeypatch.setattr(bs, "generate", spy)
+    bs.bench_sample(compose_cfg("bench_sample", ["model=debug", "tokens=4", "batch_sizes=[1,2]", "compile=[false]",
+                                                 "recompute=false", "repeats=1", "kv_dtypes=[auto]",
+                                                 "dtype=bfloat16"]))
+    assert seen and all(autocast and dt == torch.bfloat16 and column for autocast, dt, column, _, _ in seen)
+    assert {(b, kv) for *_, b, kv in seen} == {(1, torch.bfloat16), (2, torch.bfloat16)}  # auto: the autocast dtype
+
+
+def test_gpu_check_dry_run_leaves_its_logs_in_out(cli, tmp_path):
+    """What comes back from a GPU machine is $OUT: the check's step logs go there (the imports step
+    alone here: it runs first and is enough to see the files)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    r = cli("tools/gpu_check.sh", env={"DEVICE": "cpu", "ONLY": "^imports$", "OUT": str(out), "GPU_WHEELS": str(tmp_path / "none")},
+            timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "imports" in (out / "steps.log").read_text() and "step times" in r.stdout
