@@ -21,7 +21,7 @@ from omegaconf import MISSING
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as tools/X.py: the repo's modules
 
-from common import DTYPES, POSITIVE, OneOf, check_values, cli, run_app
+from common import DTYPES, POSITIVE, OneOf, Range, check_values, cli, run_app
 from counting import (ADAMW_BYTES_PER_PARAM, attention_variants, count_params, crossovers, macs_per_token,
                       memory_breakdown, mlp_matrices)
 from config import model_config
@@ -38,9 +38,14 @@ class CostConfig:
     vocab_size: int = 50304  # used when model.vocab_size is unset: GPT-2's BPE padded to a multiple of 64
     format: str = "text"  # text | json (one JSON object on stdout)
     plot: Optional[str] = "cost.png"  # the figure's path; null: no figure
+    train_tokens: Optional[float] = None  # tokens one training run sees (steps x batch x block): its FLOPs and time
+    peak_flops: float = 989e12  # the GPU's peak FLOP/s for that estimate (H100 SXM, bf16 dense)
+    mfu: float = 0.2  # the fraction of peak a run reaches (small models reach less than large ones)
 
     RULES: ClassVar[dict] = {"seq_len": POSITIVE, "batch_size": POSITIVE, "vocab_size": POSITIVE,
-                             "dtype": OneOf(tuple(DTYPES)), "format": OneOf(("text", "json"))}
+                             "dtype": OneOf(tuple(DTYPES)), "format": OneOf(("text", "json")),
+                             "train_tokens": Range(1), "peak_flops": Range(0, lo_open=True),
+                             "mfu": Range(0, 1, lo_open=True)}
 
 
 ConfigStore.instance().store(name="base_cost", node=CostConfig)
@@ -69,6 +74,10 @@ def cost(cfg) -> dict:
         "memory_bytes": mem,
         "attention_variants": attention_variants(c, N, cfg.batch_size, nbytes),
     }
+    if cfg.train_tokens:  # a training run's FLOPs, and its time at the stated peak and MFU
+        flops = 6 * m["forward"] * cfg.train_tokens
+        result["training_run"] = {"tokens": cfg.train_tokens, "flops": flops,
+                                  "seconds": flops / (cfg.peak_flops * cfg.mfu)}
     if cfg.format == "json":
         print(json.dumps(result))
     else:
@@ -76,6 +85,11 @@ def cost(cfg) -> dict:
             print(f"(model.vocab_size unset: vocab_size={cfg.vocab_size} assumed; set model.vocab_size=V)")
         print(report(c, N, cfg.batch_size, cfg.dtype, p, m, x, mem))
         print(variants_report(result["attention_variants"], c, N, cfg.batch_size, cfg.dtype))
+        if cfg.train_tokens:
+            r = result["training_run"]
+            print(f"\na training run of {short(r['tokens'])} tokens at N={N:,}: {r['flops']:.3g} FLOPs (6 x forward "
+                  f"MACs per token x tokens); at {cfg.mfu:.0%} of {short(cfg.peak_flops)} FLOP/s, "
+                  f"{r['seconds'] / 60:.1f} minutes of compute (evaluations, compilation and start-up come on top)")
     if cfg.plot:
         plot_cost(c, N, cfg.batch_size, cfg.dtype, x, mem, cfg.plot)
         if cfg.format == "text":
