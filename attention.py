@@ -46,7 +46,9 @@ from common import OneOf, Range, Rule, UserError
 QK_NORM_TYPES = ("rms", "layer", "l2")
 QK_NORM_GAINS = ("none", "head", "channel")
 IMPLS = ("sdpa", "reference", "tiled")
-KINDS = ("softmax", "linear")
+KINDS = ("softmax", "linear", "mla")
+GATES = ("none", "head", "channel")
+SINKS = ("none", "zero", "learned")
 NAMED_SCALES = ("sqrt_dk", "none", "dk")
 
 
@@ -67,7 +69,12 @@ class AttnConfig:
     block: int = 128  # impl=tiled: queries and keys per tile
     window: Optional[int] = None  # each query sees only the latest `window` keys (itself included); unset: all
     window_pattern: str = "L"  # with a window: L (local) or G (global) per layer, repeated over the layers (LG: alternating)
-    kind: str = "softmax"  # softmax | linear (phi(q).phi(k) with phi = elu + 1: linear in N, an RNN's state when decoding)
+    kind: str = "softmax"  # softmax | linear (phi(q).phi(k) with phi = elu + 1: linear in N, an RNN's state when decoding) | mla (latent KV)
+    gate: str = "none"  # none | head | channel: sigmoid gate from the layer input on each head's output (gated attention)
+    sink: str = "none"  # none | zero (softmax with an extra zero logit, "off by one") | learned (a logit per head)
+    kv_lora_rank: Optional[int] = None  # kind=mla: the latent's width d_c; unset: 4 * head_dim
+    q_lora_rank: Optional[int] = None  # kind=mla: a query latent's width too; unset: queries straight from x
+    rope_head_dim: Optional[int] = None  # kind=mla: the decoupled RoPE key/query width; unset: head_dim / 2
 
     RULES: ClassVar[dict] = {
         "scale": Rule(lambda v: str(v) in NAMED_SCALES or positive_number(v), "sqrt_dk, none, dk or a positive number"),
@@ -78,13 +85,36 @@ class AttnConfig:
         "window": Range(1, why="keys a query sees, itself included"),
         "window_pattern": Rule(lambda v: bool(v) and set(str(v)) <= {"L", "G"}, "a string of L (local) and G (global)"),
         "kind": OneOf(KINDS),
+        "gate": OneOf(GATES),
+        "sink": OneOf(SINKS),
+        "kv_lora_rank": Range(1),
+        "q_lora_rank": Range(1),
+        "rope_head_dim": Range(2, why="RoPE rotates pairs of channels"),
     }
 
 
-def check_attention_options(attn: AttnConfig, dropout: float):
-    """The attention options that only fail together: each must change what the model computes."""
+def check_attention_options(config):
+    """The attention options (of a GPTConfig) that only fail together: each must change what the
+    model computes, or is refused in one line."""
+    attn, dropout = config.attn, config.dropout
+    if attn.kind == "mla":
+        if config.n_kv_head != config.n_head:
+            raise UserError(f"model.n_kv_head={config.n_kv_head} has no effect with model.attn.kind=mla (every head "
+                            "reads the one shared latent): leave it unset")
+        if config.value_embed:
+            raise UserError("model.value_embed=true with model.attn.kind=mla is not implemented: MLA's values are "
+                            "up-projected from the latent")
+        if attn.qk_norm:
+            raise UserError("model.attn.qk_norm=true with model.attn.kind=mla is not implemented: its keys are "
+                            "up-projected from the latent; use kind=softmax for QK-Norm")
+    if attn.kind != "mla":
+        for key in ("kv_lora_rank", "q_lora_rank", "rope_head_dim"):
+            if getattr(attn, key) is not None:
+                raise UserError(f"model.attn.{key}={getattr(attn, key)} has no effect without model.attn.kind=mla")
+    if attn.rope_head_dim is not None and attn.rope_head_dim % 2:
+        raise UserError(f"model.attn.rope_head_dim={attn.rope_head_dim} is odd, but RoPE rotates pairs of channels")
     if attn.kind == "linear":
-        for key, default in (("impl", "sdpa"), ("scale", "sqrt_dk"), ("window", None)):
+        for key, default in (("impl", "sdpa"), ("scale", "sqrt_dk"), ("window", None), ("sink", "none")):
             if getattr(attn, key) != default:
                 raise UserError(f"model.attn.{key}={getattr(attn, key)} has no effect with model.attn.kind=linear "
                                 "(no softmax, no logits, no N x N table): leave it unset")
@@ -132,26 +162,58 @@ def repeat_kv(x, n_head: int):
     return x if x.size(1) == n_head else x.repeat_interleave(n_head // x.size(1), dim=1)
 
 
-def sdpa_attention(q, k, v, scale, causal=True, dropout_p=0.0, window=None, key_mask=None):
+def with_sink(q, k, v, sink, scale, mask):
+    """q, k, v and mask extended by a sink (Xiao et al. 2023; Miller 2023's "off by one"; gpt-oss):
+    one extra key every query sees, whose logit is `sink` (one per query head, whatever the query) and
+    whose value is zero, so the softmax may put weight on nothing. Its logit comes from one extra
+    channel: q gets sink/scale, the sink key 1 and every other key 0, so q·k_sink·scale = sink."""
+    B, nh, Tq, hs = q.shape
+    n_kv, Tk = k.size(1), k.size(2)
+    q = torch.cat([q, (sink / scale).to(q.dtype).view(1, nh, 1, 1).expand(B, nh, Tq, 1)], dim=-1)
+    k = torch.cat([k.new_zeros(B, n_kv, 1, hs + 1), torch.cat([k, k.new_zeros(B, n_kv, Tk, 1)], dim=-1)], dim=2)
+    k[:, :, 0, -1] = 1.0  # the sink key: position 0 of the keys
+    v = torch.cat([v.new_zeros(B, n_kv, 1, v.size(-1)), v], dim=2)
+    sees = torch.ones(*(mask.shape[:-1] if mask is not None else (Tq,)), 1, dtype=torch.bool, device=q.device)
+    mask = sees if mask is None else torch.cat([sees, mask], dim=-1)
+    return q, k, v, mask
+
+
+def key_visibility(Tq: int, Tk: int, causal: bool, window, key_mask, device):
+    """The keys each query may see, broadcastable to (B, nh, Tq, Tk) bool, or None for all."""
+    mask = visible(Tq, Tk, window, device) if causal and (Tq > 1 or (window is not None and window < Tk)) else None
+    if key_mask is not None:
+        mask = key_mask if mask is None else mask & key_mask
+    return mask
+
+
+def sdpa_attention(q, k, v, scale, causal=True, dropout_p=0.0, window=None, key_mask=None, sink=None):
     """The fast path: PyTorch's fused kernel (flash or memory-efficient on a GPU), K/V shared by
     query groups without a copy (enable_gqa)."""
     Tq, Tk = q.size(-2), k.size(-2)
     kw = dict(dropout_p=dropout_p, scale=scale, enable_gqa=k.size(1) != q.size(1))
-    if causal and Tq == Tk and (window is None or window >= Tk):
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, **kw)
-    if causal and (Tq > 1 or (window is not None and window < Tk)):  # SDPA's is_causal aligns top-left
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=visible(Tq, Tk, window, q.device), **kw)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask, **kw)
+    if sink is not None:
+        q, k, v, mask = with_sink(q, k, v, sink, scale, key_visibility(Tq, Tk, causal, window, key_mask, q.device))
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **kw)
+    if causal and Tq == Tk and (window is None or window >= Tk) and key_mask is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, **kw)  # aligned top-left: only for Tq == Tk
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=key_visibility(Tq, Tk, causal, window, key_mask,
+                                                                             q.device), **kw)
 
 
-def reference_attention(q, k, v, scale, causal=True, dropout_p=0.0, window=None, key_mask=None):
+def reference_attention(q, k, v, scale, causal=True, dropout_p=0.0, window=None, key_mask=None, sink=None):
     """The same function written out: K/V expanded to one head per query head, explicit scores,
-    -inf mask, softmax (in at least fp32), weights @ V."""
+    -inf mask, the sink's logit as one more column (its weight multiplies no value), softmax (in at
+    least fp32), weights @ V."""
     k, v = repeat_kv(k, q.size(1)), repeat_kv(v, q.size(1))
     scores = attention_scores(q, k, scale, causal, window)  # (B, nh, Tq, Tk)
     if key_mask is not None:
         scores = scores.masked_fill(~key_mask, float("-inf"))
+    if sink is not None:
+        column = sink.to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+        scores = torch.cat([column, scores], dim=-1)
     weights = F.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32)).type_as(q)
+    if sink is not None:
+        weights = weights[..., 1:]  # the sink's share goes nowhere
     if dropout_p > 0:
         weights = F.dropout(weights, p=dropout_p)
     return weights @ v
@@ -198,19 +260,22 @@ class TiledAttention(torch.autograd.Function):
     are one batch dimension); everything accumulates in at least fp32."""
 
     @staticmethod
-    def forward(ctx, q, k, v, scale, causal, window, key_mask, block):
+    def forward(ctx, q, k, v, scale, causal, window, key_mask, block, sink):
         B, nh, Tq, hs = q.shape
         n_kv, Tk = k.size(1), k.size(2)
         acc = torch.promote_types(q.dtype, torch.float32)
         qg = q.view(B, n_kv, nh // n_kv, Tq, hs).to(acc)  # (B, n_kv, g, Tq, hs): query heads by kv head
         kg, vg = k.unsqueeze(2).to(acc), v.unsqueeze(2).to(acc)  # (B, n_kv, 1, Tk, hs)
-        out = torch.zeros_like(qg)
+        out = torch.zeros(*qg.shape[:-1], v.size(-1), dtype=acc, device=q.device)  # (B, n_kv, g, Tq, hs_v)
         lse = torch.full(qg.shape[:-1], float("-inf"), dtype=acc, device=q.device)  # (B, n_kv, g, Tq)
         offset = Tk - Tq  # the queries are the last Tq positions
         for q0 in range(0, Tq, block):
             q1 = min(q0 + block, Tq)
             m = torch.full((*qg.shape[:3], q1 - q0), float("-inf"), dtype=acc, device=q.device)
-            l, o = torch.zeros_like(m), torch.zeros_like(qg[..., q0:q1, :])
+            l, o = torch.zeros_like(m), torch.zeros_like(out[..., q0:q1, :])
+            if sink is not None:  # a sink is where every row starts: its logit, weight exp(0) = 1, value 0
+                m = sink.to(acc).view(1, n_kv, nh // n_kv, 1).expand_as(m).clone()
+                l = torch.ones_like(m)
             for k0, k1 in key_blocks(q0, q1, Tk, offset, block, causal, window):
                 s = qg[..., q0:q1, :] @ kg[..., k0:k1, :].transpose(-2, -1) * scale  # (B, n_kv, g, bq, bk)
                 mask = tile_mask(q0, q1, k0, k1, offset, causal, window, key_mask, q.device)
@@ -225,19 +290,19 @@ class TiledAttention(torch.autograd.Function):
                 m = m_new
             out[..., q0:q1, :] = o / l.unsqueeze(-1)
             lse[..., q0:q1] = m + torch.log(l)
-        ctx.save_for_backward(q, k, v, out, lse, key_mask)
+        ctx.save_for_backward(q, k, v, out, lse, key_mask, sink)
         ctx.args = (scale, causal, window, block)
-        return out.view(B, nh, Tq, hs).to(q.dtype)
+        return out.view(B, nh, Tq, -1).to(q.dtype)
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse, key_mask = ctx.saved_tensors
+        q, k, v, out, lse, key_mask, sink = ctx.saved_tensors
         scale, causal, window, block = ctx.args
         B, nh, Tq, hs = q.shape
         n_kv, Tk = k.size(1), k.size(2)
         acc = out.dtype
         qg, kg, vg = q.view(B, n_kv, nh // n_kv, Tq, hs).to(acc), k.unsqueeze(2).to(acc), v.unsqueeze(2).to(acc)
-        do = dout.reshape(qg.shape).to(acc)
+        do = dout.reshape(out.shape).to(acc)
         D = (do * out).sum(-1)  # (B, n_kv, g, Tq)
         dq, dk, dv = torch.zeros_like(qg), torch.zeros_like(kg), torch.zeros_like(vg)
         offset = Tk - Tq
@@ -254,29 +319,34 @@ class TiledAttention(torch.autograd.Function):
                 ds = p * (dp - D[..., q0:q1].unsqueeze(-1))
                 dq[..., q0:q1, :] += ds @ kg[..., k0:k1, :] * scale
                 dk[..., k0:k1, :] += (ds.transpose(-2, -1) @ qg[..., q0:q1, :]).sum(2, keepdim=True) * scale
+        dsink = None
+        if sink is not None:  # the sink's weight p = exp(sink - lse) times (dP = 0 for its zero value) - D
+            p_sink = torch.exp(sink.to(acc).view(1, n_kv, nh // n_kv, 1) - lse)
+            dsink = -(p_sink * D).sum(dim=(0, 3)).reshape(nh).to(sink.dtype)
         return (dq.view(q.shape).to(q.dtype), dk.squeeze(2).to(k.dtype), dv.squeeze(2).to(v.dtype),
-                None, None, None, None, None)
+                None, None, None, None, None, dsink)
 
 
-def tiled_attention(q, k, v, scale, causal=True, dropout_p=0.0, window=None, key_mask=None, block=128):
+def tiled_attention(q, k, v, scale, causal=True, dropout_p=0.0, window=None, key_mask=None, sink=None, block=128):
     """FlashAttention's algorithm in plain PyTorch (TiledAttention); no attention dropout."""
     if dropout_p > 0:
         raise ValueError("the tiled path does not drop attention weights")
-    return TiledAttention.apply(q, k, v, scale, causal, window, key_mask, block)
+    return TiledAttention.apply(q, k, v, scale, causal, window, key_mask, block, sink)
 
 
 ATTENTION_PATHS = {"sdpa": sdpa_attention, "reference": reference_attention, "tiled": tiled_attention}
 
 
 def attention(q, k, v, scale: float, *, causal: bool = True, impl: str = "sdpa", dropout_p: float = 0.0,
-              window=None, key_mask=None, block: int = 128):
+              window=None, key_mask=None, sink=None, block: int = 128):
     """softmax(q·kᵀ·scale + M)·v for q (B, nh, Tq, hs) and k, v (B, n_kv, Tk, hs) -> (B, nh, Tq, hs).
 
     M is 0 where a key is visible (causal, and within `window` if given), -inf elsewhere. With
     n_kv < nh (grouped-query attention) each kv head serves nh / n_kv consecutive query heads.
-    key_mask (1, 1, 1, Tk) bool, for a single query: which cache slots hold a key (a static cache)."""
+    key_mask (1, 1, 1, Tk) bool, for a single query: which cache slots hold a key (a static cache).
+    sink (nh,): the logit of a key every query sees and whose value is zero (with_sink)."""
     kw = {"block": block} if impl == "tiled" else {}
-    return ATTENTION_PATHS[impl](q, k, v, scale, causal, dropout_p, window, key_mask, **kw)
+    return ATTENTION_PATHS[impl](q, k, v, scale, causal, dropout_p, window, key_mask, sink, **kw)
 
 
 # ----------------------------------------------------------------------------- RoPE and QK-Norm
@@ -310,6 +380,11 @@ def rotate(x, freqs):
     return apply_rope(x, freqs.view(freqs.size(0), *([1] * (x.dim() - 3)), -1, 2))
 
 
+def rotate_heads(x, freqs):
+    """RoPE on x (B, heads, T, hs) at the positions of freqs (T, hs/2, 2) (None: as is)."""
+    return x if freqs is None else rotate(x.transpose(1, 2), freqs).transpose(1, 2)
+
+
 def qk_normalize(x, kind: str, eps: float = 1e-6):
     """Parameter-free per-head norm of x (..., hs). rms and layer give |x| = sqrt(hs); l2 gives 1."""
     if kind == "l2":
@@ -329,10 +404,15 @@ class KVCache:
     Its dtype may be narrower than the model's: a bf16 cache halves what a decode step reads.
     """
 
+    rotates = False  # keys are cached rotated (SinkKVCache stores them before RoPE and rotates them itself)
+
     def __init__(self, batch_size, n_kv_head, length, head_dim, device=None, dtype=torch.float32):
         self.k = torch.zeros(batch_size, n_kv_head, length, head_dim, device=device, dtype=dtype)
         self.v = torch.zeros_like(self.k)
         self.length = length
+
+    def nbytes(self) -> int:
+        return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
 
     def update(self, pos: int, k, v):
         """Store k, v (B, n_kv, T, hs) for positions pos..pos+T-1; return all cached (B, n_kv, n, hs)
@@ -382,6 +462,96 @@ class StaticKVCache(KVCache):
         return self.k, self.v, written.view(1, 1, 1, -1)
 
 
+class Int8KVCache(KVCache):
+    """The KV ring buffer quantised to int8: each token's key (and value) in each head is stored as
+    round(x / s) with its own scale s = max|x| / 127 (per token and head, fp32), and read back as the
+    int8 values times s. Per token and head it holds hs + 4 bytes for each of k and v against 2·hs
+    in bf16; the rounding error of every element is at most s / 2."""
+
+    def __init__(self, batch_size, n_kv_head, length, head_dim, device=None, dtype=torch.float32):
+        self.k = torch.zeros(batch_size, n_kv_head, length, head_dim, device=device, dtype=torch.int8)
+        self.v = torch.zeros_like(self.k)
+        self.k_scale = torch.zeros(batch_size, n_kv_head, length, 1, device=device, dtype=torch.float32)
+        self.v_scale = torch.zeros_like(self.k_scale)
+        self.length, self.out_dtype = length, dtype
+
+    @staticmethod
+    def quantize(x):
+        """(int8 values, fp32 scales) of x (..., hs): x ≈ values * scales, per row."""
+        scale = x.float().abs().amax(-1, keepdim=True).clamp(min=1e-12) / 127
+        return (x.float() / scale).round().clamp(-127, 127).to(torch.int8), scale
+
+    def update(self, pos: int, k, v):
+        T = k.size(2)
+        if T > 1 and pos != 0:
+            raise ValueError("a KV cache takes a multi-token chunk only as the first (prefill) step")
+        keep = torch.arange(max(0, T - self.length), T, device=k.device)  # a longer prefill keeps its latest
+        slots = (pos + keep) % self.length
+        for store, scales, x in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
+            values, scale = self.quantize(x[:, :, keep])
+            store.index_copy_(2, slots, values)
+            scales.index_copy_(2, slots, scale)
+        if T > self.length:
+            return k, v, None
+        n = min(pos + T, self.length)
+        deq = lambda s, sc: (s[:, :, :n].float() * sc[:, :, :n]).to(self.out_dtype)  # noqa: E731
+        return deq(self.k, self.k_scale), deq(self.v, self.v_scale), None
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.k, self.v, self.k_scale, self.v_scale))
+
+
+class SinkKVCache(KVCache):
+    """Eviction that keeps attention sinks (StreamingLLM, Xiao et al. 2023, arXiv 2309.17453): once
+    the cache is full, the first `sinks` tokens stay for good and the rest of it is a ring of the most
+    recent tokens. Keys are stored before RoPE and rotated to their place in the cache at every step
+    (sinks at 0..s-1, then the recent window in order, the query last), as the paper does, so no offset
+    ever exceeds the cache's length: evicted tokens leave no gap in the positions."""
+    rotates = True
+
+    def __init__(self, batch_size, n_kv_head, length, head_dim, device=None, dtype=torch.float32, sinks=4,
+                 rope_table=None):
+        if not 0 < sinks < length:
+            raise ValueError(f"{sinks} sink tokens need a cache longer than that (it holds {length})")
+        super().__init__(batch_size, n_kv_head, length, head_dim, device, dtype)
+        self.sinks, self.rope_table, self.n = sinks, rope_table, 0
+
+    def update(self, pos: int, k, v):
+        T = k.size(2)
+        if T > 1 and pos != 0:
+            raise ValueError("a KV cache takes a multi-token chunk only as the first (prefill) step")
+        window = self.length - self.sinks
+        for t in range(max(0, T - window), T) if T > self.length else range(T):  # a long prefill: its latest
+            p = pos + t
+            slot = p if p < self.length else self.sinks + (p - self.sinks) % window
+            self.k[:, :, slot] = k[:, :, t]
+            self.v[:, :, slot] = v[:, :, t]
+        if T > self.length:  # the first sinks were written by the loop only if T <= window: write them too
+            self.k[:, :, :self.sinks], self.v[:, :, :self.sinks] = k[:, :, :self.sinks], v[:, :, :self.sinks]
+        self.n = max(self.n, pos + T)
+        if T > 1:  # a prefill attends to its own tokens, at their own positions
+            self.order = None
+            return k, v, None
+        # cache order: the sinks, then the recent window oldest first (the ring's next slot is its oldest)
+        if self.n <= self.length:
+            order = torch.arange(self.n, device=k.device)
+        else:
+            oldest = self.sinks + (self.n - self.sinks) % window
+            ring = torch.arange(window, device=k.device)
+            order = torch.cat([torch.arange(self.sinks, device=k.device), self.sinks + (oldest - self.sinks + ring) % window])
+        self.order = order
+        return self.k[:, :, order], self.v[:, :, order], None
+
+    def rotate(self, q, k):
+        """q (B, nh, T, hs) and cached keys (B, n_kv, n, hs) rotated to their positions in the cache."""
+        if self.rope_table is None:
+            return q, k
+        n, T = k.size(2), q.size(2)
+        rq = self.rope_table[n - T:n]
+        rk = self.rope_table[:n]
+        return rotate(q.transpose(1, 2), rq).transpose(1, 2), rotate(k.transpose(1, 2), rk).transpose(1, 2)
+
+
 # ----------------------------------------------------------------------------- the attention module
 
 class HookPoint(nn.Module):
@@ -405,24 +575,38 @@ class CausalSelfAttention(nn.Module):
         self.scale = config.attn_scale
         self.attn_cfg = config.attn
         self.dropout = config.dropout
-        # q (n_head heads), k and v (n_kv_head heads each) in one matmul, laid out [Q | K | V]
-        self.c_attn = nn.Linear(config.n_embd, (config.n_head + 2 * config.n_kv_head) * config.head_dim,
-                                bias=config.bias)
-        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.make_projections(config)
         self.resid_dropout = nn.Dropout(config.dropout)
-        # QK-Norm gains broadcast over (B, T, 2 (q|k), nh, hs): a scalar or a vector per head
-        gain = config.attn.qk_norm_gain if config.attn.qk_norm else "none"
-        per = {"none": None, "head": 1, "channel": config.head_dim}[gain]  # one gain per head, or per channel
-        self.q_gain = nn.Parameter(torch.ones(config.n_head, per)) if per else None
-        self.k_gain = nn.Parameter(torch.ones(config.n_kv_head, per)) if per else None
-        self.norm_kind = config.attn.qk_norm_type if config.attn.qk_norm else None
         self.attend = ATTENTION_PATHS[config.attn.impl]
         if config.attn.impl == "tiled":
             self.attend = partial(tiled_attention, block=config.attn.block)
         pattern = config.attn.window_pattern
         local = config.attn.window is not None and pattern[layer % len(pattern)] == "L"
         self.window = config.attn.window if local else None  # this layer's own window (None: global)
+        # gated attention (Qiu et al. 2025, arXiv 2505.06708): sigmoid(x W_g) scales each head's output,
+        # one gate per head or per channel, computed from the layer's input
+        outputs = {"none": 0, "head": config.n_head, "channel": config.n_head * config.head_dim}[config.attn.gate]
+        self.gate = nn.Linear(config.n_embd, outputs, bias=False) if outputs else None
+        # an attention sink: a logit per head that the softmax may spend weight on instead of any key
+        if config.attn.sink == "learned":  # gpt-oss: learned, one per head
+            self.sink_logit = nn.Parameter(torch.zeros(config.n_head))
+        else:  # zero: softmax with an extra zero logit ("off by one", Miller 2023); none: no sink
+            self.register_buffer("sink_logit", torch.zeros(config.n_head) if config.attn.sink == "zero" else None,
+                                 persistent=False)
         self.hook_q, self.hook_k = HookPoint(), HookPoint()
+
+    def make_projections(self, config):
+        """q (n_head heads), k and v (n_kv_head heads each) in one matmul laid out [Q | K | V], the
+        output projection, and QK-Norm's optional gains."""
+        self.c_attn = nn.Linear(config.n_embd, (config.n_head + 2 * config.n_kv_head) * config.head_dim,
+                                bias=config.bias)
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        # QK-Norm gains broadcast over (B, T, 2 (q|k), nh, hs): a scalar or a vector per head
+        gain = config.attn.qk_norm_gain if config.attn.qk_norm else "none"
+        per = {"none": None, "head": 1, "channel": config.head_dim}[gain]  # one gain per head, or per channel
+        self.q_gain = nn.Parameter(torch.ones(config.n_head, per)) if per else None
+        self.k_gain = nn.Parameter(torch.ones(config.n_kv_head, per)) if per else None
+        self.norm_kind = config.attn.qk_norm_type if config.attn.qk_norm else None
 
     def normalize(self, x, gain):
         """QK-Norm of x (..., heads, hs) before RoPE, so the gain multiplies un-rotated channels."""
@@ -464,10 +648,22 @@ class CausalSelfAttention(nn.Module):
         gains = 1.0 if self.q_gain is None else self.q_gain.abs().max().item() * self.k_gain.abs().max().item()
         return self.scale * norm_sq * gains
 
-    def new_cache(self, batch_size: int, length: int, device, dtype, static: bool = False):
-        """This layer's KV cache for generation: `length` positions, or its window's if shorter."""
+    def new_cache(self, batch_size: int, length: int, device, dtype, static: bool = False, sinks: int = 0,
+                  rope_table=None, absorbed: bool = True):
+        """This layer's KV cache for generation: `length` positions, or its window's if shorter; int8
+        (dtype=torch.int8: Int8KVCache), keeping `sinks` first tokens when it slides (SinkKVCache), or
+        with fixed shapes for a compiled decode step (StaticKVCache)."""
         length = length if self.window is None else min(length, self.window)
-        return (StaticKVCache if static else KVCache)(batch_size, self.n_kv_head, length, self.head_dim, device, dtype)
+        shape = (batch_size, self.n_kv_head, length, self.head_dim, device)
+        if static and (sinks or dtype == torch.int8):
+            raise UserError("a compiled decode step supports neither an int8 cache nor sink tokens: use compile=false")
+        if dtype == torch.int8:
+            if sinks:
+                raise UserError("an int8 cache does not keep sink tokens yet: use kv_dtype=auto with kv_sinks, or no sinks")
+            return Int8KVCache(*shape)
+        if sinks:
+            return SinkKVCache(*shape, dtype, sinks=sinks, rope_table=rope_table)
+        return (StaticKVCache if static else KVCache)(*shape, dtype)
 
     def forward(self, x, *, rope=None, kv_cache=None, pos=0, window=None, ve=None):
         """x (B, T, C) at positions pos..pos+T-1 -> (B, T, C). kv_cache: this layer's cache (k, v
@@ -476,17 +672,27 @@ class CausalSelfAttention(nn.Module):
         B, T, C = x.shape
         if self.window is not None:
             window = self.window if window is None else min(window, self.window)
-        q, k, v = self.qkv(x, rope, ve)
+        in_cache = kv_cache is not None and kv_cache.rotates  # positions are the cache's to give (SinkKVCache)
+        q, k, v = self.qkv(x, None if in_cache else rope, ve)
         q, k = self.hook_q(q), self.hook_k(k)  # what the attention probe reads
         key_mask = None
         if kv_cache is not None:
             k, v, key_mask = kv_cache.update(pos, k, v)  # (B, n_kv, n_cached, hs)
+            if in_cache:
+                q, k = kv_cache.rotate(q, k) if T == 1 else (rotate_heads(q, rope), rotate_heads(k, rope))
             if T == 1:  # a decode step: the cache (one window long) holds just the keys it may see, in slot order
                 window = None
         # a cache may hold another dtype (sample.kv_dtype): q joins it, the output returns to q's
         y = self.attend(q.to(k.dtype), k, v, self.scale, True, self.dropout if self.training else 0.0, window,
-                        key_mask).to(q.dtype)  # (B, nh, T, hs)
-        y = y.transpose(1, 2).contiguous().view(B, T, C)  # re-assemble heads side by side
+                        key_mask, self.sink_logit).to(q.dtype)  # (B, nh, T, hs)
+        return self.project(x, y)
+
+    def project(self, x, y):
+        """The heads' outputs y (B, nh, T, hs), gated if the layer has a gate, side by side, projected."""
+        B, nh, T, hs = y.shape
+        if self.gate is not None:  # (B, T, nh or nh*hs) -> (B, nh, T, 1 or hs)
+            y = y * torch.sigmoid(self.gate(x)).view(B, T, nh, -1).transpose(1, 2)
+        y = y.transpose(1, 2).contiguous().view(B, T, nh * hs)  # re-assemble heads side by side
         return self.resid_dropout(self.c_proj(y))
 
 
@@ -533,11 +739,12 @@ class LinearAttention(CausalSelfAttention):
         fq, fk = elu_feature(q), elu_feature(k)  # (B, heads, T, hs)
         if rope is None:
             return (fq, fq), (fk, fk), v
-        rot = lambda t: rotate(t.transpose(1, 2), rope).transpose(1, 2)  # noqa: E731  rope wants (B, T, h, hs)
-        return (rot(fq), fq), (rot(fk), fk), v
+        return (rotate_heads(fq, rope), fq), (rotate_heads(fk, rope), fk), v
 
-    def new_cache(self, batch_size: int, length: int, device, dtype, static: bool = False):
-        """The layer's recurrent state: its size does not depend on `length`."""
+    def new_cache(self, batch_size: int, length: int, device, dtype, static: bool = False, sinks: int = 0, **_):
+        """The layer's recurrent state: its size does not depend on `length` (nothing to evict)."""
+        if sinks or dtype == torch.int8:
+            raise UserError("linear attention keeps a constant-size state: kv_sinks and kv_dtype=int8 do not apply")
         return LinearState(batch_size, self.n_kv_head, self.head_dim, device, torch.promote_types(dtype, torch.float32))
 
     def forward(self, x, *, rope=None, kv_cache=None, pos=0, window=None, ve=None):
@@ -562,4 +769,118 @@ class LinearAttention(CausalSelfAttention):
         return self.resid_dropout(self.c_proj(y))
 
 
-ATTENTION_KINDS = {"softmax": CausalSelfAttention, "linear": LinearAttention}
+# ----------------------------------------------------------------------------- multi-head latent attention
+
+class LatentCache(KVCache):
+    """What an MLA layer caches per token: its latent c (d_c) and its decoupled RoPE key (d_r), side by
+    side in one ring buffer (B, 1, length, d_c + d_r): no per-head keys or values at all."""
+
+    def __init__(self, batch_size, width, length, device=None, dtype=torch.float32, absorbed=True):
+        self.k = torch.zeros(batch_size, 1, length, width, device=device, dtype=dtype)
+        self.v = self.k[..., :0]  # nothing else is kept: update returns the latents twice, as k and v
+        self.length = length
+        self.absorbed = absorbed  # decode by folding the up-projections into q and the output
+
+    def update(self, pos, ckr, _unused=None):
+        return super().update(pos, ckr, ckr[..., :0])[0]
+
+    def nbytes(self) -> int:
+        return self.k.numel() * self.k.element_size()
+
+
+class LatentAttention(CausalSelfAttention):
+    """Multi-head latent attention (DeepSeek-V2, arXiv 2405.04434): keys and values are up-projected
+    from one small latent per token, c = norm(x W_dkv) (d_c = kv_lora_rank), and only c is cached:
+    k_h = W_uk,h c, v_h = W_uv,h c. RoPE cannot pass through W_uk (the rotation depends on the position,
+    the product would not), so position rides on a decoupled part: a small RoPE key shared by every
+    head, k_R = rope(x W_kr) (d_r = rope_head_dim), and a RoPE part of each query, q_R,h. A head's
+    logit is scale · (q_C,h·k_C,h + q_R,h·k_R), scale = 1/√(hs + d_r) by default. Queries come from x,
+    or from their own latent (q_lora_rank) as in DeepSeek-V2.
+
+    Decoding has two forms that compute the same thing: naive (up-project every cached latent into
+    keys and values, then attend) and absorbed (fold W_uk into the query, q̃_h = W_uk,hᵀ q_C,h, and
+    attend over the latents themselves, all heads sharing them like one key/value head; then W_uv,h
+    turns each head's weighted latent into its output): the cache is read, never expanded."""
+
+    def make_projections(self, config):
+        a, d, nh, hs = config.attn, config.n_embd, config.n_head, config.head_dim
+        self.d_c = a.kv_lora_rank or 4 * hs
+        self.d_r = (a.rope_head_dim or hs // 2) if config.pos == "rope" else 0  # no RoPE: no decoupled part
+        if a.q_lora_rank:  # queries from their own latent (DeepSeek-V2 does this to save activation memory)
+            self.q_down = nn.Linear(d, a.q_lora_rank, bias=config.bias)
+            self.q_norm = nn.RMSNorm(a.q_lora_rank, eps=1e-6)
+            self.q_up = nn.Linear(a.q_lora_rank, nh * (hs + self.d_r), bias=config.bias)
+        else:
+            self.q_up = nn.Linear(d, nh * (hs + self.d_r), bias=config.bias)  # [q_C | q_R] per head
+        self.kv_down = nn.Linear(d, self.d_c + self.d_r, bias=config.bias)  # [c | k_R]: all that is cached
+        self.kv_norm = nn.RMSNorm(self.d_c, eps=1e-6)
+        self.k_up = nn.Linear(self.d_c, nh * hs, bias=False)
+        self.v_up = nn.Linear(self.d_c, nh * hs, bias=False)
+        self.c_proj = nn.Linear(nh * hs, d, bias=config.bias)
+        self.q_gain = self.k_gain = None
+        self.norm_kind = None
+        self.scale = resolve_scale(a.scale, hs + self.d_r)
+
+    def queries(self, x, rope):
+        """(q_C (B, nh, T, hs), q_R (B, nh, T, d_r), rotated) of x (B, T, C)."""
+        B, T, _ = x.shape
+        h = self.q_norm(self.q_down(x)) if hasattr(self, "q_down") else x
+        q = self.q_up(h).view(B, T, self.n_head, self.head_dim + self.d_r)
+        qc, qr = q.split((self.head_dim, self.d_r), dim=-1)
+        if rope is not None and self.d_r:
+            qr = rotate(qr, rope)
+        return qc.transpose(1, 2), qr.transpose(1, 2)
+
+    def latents(self, x, rope):
+        """What the cache holds for x (B, T, C): [norm(c) | rope(k_R)] (B, 1, T, d_c + d_r)."""
+        c, kr = self.kv_down(x).split((self.d_c, self.d_r), dim=-1)
+        if rope is not None and self.d_r:
+            kr = rotate(kr.unsqueeze(2), rope).squeeze(2)
+        return torch.cat([self.kv_norm(c), kr], dim=-1).unsqueeze(1)
+
+    def expand(self, ckr):
+        """Keys (B, nh, n, hs + d_r) and values (B, nh, n, hs) up-projected from latents (B, 1, n, d_c + d_r)."""
+        B, _, n, _ = ckr.shape
+        c, kr = ckr[:, 0].split((self.d_c, self.d_r), dim=-1)
+        k = self.k_up(c).view(B, n, self.n_head, self.head_dim)
+        k = torch.cat([k, kr.unsqueeze(2).expand(B, n, self.n_head, self.d_r)], dim=-1)
+        v = self.v_up(c).view(B, n, self.n_head, self.head_dim)
+        return k.transpose(1, 2), v.transpose(1, 2)
+
+    def new_cache(self, batch_size: int, length: int, device, dtype, static: bool = False, sinks: int = 0,
+                  absorbed: bool = True, **_):
+        """The layer's latent cache: latent + RoPE key per token, `length` positions (or its window's)."""
+        if static or sinks or dtype == torch.int8:
+            raise UserError("MLA's latent cache supports neither a compiled decode step, sink tokens nor int8: "
+                            "use compile=false, no kv_sinks and kv_dtype=auto")
+        length = length if self.window is None else min(length, self.window)
+        return LatentCache(batch_size, self.d_c + self.d_r, length, device, dtype, absorbed)
+
+    def forward(self, x, *, rope=None, kv_cache=None, pos=0, window=None, ve=None):
+        B, T, C = x.shape
+        if self.window is not None:
+            window = self.window if window is None else min(window, self.window)
+        qc, qr = self.queries(x, rope)
+        ckr = self.latents(x, rope)
+        if kv_cache is not None:
+            ckr = kv_cache.update(pos, ckr)  # (B, 1, n, d_c + d_r)
+            if T == 1:  # a decode step: the cache holds just the keys its window allows
+                window = None
+        drop = self.dropout if self.training else 0.0
+        if kv_cache is not None and kv_cache.absorbed:
+            # absorbed: q̃_h = W_uk,hᵀ q_C,h against the latents, shared by every head (one kv head)
+            w_uk = self.k_up.weight.view(self.n_head, self.head_dim, self.d_c)  # k_C,h = W_uk,h c
+            q = torch.cat([torch.einsum("bhtd,hdc->bhtc", qc, w_uk), qr], dim=-1)  # (B, nh, T, d_c + d_r)
+            q, k = self.hook_q(q), self.hook_k(ckr.to(q.dtype))
+            lat = self.attend(q, k, ckr[..., :self.d_c].to(q.dtype), self.scale, True, drop, window, None,
+                              self.sink_logit)  # (B, nh, T, d_c): each head's weighted latent
+            w_uv = self.v_up.weight.view(self.n_head, self.head_dim, self.d_c)
+            y = torch.einsum("bhtc,hdc->bhtd", lat, w_uv)  # v_h = W_uv,h c, summed after the weights
+        else:  # naive: keys and values up-projected from the latents, then ordinary attention
+            k, v = self.expand(ckr.to(qc.dtype))
+            q, k = self.hook_q(torch.cat([qc, qr], dim=-1)), self.hook_k(k)
+            y = self.attend(q, k, v, self.scale, True, drop, window, None, self.sink_logit)
+        return self.project(x, y.to(x.dtype))
+
+
+ATTENTION_KINDS = {"softmax": CausalSelfAttention, "linear": LinearAttention, "mla": LatentAttention}

@@ -62,7 +62,8 @@ def role_rows(p, start: int):
 def reading_qk(model, fn):
     """Within the block, every forward of `model` calls fn(layer, q, k, scale) for each layer: the q
     (B, nh, T, hs) and k (B, nh, T, hs, repeated to one per query head) that enter its attention,
-    read at the attention's hook points, and its logit scale."""
+    read at the attention's hook points, and its logit scale; a layer with an attention sink adds
+    sink=its logits (nh,)."""
     handles = []
     for layer, block in enumerate(model.blocks):
         attn, seen = block.attn, {}
@@ -73,7 +74,8 @@ def reading_qk(model, fn):
             seen["q"] = q
 
         def read_k(module, args, k, seen=seen, layer=layer, attn=attn):
-            fn(layer, seen.pop("q"), repeat_kv(k, attn.n_head), attn.scale)
+            extra = {} if attn.sink_logit is None else {"sink": attn.sink_logit.detach()}
+            fn(layer, seen.pop("q"), repeat_kv(k, attn.n_head), attn.scale, **extra)
 
         handles += [attn.hook_q.register_forward_hook(read_q), attn.hook_k.register_forward_hook(read_k)]
     try:
@@ -84,7 +86,7 @@ def reading_qk(model, fn):
 
 
 @torch.no_grad()
-def attention_stats(q, k, scale: float, block: int = 256, dtype=torch.float32, period=None) -> dict:
+def attention_stats(q, k, scale: float, block: int = 256, dtype=torch.float32, period=None, sink=None) -> dict:
     """Statistics of causal softmax(q·kᵀ·scale) for q, k (B, nh, T, hs), computed block-wise.
 
     Returns per-head tensors (nh,): `entropy` (nats, mean over rows), `entropy_norm` (each row
@@ -92,7 +94,9 @@ def attention_stats(q, k, scale: float, block: int = 256, dtype=torch.float32, p
     weight); `logit_max` per head (largest scaled logit any query gives a visible key); and the
     head's roles, means over rows i >= 1: `prev`, `first`, `self` (weight on key i-1, 0, i) and
     `dist` (sum_j p_ij (i - j)). With `period` n (the rows are [r, r] repeated, T = 2n): also
-    `induction`, the mean weight of the second copy's queries t >= n on key t - n + 1.
+    `induction`, the mean weight of the second copy's queries t >= n on key t - n + 1. With a sink
+    (its logits (nh,)), the softmax includes it: `sink` is its mean weight, the entropy counts it as
+    one more choice, and the key statistics are the weights keys get beside it.
     """
     B, nh, T, _ = q.shape
     q, k = q.to(dtype), k.to(dtype)
@@ -102,13 +106,23 @@ def attention_stats(q, k, scale: float, block: int = 256, dtype=torch.float32, p
     peak_sum = torch.zeros_like(ent_sum)
     role_sum = {name: torch.zeros_like(ent_sum) for name in ROLE_STATS}
     induction_sum = torch.zeros_like(ent_sum)
+    sink_sum = torch.zeros_like(ent_sum)
     logit_max = torch.full((nh,), -math.inf, device=q.device, dtype=dtype)
     for start in range(0, T, block):
         end = min(start + block, T)
         scores = attention_scores(q[:, :, start:end], k[:, :, :end], scale)  # (B, nh, Tb, end)
-        logp = F.log_softmax(scores, dim=-1)
+        if sink is None:
+            logp = F.log_softmax(scores, dim=-1)
+        else:  # the sink as column 0 of the softmax, then set apart
+            column = sink.to(dtype).view(1, nh, 1, 1).expand(*scores.shape[:-1], 1)
+            logp_all = F.log_softmax(torch.cat([column, scores], dim=-1), dim=-1)
+            sink_sum += logp_all[..., 0].exp().sum(dim=(0, 2))
+            ent_sink = -(logp_all[..., 0].exp() * logp_all[..., 0])
+            logp = logp_all[..., 1:]
         p = logp.exp()
         ent = -torch.where(p > 0, p * logp, torch.zeros_like(p)).sum(-1)  # (B, nh, Tb)
+        if sink is not None:
+            ent = ent + ent_sink
         ent_sum += ent.sum(dim=(0, 2))
         log_keys = torch.log1p(positions[start:end])  # ln(i+1) for the block's rows
         rows = log_keys > 0
@@ -123,6 +137,8 @@ def attention_stats(q, k, scale: float, block: int = 256, dtype=torch.float32, p
     n_rows, n_norm_rows = B * T, B * max(T - 1, 1)
     out = {"entropy": ent_sum / n_rows, "entropy_norm": norm_sum / n_norm_rows,
            "peak": peak_sum / n_rows, "logit_max": logit_max}
+    if sink is not None:
+        out["sink"] = sink_sum / n_rows
     out.update({name: total / n_norm_rows for name, total in role_sum.items()})
     if period is not None:
         out["induction"] = induction_sum / (B * max(T - period, 1))
@@ -139,10 +155,14 @@ def attention_maps(model, idx, block: int = 256):
     model.eval()
     maps, stats = {}, {}
 
-    def hook(layer, q, k, scale):
+    def hook(layer, q, k, scale, sink=None):
         scores = attention_scores(q.float(), k.float(), scale)  # (1, nh, T, T), -inf above the diagonal
-        maps[layer] = F.softmax(scores, dim=-1)[0].cpu()
-        stats[layer] = attention_stats(q, k, scale, block)
+        if sink is None:
+            maps[layer] = F.softmax(scores, dim=-1)[0].cpu()
+        else:  # what the keys get beside the sink (a row sums to 1 minus the sink's weight)
+            column = sink.float().view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+            maps[layer] = F.softmax(torch.cat([column, scores], dim=-1), dim=-1)[0, ..., 1:].cpu()
+        stats[layer] = attention_stats(q, k, scale, block, sink=sink)
 
     with reading_qk(model, hook):
         model(idx)
@@ -194,22 +214,30 @@ class AttentionProbe:
         model.eval()
         per_layer = {}
 
-        def hook(layer, q, k, scale):  # called once per layer with that layer's q, k
-            per_layer[layer] = attention_stats(q, k, scale, self.block)
+        def hook(layer, q, k, scale, sink=None):  # called once per layer with that layer's q, k
+            per_layer[layer] = attention_stats(q, k, scale, self.block, sink=sink)
 
-        with reading_qk(model, hook):
-            model(self.idx)
-        extra = {}
+        largest = {}  # the largest |activation| of the residual stream after each block ("massive
+        handles = [b.register_forward_hook(  # activations", Sun et al. 2024, arXiv 2402.17762; sinks' partners)
+            lambda m, args, out, l=l: largest.__setitem__(l, out.abs().max().item())) for l, b in enumerate(model.blocks)]
+        try:
+            with reading_qk(model, hook):
+                model(self.idx)
+        finally:
+            for h in handles:
+                h.remove()
+        extra = {f"act_max/L{l}": v for l, v in sorted(largest.items())}
+        extra["act_max/max"] = max(largest.values())
         if self.repeated is not None:
             n = self.repeated.size(1) // 2
 
-            def induction_hook(layer, q, k, scale):
-                per_layer[layer]["induction"] = attention_stats(q, k, scale, self.block, period=n)["induction"]
+            def induction_hook(layer, q, k, scale, sink=None):
+                per_layer[layer]["induction"] = attention_stats(q, k, scale, self.block, period=n, sink=sink)["induction"]
 
             with reading_qk(model, induction_hook):
                 logits = model(self.repeated)
             first, second = copy_losses(logits, self.repeated, n)
-            extra = {"incontext/loss_first": first, "incontext/loss_second": second, "incontext/gain": first - second}
+            extra.update({"incontext/loss_first": first, "incontext/loss_second": second, "incontext/gain": first - second})
         model.train(was_training)
         return {**flatten_stats(per_layer), **extra}
 
@@ -260,7 +288,7 @@ def flatten_stats(per_layer: dict) -> dict:
     n = len(per_layer)
     for name in ("entropy", "entropy_norm", "peak"):
         out[metric_key(name, "mean")] = sum(out[metric_key(name, l)] for l in per_layer) / n
-    for name in ROLE_STATS + ("induction",):
+    for name in ROLE_STATS + ("induction", "sink"):
         for l, s in sorted(per_layer.items()):
             if name not in s:
                 continue

@@ -157,14 +157,15 @@ class SampleConfig:
     compile: Optional[bool] = None  # torch.compile the cached decode step (CUDA graphs on CUDA); unset: on for CUDA
     threads: Optional[int] = None  # intra-op CPU threads; unset: torch's default. 1 decodes ~2x faster on 2 cores
     dtype: str = "auto"  # autocast dtype as in training: auto = bfloat16 on capable GPUs, else float32
-    kv_dtype: str = "auto"  # KV cache dtype: auto = dtype's if 16-bit, on CPU bfloat16 for num_samples > 1 (faster), else float32
+    kv_dtype: str = "auto"  # KV cache dtype: auto = dtype's if 16-bit, on CPU bfloat16 for num_samples > 1 (faster), else float32; int8: quantised
+    kv_sinks: int = 0  # past block_size, keep the first kv_sinks tokens in the cache besides the latest (StreamingLLM); 0: a plain ring
     stream: bool = False  # print tokens as they are produced (num_samples=1)
     stop: Optional[str] = None  # end a sample at the first occurrence of this string
 
     RULES: ClassVar[dict] = {
         "max_new_tokens": NON_NEGATIVE, "num_samples": POSITIVE, "temperature": Range(0, why="0 is greedy"),
         "top_k": POSITIVE, "top_p": Range(0, 1, lo_open=True), "seed": SEED, "threads": Range(1, 4096),
-        "dtype": OneOf(DTYPE_NAMES), "kv_dtype": OneOf(DTYPE_NAMES),
+        "dtype": OneOf(DTYPE_NAMES), "kv_dtype": OneOf((*DTYPE_NAMES, "int8")), "kv_sinks": NON_NEGATIVE,
     }
 
 

@@ -22,15 +22,42 @@ def mlp_matrices(c) -> int:
     return 3 if c.mlp == "swiglu" else 2
 
 
+def mla_dims(c) -> tuple:
+    """(d_c, d_r, q latent width or 0) of an MLA layer (attention.LatentAttention)."""
+    a = c.attn
+    return a.kv_lora_rank or 4 * c.head_dim, (a.rope_head_dim or c.head_dim // 2) if c.pos == "rope" else 0, \
+        a.q_lora_rank or 0
+
+
+def projection_macs(c) -> dict:
+    """Weights of one layer's attention projections, by what they compute (one MAC per weight per
+    token): q, k, v, o. MLA's k and v include the down-projection to the latent (and its RoPE key)
+    and the up-projections from it, as training computes them for every token."""
+    d, kv, hs, nh = c.n_embd, c.n_kv_head * c.head_dim, c.head_dim, c.n_head
+    if c.attn.kind != "mla":
+        return {"q": d * d, "k": d * kv, "v": d * kv, "o": d * d}
+    d_c, d_r, rq = mla_dims(c)
+    q = (d * rq + rq * nh * (hs + d_r)) if rq else d * nh * (hs + d_r)
+    return {"q": q, "k": d * (d_c + d_r) + d_c * nh * hs, "v": d_c * nh * hs, "o": nh * hs * d}
+
+
 def layer_params(c) -> dict:
-    """One block's parameters, matrices apart from the rest (biases, norm weights, QK-Norm gains),
-    in the layout GPT builds."""
-    d, kv, b = c.n_embd, c.n_kv_head * c.head_dim, int(c.bias)
+    """One block's parameters, matrices apart from the rest (biases, norm weights, QK-Norm gains,
+    sink logits), in the layout GPT builds."""
+    d, kv, b, nh, hs = c.n_embd, c.n_kv_head * c.head_dim, int(c.bias), c.n_head, c.head_dim
     gain = {"none": 0, "head": 1, "channel": c.head_dim}[c.attn.qk_norm_gain] if c.attn.qk_norm else 0
+    gate = {"none": 0, "head": nh, "channel": nh * hs}[c.attn.gate] * d  # attention gates: a Linear, no bias
     k = mlp_matrices(c)
+    attn_bias = b * (d + 2 * kv + d)  # c_attn's q, k, v and c_proj's
+    attn_norms = 0
+    if c.attn.kind == "mla":
+        d_c, d_r, rq = mla_dims(c)
+        attn_bias = b * ((rq + nh * (hs + d_r)) + (d_c + d_r) + d)  # q_down, q_up, kv_down, c_proj
+        attn_norms = d_c + rq  # kv_norm (+ q_norm)
     return {
-        "attn_matrices": d * (d + 2 * kv) + d * d,  # c_attn (q, k, v fused), c_proj
-        "attn_other": b * (d + 2 * kv + d) + gain * (c.n_head + c.n_kv_head),  # biases; q_gain, k_gain per head
+        "attn_matrices": sum(projection_macs(c).values()) + gate,  # c_attn (q, k, v fused) or MLA's, c_proj, gate
+        "attn_other": attn_bias + gain * (c.n_head + c.n_kv_head) + attn_norms  # biases; q_gain, k_gain per head
+        + (nh if c.attn.sink == "learned" else 0),  # one sink logit per head
         "mlp_matrices": k * d * c.d_ff,  # c_fc (gate|up fused for swiglu), c_proj
         "mlp_other": b * ((k - 1) * c.d_ff + d),  # their biases
         "norm": d * (2 if c.norm == "layernorm" and c.bias else 1),  # one norm: weight (+ LayerNorm bias)
@@ -67,7 +94,8 @@ def attention_macs(c, seq_len, layer: int) -> tuple:
         return c.n_kv_head * hs * (hs + 1), c.n_head * hs * (hs + 1)
     pattern = a.window_pattern
     keys = seq_len if a.window is None or pattern[layer % len(pattern)] == "G" else min(seq_len, a.window)
-    return keys * c.n_embd, keys * c.n_embd
+    qk = c.n_head * (hs + (mla_dims(c)[1] if a.kind == "mla" else 0))  # MLA's keys carry the RoPE part too
+    return keys * qk, keys * c.n_head * hs
 
 
 def macs_per_token(c, seq_len) -> dict:
@@ -76,14 +104,15 @@ def macs_per_token(c, seq_len) -> dict:
     local/global window pattern) and for the model (lm_head, other_final, forward). `other` is
     one MAC per parameter outside a matrix (norm weights, biases, QK-Norm gains), the 6N
     convention. seq_len may be a Fraction (the crossovers are checked exactly)."""
-    d, kv, lp = c.n_embd, c.n_kv_head * c.head_dim, layer_params(c)
+    d, lp = c.n_embd, layer_params(c)
     attn = [attention_macs(c, seq_len, layer) for layer in range(c.n_layer)]
+    gate = lp["attn_matrices"] - sum(projection_macs(c).values())  # the attention gates' weights
     m = {
-        "q": d * d, "k": d * kv, "v": d * kv, "o": d * d,  # projections: one MAC per weight
+        **projection_macs(c),  # q, k, v, o: one MAC per weight
         "scores": sum(s for s, _ in attn) / Fraction(c.n_layer),  # q.k with each key a query sees (attention_macs)
         "weighted_sum": sum(w for _, w in attn) / Fraction(c.n_layer),  # the weighted sum of their values
         "mlp": lp["mlp_matrices"],
-        "other": lp["attn_other"] + lp["mlp_other"] + 2 * lp["norm"],
+        "other": lp["attn_other"] + lp["mlp_other"] + 2 * lp["norm"] + gate,  # the gates' MACs with the rest
         "lm_head": d * c.vocab_size,
         "other_final": lp["norm"] if c.norm_position == "pre" else 0,  # ln_f
     }
@@ -114,10 +143,27 @@ def crossovers(c) -> dict:
 
 # ----------------------------------------------------------------------------- bytes
 
-def kv_cache_bytes(c, tokens: int = 1, batch: int = 1, dtype_bytes: int = 4, n_kv_head=None) -> int:
-    """K and V of `tokens` positions of `batch` sequences in every layer: 2 * n_layer * n_kv_head *
-    head_dim numbers per token (n_kv_head: another head count for the same shape, e.g. MHA's)."""
-    return 2 * c.n_layer * (n_kv_head or c.n_kv_head) * c.head_dim * dtype_bytes * tokens * batch
+INT8_SCALE_BYTES = 4  # an int8 cache's fp32 scale per token and head (attention.Int8KVCache)
+
+
+def kv_cache_bytes(c, tokens: int = 1, batch: int = 1, dtype_bytes: int = 4, n_kv_head=None, int8: bool = False) -> int:
+    """What generation caches for `tokens` positions of `batch` sequences in every layer: K and V,
+    2 * n_kv_head * head_dim numbers per token (n_kv_head: another head count for the same shape, e.g.
+    MHA's); int8 stores each head's k and v as head_dim bytes plus one fp32 scale; MLA caches its
+    latent and RoPE key, d_c + d_r numbers per token shared by every head; linear attention caches
+    nothing per token (its state's size, linear_state_bytes, does not grow)."""
+    if c.attn.kind == "linear" and n_kv_head is None:
+        return 0
+    if c.attn.kind == "mla" and n_kv_head is None:
+        d_c, d_r, _ = mla_dims(c)
+        return c.n_layer * (d_c + d_r) * dtype_bytes * tokens * batch
+    per_head = c.head_dim + INT8_SCALE_BYTES if int8 else c.head_dim * dtype_bytes
+    return 2 * c.n_layer * (n_kv_head or c.n_kv_head) * per_head * tokens * batch
+
+
+def linear_state_bytes(c, batch: int = 1) -> int:
+    """Linear attention's recurrent state in every layer: S (hs x hs) and z (hs) per kv head, fp32."""
+    return c.n_layer * c.n_kv_head * (c.head_dim ** 2 + c.head_dim) * 4 * batch
 
 
 def memory_breakdown(c, seq_len: int, batch: int, dtype_bytes: int) -> dict:
@@ -145,10 +191,11 @@ def training_bytes(c, batch: int) -> int:
     return TRAIN_BYTES_PER_PARAM * count_params(c)["total"] + 4 * batch * T * per_token
 
 
-def generation_bytes(c, batch: int, length: int, kv_bytes: int = 4) -> int:
+def generation_bytes(c, batch: int, length: int, kv_bytes: int = 4, int8: bool = False) -> int:
     """What generation allocates per call beyond the weights: the int64 token buffer and a KV cache of
-    up to one block per layer, for every sample."""
-    return batch * 8 * length + kv_cache_bytes(c, min(length, c.block_size), batch, kv_bytes)
+    up to one block per layer (or linear attention's state), for every sample."""
+    return batch * 8 * length + kv_cache_bytes(c, min(length, c.block_size), batch, kv_bytes, int8=int8) + \
+        (linear_state_bytes(c, batch) if c.attn.kind == "linear" else 0)
 
 
 def decode_bytes(c, batch: int, context: int, weight_bytes: int = 4, kv_bytes: int = 4) -> int:
@@ -183,4 +230,30 @@ def attention_variants(c, seq_len: int, batch: int = 1, dtype_bytes: int = 4) ->
         {"name": "linear (elu + 1)", "macs": linear_macs, "memory": B * hkv * N * hs * hs * dtype_bytes,
          "beats_full_from": math.floor(Fraction(linear_macs, 2 * d)) + 1, "memory_order": "N*hs^2"},
     ]
+    return rows
+
+
+def cache_table(c, lengths=(8192, 131072), batch: int = 1) -> list:
+    """The KV cache of the config's shape stored every way attnlab can: multi-head (n_head K/V heads),
+    grouped-query (the config's n_kv_head, or n_head/4), multi-query (1), MLA (latent d_c = 4·hs and a
+    RoPE key of hs/2, DeepSeek-V2's proportions, or the config's own), each in fp32, bf16 and int8
+    where it exists: bytes per token (all layers) and at each length."""
+    from dataclasses import replace
+
+    from attention import AttnConfig
+
+    gqa = c.n_kv_head if c.n_kv_head not in (c.n_head, 1) else max(1, c.n_head // 4)
+    mla = replace(c, n_kv_head=None, value_embed=False, attn=AttnConfig(kind="mla", kv_lora_rank=c.attn.kv_lora_rank,
+                                                                     rope_head_dim=c.attn.rope_head_dim)) \
+        if c.attn.kind != "mla" else c
+    kinds = [(f"MHA ({c.n_head} K/V heads)", c, c.n_head), (f"GQA ({gqa} K/V heads)", c, gqa), ("MQA (1 K/V head)", c, 1),
+             ("MLA (latent + RoPE key)", mla, None)]
+    rows = []
+    for name, cfg, heads in kinds:
+        for dtype, nbytes, int8 in (("float32", 4, False), ("bfloat16", 2, False), ("int8", 1, True)):
+            if heads is None and int8:
+                continue  # attnlab's int8 cache quantises per head; the latent cache has none
+            per_token = kv_cache_bytes(cfg, 1, 1, nbytes, heads, int8=int8)
+            rows.append({"kind": name, "dtype": dtype, "per_token": per_token,
+                         **{str(n): per_token * n * batch for n in lengths}})
     return rows

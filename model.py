@@ -98,7 +98,12 @@ class GPTConfig:
         if self.d_ff is None:
             self.d_ff = 64 * math.ceil(8 * self.n_embd / 3 / 64) if self.mlp == "swiglu" else 4 * self.n_embd
         self.attn_scale = resolve_scale(self.attn.scale, self.head_dim)
-        check_attention_options(self.attn, self.dropout)
+        # the channels RoPE rotates: a head's, or MLA's decoupled RoPE part (attention.LatentAttention)
+        self.rope_dim = (self.attn.rope_head_dim or self.head_dim // 2) if self.attn.kind == "mla" else self.head_dim
+        if self.rope_dim % 2:
+            raise ConfigError(f"MLA's RoPE part head_dim/2={self.rope_dim} is odd, but RoPE rotates pairs of channels: "
+                              "set model.attn.rope_head_dim to an even number")
+        check_attention_options(self)
 
 
 # ----------------------------------------------------------------------------- MLPs, norms, blocks
@@ -231,7 +236,7 @@ class GPT(nn.Module):
         if config.tie_embeddings:
             self.lm_head.weight = self.wte.weight
         self.rotary = config.pos == "rope"
-        freqs = rope_freqs(config.head_dim, config.block_size, config.rope_base)
+        freqs = rope_freqs(config.rope_dim, config.block_size, config.rope_base)
         self.register_buffer("rope", freqs, persistent=False)  # (block_size, hs/2, 2): cos, sin
         self.init_weights()
 
@@ -239,14 +244,16 @@ class GPT(nn.Module):
         """GPT-2 init: every Linear and embedding (positions included) ~ N(0, 0.02); the two
         projections that write into the residual stream (attn.c_proj, mlp.c_proj) ~ N(0,
         0.02/sqrt(2*n_layer)), so the stream's variance does not grow with depth, or exactly 0 with
-        zero_init_proj (each block then starts as the identity); biases 0; norm weights and QK gains 1."""
+        zero_init_proj (each block then starts as the identity); biases and learned attention-sink
+        logits 0 (the sink starts as softmax's "off by one"); norm weights and QK gains 1. Attention
+        gates are Linear weights too: sigmoid(x W_g) starts near 0.5."""
         std_resid = 0.02 / math.sqrt(2 * self.config.n_layer)
         for name, p in self.named_parameters():
             if name.endswith("c_proj.weight"):
                 nn.init.zeros_(p) if self.config.zero_init_proj else nn.init.normal_(p, mean=0.0, std=std_resid)
             elif p.dim() == 2:
                 nn.init.normal_(p, mean=0.0, std=0.02)
-            elif name.endswith("bias"):
+            elif name.endswith(("bias", "sink_logit")):
                 nn.init.zeros_(p)
             else:
                 nn.init.ones_(p)
@@ -256,7 +263,7 @@ class GPT(nn.Module):
         angles in bf16 would be wrong, and complex bf16 does not exist)."""
         super()._apply(fn, recurse)
         if self.rope.dtype != torch.float32:
-            self.rope = rope_freqs(self.config.head_dim, self.rope.size(0), self.config.rope_base, self.rope.device)
+            self.rope = rope_freqs(self.config.rope_dim, self.rope.size(0), self.config.rope_base, self.rope.device)
         return self
 
     def num_params(self) -> int:
@@ -277,7 +284,7 @@ class GPT(nn.Module):
             return self.rope.index_select(0, start)
         if start + T > self.rope.size(0):  # a normal tensor even when grown under inference_mode (sampling),
             with torch.inference_mode(False):  # so a later forward with autograd can still use it
-                self.rope = rope_freqs(self.config.head_dim, 2 * (start + T), self.config.rope_base, self.rope.device)
+                self.rope = rope_freqs(self.config.rope_dim, 2 * (start + T), self.config.rope_base, self.rope.device)
         return self.rope[start:start + T]
 
     @property
@@ -317,13 +324,16 @@ class GPT(nn.Module):
         loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.reshape(-1), ignore_index=-1)
         return logits, loss
 
-    def new_kv_cache(self, batch_size: int, length: int, device=None, dtype=None, static=False):
+    def new_kv_cache(self, batch_size: int, length: int, device=None, dtype=None, static=False, sinks: int = 0,
+                     absorbed: bool = True):
         """One cache per layer for generation, as its attention keeps one: K and V of up to `length`
-        positions (a windowed layer's window; StaticKVCache, fixed shapes, for a compiled decode
-        step), or linear attention's constant-size state."""
+        positions (a windowed layer's window; StaticKVCache, fixed shapes, for a compiled decode step;
+        Int8KVCache for dtype=torch.int8; SinkKVCache keeping `sinks` first tokens when it slides),
+        MLA's latents (absorbed: decode without expanding them), or linear attention's state."""
         p = self.wte.weight
-        return [block.attn.new_cache(batch_size, length, device or p.device, dtype or p.dtype, static)
-                for block in self.blocks]
+        table = self.rope_at(0, length) if self.rotary and sinks else None
+        return [block.attn.new_cache(batch_size, length, device or p.device, dtype or p.dtype, static, sinks=sinks,
+                                     rope_table=table, absorbed=absorbed) for block in self.blocks]
 
     def configure_optimizer(self, lr, weight_decay, betas=(0.9, 0.95), fused=False):
         """AdamW with weight decay on matrices (Linear weights, embedding) only, not on biases,

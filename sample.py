@@ -52,14 +52,15 @@ def next_tokens(logits, temperature, top_k, top_p, generators):
 
 @torch.inference_mode()
 def generate(model, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=1.0, kv_cache=True,
-             generators=None, on_token=None, every=1, compile=False, kv_dtype=None):
+             generators=None, on_token=None, every=1, compile=False, kv_dtype=None, kv_sinks=0):
     """Continue idx (B, T) by max_new_tokens tokens; returns (B, T + n) with n <= max_new_tokens.
 
     on_token(tokens (B, k)) is called with the k newest tokens every `every` steps (and at the
     end), e.g. to stream text; if it returns True, generation stops. Without it the loop never
     waits for the device: tokens stay on it until the end. compile: torch.compile the cached
     single-token decode step (fixed shapes; CUDA graphs on CUDA). kv_dtype: the cache's dtype
-    (default the model's); bfloat16 halves the keys and values a decode step reads.
+    (default the model's); bfloat16 halves the keys and values a decode step reads, int8 stores them
+    quantised. kv_sinks: past block_size, keep the first kv_sinks tokens in the cache (StreamingLLM).
     """
     check_sampling(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p)
     model.eval()
@@ -69,7 +70,8 @@ def generate(model, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=1.0,
         generators = [torch.Generator(device=idx.device).manual_seed(1337 + b) for b in range(B)]
     out = torch.empty(B, T0 + max_new_tokens, dtype=idx.dtype, device=idx.device)  # preallocated
     out[:, :T0] = idx
-    decode = CachedDecoder(model, idx, max_new_tokens, compile, kv_dtype) if kv_cache and max_new_tokens > 0 else None
+    decode = CachedDecoder(model, idx, max_new_tokens, compile, kv_dtype, kv_sinks) \
+        if kv_cache and max_new_tokens > 0 else None
     reported = n = T0
     for step in range(max_new_tokens):
         # the cache needs only the newest token; recomputing runs the whole (cropped) context
@@ -104,12 +106,13 @@ class CachedDecoder:
     an absolute position table re-prefills the last block_size tokens at positions 0.. each step,
     which is what the recomputing path computes."""
 
-    def __init__(self, model, idx, max_new_tokens, compile=False, kv_dtype=None):
+    def __init__(self, model, idx, max_new_tokens, compile=False, kv_dtype=None, kv_sinks=0):
         self.model, block_size = model, model.config.block_size
         prompt = idx[:, -block_size:]  # a longer prompt is cropped, as the recomputing path does
         # the cache holds one block: past that it slides, keys keeping their absolute RoPE positions
         length = min(block_size, prompt.size(1) + max_new_tokens)
-        self.cache = model.new_kv_cache(idx.size(0), length, dtype=kv_dtype, static=compile)
+        self.cache = model.new_kv_cache(idx.size(0), length, dtype=kv_dtype, static=compile,
+                                        sinks=kv_sinks if kv_sinks < length else 0)  # a cache that never fills evicts nothing
         self.logits = model(prompt, kv_cache=self.cache, pos=0)[:, -1]  # prefill: (B, vocab)
         self.pos = prompt.size(1)  # position of the next token fed
         self.fed = idx.size(1)  # tokens of `out` the cache has seen
@@ -176,6 +179,8 @@ def kv_cache_dtype(name: str, rt, num_samples: int) -> torch.dtype:
     1.18-1.27x faster (1.4-1.75x compiled), while one sample reads 4.7 MB of them, and there casting
     q and the output cost more than the halved reads saved (4-6% slower eagerly; bench_sample.py
     threads=1, two runs). bf16 moves logits by its rounding (~1% of the largest, tested)."""
+    if name == "int8":
+        return torch.int8
     if name != "auto":
         return pick_dtype(name, rt.device, "kv_dtype")
     if rt.dtype != torch.float32:  # autocast: k and v come out of their projection in this dtype
@@ -206,7 +211,8 @@ def sample(cfg, out=None) -> list:
         decode_layout(model)
     n = cfg.num_samples
     length = len(ids) + cfg.max_new_tokens
-    check_memory(generation_bytes(model.config, n, length, kv_dtype.itemsize), device, "the samples",
+    check_memory(generation_bytes(model.config, n, length, kv_dtype.itemsize, int8=kv_dtype == torch.int8), device,
+                 "the samples",
                  f"num_samples={n} x max_new_tokens, prompt included: {length} tokens")
     out = out or sys.stdout
     decoders = [StreamDecoder(tok) for _ in range(n)]
@@ -244,7 +250,8 @@ def sample(cfg, out=None) -> list:
         with rt.autocast():
             generate(model, idx, cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.top_p, cfg.kv_cache, gens,
                      on_token, every=1 if cfg.stream else CHECK_EVERY,
-                     compile=cfg.kv_cache and compile_wanted(cfg.compile, device), kv_dtype=kv_dtype)
+                     compile=cfg.kv_cache and compile_wanted(cfg.compile, device), kv_dtype=kv_dtype,
+                     kv_sinks=cfg.kv_sinks)
     except KeyboardInterrupt:
         if cfg.stream:
             out.write(texts[0][printed:])

@@ -22,8 +22,8 @@ from omegaconf import MISSING
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as tools/X.py: the repo's modules
 
 from common import DTYPES, POSITIVE, OneOf, Range, check_values, cli, run_app
-from counting import (ADAMW_BYTES_PER_PARAM, attention_variants, count_params, crossovers, macs_per_token,
-                      memory_breakdown, mlp_matrices)
+from counting import (ADAMW_BYTES_PER_PARAM, attention_variants, cache_table, count_params, crossovers,
+                      macs_per_token, memory_breakdown, mlp_matrices)
 from config import model_config
 from model import GPTConfig
 
@@ -73,6 +73,7 @@ def cost(cfg) -> dict:
         "crossover": {k: round_half_up(v) for k, v in x.items()},
         "memory_bytes": mem,
         "attention_variants": attention_variants(c, N, cfg.batch_size, nbytes),
+        "kv_cache_table": cache_table(c, (8192, 131072), cfg.batch_size),
     }
     if cfg.train_tokens:  # a training run's FLOPs, and its time at the stated peak and MFU
         flops = 6 * m["forward"] * cfg.train_tokens
@@ -85,6 +86,7 @@ def cost(cfg) -> dict:
             print(f"(model.vocab_size unset: vocab_size={cfg.vocab_size} assumed; set model.vocab_size=V)")
         print(report(c, N, cfg.batch_size, cfg.dtype, p, m, x, mem))
         print(variants_report(result["attention_variants"], c, N, cfg.batch_size, cfg.dtype))
+        print(cache_report(result["kv_cache_table"], cfg.batch_size))
         if cfg.train_tokens:
             r = result["training_run"]
             print(f"\na training run of {short(r['tokens'])} tokens at N={N:,}: {r['flops']:.3g} FLOPs (6 x forward "
@@ -196,6 +198,18 @@ def report(c, N, B, dtype, p, m, x, mem) -> str:
                    f"make the cache {c.n_head // c.n_kv_head}x smaller, saving "
                    f"{size(mem['kv_cache_mha'] - mem['kv_cache'])} at N={N:,}, batch {B}")
     out.append("  a fused kernel (FlashAttention) never materialises the N x N table: O(N) memory, not O(N^2)")
+    return "\n".join(out)
+
+
+def cache_report(rows, B) -> str:
+    """counting.cache_table: the KV cache of this shape stored every way, per token and at 8k / 128k."""
+    out = ["", f"the KV cache of this shape, stored each way (all layers, batch {B}; counting.cache_table)",
+           f"  {'kind':<28}{'dtype':<10}{'per token':>12}{'at 8k tokens':>14}{'at 128k tokens':>16}"]
+    for r in rows:
+        out.append(f"  {r['kind']:<28}{r['dtype']:<10}{size(r['per_token']):>12}{size(r['8192']):>14}"
+                   f"{size(r['131072']):>16}")
+    out.append("  int8: one byte per number plus an fp32 scale per token and head; MLA: one latent (and RoPE key) "
+               "per token for all heads")
     return "\n".join(out)
 
 

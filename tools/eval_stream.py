@@ -1,0 +1,157 @@
+"""Generation past the cache: what each way of evicting the KV cache does to the next-token loss on
+a long held-out text (many times block_size), token by token, as a model streams it.
+
+    python tools/eval_stream.py ckpt=outputs/runs/X                        # the run's own val text
+    python tools/eval_stream.py ckpt=outputs/runs/X text=book.txt tokens=4096 sinks=4 out=stream.png
+
+Policies (`policies=`), each with a cache of block_size positions:
+- recompute: every token is predicted from the latest block_size tokens run afresh at positions
+  0..block_size-1 (what sample.py kv_cache=false does);
+- ring: the KV ring buffer sample.py uses (window only): the oldest key is overwritten, keys keep
+  their RoPE positions;
+- sinks: the first `sinks` tokens stay, the rest is a ring of the latest (StreamingLLM, Xiao et al.
+  2023, arXiv 2309.17453; attention.SinkKVCache, positions given within the cache).
+StreamingLLM's claim: dropping the first tokens breaks a model that parks attention on them (a
+"sink"), and keeping ~4 restores it. Prints the mean loss before and past the cache length per
+policy, the model's measured sink mass (the attn_first of its last probe, if logged), and plots the
+loss against the position.
+"""
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import ClassVar, List, Optional
+
+import hydra
+import torch
+import torch.nn.functional as F
+from hydra.core.config_store import ConfigStore
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as tools/X.py: the repo's modules
+
+from checkpoint import find_checkpoint, load_checkpoint, model_from_checkpoint  # noqa: E402
+from common import POSITIVE, OneOf, Range, UserError, check_values, cli, pick_device, run_app  # noqa: E402
+from data.tokenizer import tokenizer_from_dict  # noqa: E402
+
+POLICIES = ("recompute", "ring", "sinks")
+
+
+@dataclass
+class EvalStreamConfig:
+    ckpt: Optional[str] = None  # checkpoint file or run dir; default: the newest run under outputs/
+    text: Optional[str] = None  # a UTF-8 text file to stream; unset: the run's own val split
+    tokens: int = 2048  # tokens streamed (at least a few block_sizes)
+    policies: List[str] = field(default_factory=lambda: list(POLICIES))
+    sinks: int = 4  # tokens the sinks policy keeps
+    device: str = "cpu"
+    out: Optional[str] = "stream.png"  # the plot; null: none
+
+    RULES: ClassVar[dict] = {"tokens": Range(2), "policies": OneOf(POLICIES), "sinks": POSITIVE}
+
+
+ConfigStore.instance().store(name="base_eval_stream", node=EvalStreamConfig)
+
+
+def stream_tokens(state: dict, cfg, n: int) -> torch.Tensor:
+    """The first n tokens of cfg.text, or of the run's own val split (prepared again from its config)."""
+    tok = tokenizer_from_dict(state["tokenizer"])
+    if cfg.text:
+        try:
+            ids = tok.encode(Path(cfg.text).expanduser().read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError) as e:
+            raise UserError(f"text={cfg.text!r} cannot be read as UTF-8 text ({type(e).__name__})") from None
+    else:
+        from omegaconf import OmegaConf
+
+        from config import DataConfig
+        from data.loader import TokenData
+        from data.prepare import prepare
+        data_cfg = OmegaConf.merge(OmegaConf.structured(DataConfig), state["config"]["data"])  # the run's own data
+        ids = TokenData(prepare(data_cfg)).splits["val"][:n].tolist()
+    if len(ids) < n:
+        raise UserError(f"the text has {len(ids)} tokens, fewer than tokens={n}: give a longer text= or fewer tokens")
+    return torch.tensor(ids[:n], dtype=torch.long)
+
+
+@torch.no_grad()
+def stream_losses(model, ids, policy: str, sinks: int = 4) -> torch.Tensor:
+    """The next-token loss at every position 1..n-1 of ids (n,) as the policy predicts it: (n - 1,)."""
+    L, n = model.config.block_size, ids.numel()
+    if policy == "recompute":  # each position from the latest L tokens at positions 0..L-1
+        logits = [model(ids[None, :t])[0, -1] for t in range(1, min(L, n))]  # the first block: growing contexts
+        windows = ids.unfold(0, L, 1)[:max(0, n - L)]  # (n - L, L): the L tokens before each position t >= L
+        for chunk in windows.split(256):
+            logits.extend(model(chunk)[:, -1])
+        return F.cross_entropy(torch.stack(logits).float(), ids[1:], reduction="none")
+    cache = model.new_kv_cache(1, L, sinks=sinks if policy == "sinks" else 0)
+    logits = [model(ids[None, :1], kv_cache=cache, pos=0)[0, -1]]
+    for t in range(1, n - 1):
+        logits.append(model(ids[None, t:t + 1], kv_cache=cache, pos=t)[0, -1])
+    return F.cross_entropy(torch.stack(logits).float(), ids[1:], reduction="none")
+
+
+def sink_mass(run_dir: Path):
+    """The mean weight heads put on the first token at the run's last probe (attn_first), or None."""
+    try:
+        lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    except (OSError, ValueError):
+        return None
+    probes = [m for m in lines if any(k.startswith("attn_first/L") for k in m)]
+    if not probes:
+        return None
+    values = [v for k, v in probes[-1].items() if k.startswith("attn_first/L") and k.count("/") == 1]
+    return sum(values) / len(values)
+
+
+def eval_stream(cfg) -> dict:
+    check_values(cfg)
+    path = find_checkpoint(cfg.ckpt)
+    state = load_checkpoint(path)
+    model = model_from_checkpoint(state, pick_device(cfg.device)).eval()
+    L = model.config.block_size
+    if not model.slides:
+        raise UserError(f"model.pos={model.config.pos} has a position table of {L}: its cache cannot slide past it "
+                        "(generation re-runs the last block), so there is nothing to evict")
+    if cfg.sinks >= L:
+        raise UserError(f"sinks={cfg.sinks} must be below the cache's length, block_size={L}")
+    ids = stream_tokens(state, cfg, cfg.tokens).to(model.wte.weight.device)
+    result = {"ckpt": str(path), "block_size": L, "tokens": cfg.tokens, "sink_mass": sink_mass(path.parent),
+              "policies": {}}
+    mass = "-" if result["sink_mass"] is None else f"{result['sink_mass']:.3f}"
+    print(f"{path}: block_size {L}, streaming {cfg.tokens} tokens; sink mass (attn_first at the last probe): {mass}")
+    for policy in cfg.policies:
+        losses = stream_losses(model, ids, policy, cfg.sinks).cpu()
+        within, past = losses[:L - 1].mean().item(), losses[L - 1:].mean().item()
+        result["policies"][policy] = {"within": within, "past": past, "losses": losses.tolist()}
+        print(f"{policy:10s} mean loss within the cache {within:.4f}, past it {past:.4f} nats/token")
+    if cfg.out:
+        plot(result, cfg.out)
+        print(f"wrote {cfg.out}")
+    return result
+
+
+def plot(result, path):
+    from plots import plt, save_figure
+
+    fig, ax = plt.subplots(figsize=(9, 5))
+    for policy, r in result["policies"].items():
+        losses = torch.tensor(r["losses"])
+        w = 32  # a running mean over 32 positions
+        smooth = losses.unfold(0, w, 1).mean(-1) if losses.numel() > w else losses
+        ax.plot(range(w, w + smooth.numel()), smooth.tolist(), lw=1.2, label=f"{policy} (past the cache: {r['past']:.3f})")
+    ax.axvline(result["block_size"], color="grey", ls=":", label="the cache is full (block_size)")
+    ax.set(xlabel="position in the stream", ylabel="next-token loss (nats, running mean of 32)",
+           title=f"streaming past the cache: {Path(result['ckpt']).parent.name}")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return save_figure(fig, path)
+
+
+@hydra.main(version_base="1.3", config_path="../configs", config_name="eval_stream")
+@cli
+def main(cfg):
+    eval_stream(cfg)
+
+
+if __name__ == "__main__":
+    run_app(main)
