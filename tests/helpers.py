@@ -250,3 +250,17 @@ def wandb_run_record(run_dir) -> dict:
         if r.WhichOneof("record_type") == "run":
             return {"id": r.run.run_id, "name": r.run.display_name, "group": r.run.run_group}
     raise AssertionError(f"no run record in {log}")
+
+
+def save_tiny_checkpoint(directory, chars=" .abcdefghijklmnopqrstuvwxyz", **kw):
+    """A checkpoint (directory/best.pt) of a variant_model over a char vocabulary of `chars` (sorted),
+    for tools that read checkpoints; kw: variant_model's."""
+    import dataclasses
+
+    from checkpoint import save_checkpoint
+    from data.tokenizer import CharTokenizer
+
+    model = variant_model(vocab=len(chars), **kw)
+    state = {"model": model.state_dict(), "model_config": dataclasses.asdict(model.config),
+             "tokenizer": CharTokenizer("".join(sorted(chars))).to_dict(), "step": 1}
+    return save_checkpoint(Path(directory) / "best.pt", state)

@@ -37,6 +37,10 @@ VARIANTS = [
     {"attn": {"window": 6, "window_pattern": "LG", "impl": "tiled", "block": 4}},
     {"attn": {"kind": "linear"}},
     {"n_kv_head": 2, "attn": {"kind": "linear", "qk_norm": True}},
+    {"attn": {"kind": "mla"}},
+    {"attn": {"kind": "mla", "q_lora_rank": 16, "kv_lora_rank": 12, "rope_head_dim": 4, "gate": "head"}},
+    {"attn": {"gate": "channel", "sink": "learned"}},
+    {"n_kv_head": 2, "attn": {"sink": "zero", "impl": "tiled", "block": 4}},
 ]
 IDS = [",".join(f"{k}={v}" for k, v in v.items()) or "default" for v in VARIANTS]
 
