@@ -146,6 +146,25 @@ def visible(Tq: int, Tk: int, window=None, device=None):
     return mask
 
 
+def alibi_slopes(n_head: int) -> torch.Tensor:
+    """ALiBi's per-head slopes (Press et al. 2021, arXiv 2108.12409): for n heads, n a power of two, the
+    geometric sequence m_h = 2^(-8h/n), h = 1..n; otherwise those of the largest power of two p < n,
+    then every other slope of the sequence for 2p, until there are n."""
+    def geometric(n):
+        return [2 ** (-8 * h / n) for h in range(1, n + 1)]
+    p = 2 ** int(math.floor(math.log2(n_head)))
+    slopes = geometric(p) if p == n_head else geometric(p) + geometric(2 * p)[0::2][:n_head - p]
+    return torch.tensor(slopes, dtype=torch.float32)
+
+
+def alibi_bias(alibi, rows=slice(None), cols=slice(None)):
+    """ALiBi's additive bias -m_h * (i - j) for the queries and keys at positions alibi = (slopes (nh,),
+    q_pos (Tq,), k_pos (Tk,)), or the rows/cols slices of it: (nh, tq, tk), in fp32."""
+    slopes, q_pos, k_pos = alibi
+    distance = (q_pos[rows, None] - k_pos[None, cols]).to(torch.float32)  # i - j
+    return -slopes.view(-1, 1, 1).to(torch.float32) * distance
+
+
 # ----------------------------------------------------------------------------- the attention function
 
 def attention_scores(q, k, scale: float, causal: bool = True, window=None):
@@ -173,6 +192,8 @@ def with_sink(q, k, v, sink, scale, mask):
     k = torch.cat([k.new_zeros(B, n_kv, 1, hs + 1), torch.cat([k, k.new_zeros(B, n_kv, Tk, 1)], dim=-1)], dim=2)
     k[:, :, 0, -1] = 1.0  # the sink key: position 0 of the keys
     v = torch.cat([v.new_zeros(B, n_kv, 1, v.size(-1)), v], dim=2)
+    if mask is not None and mask.is_floating_point():  # an additive mask (ALiBi): the sink adds nothing
+        return q, k, v, torch.cat([mask.new_zeros(*mask.shape[:-1], 1), mask], dim=-1)
     sees = torch.ones(*(mask.shape[:-1] if mask is not None else (Tq,)), 1, dtype=torch.bool, device=q.device)
     mask = sees if mask is None else torch.cat([sees, mask], dim=-1)
     return q, k, v, mask
@@ -186,13 +207,18 @@ def key_visibility(Tq: int, Tk: int, causal: bool, window, key_mask, device):
     return mask
 
 
-def sdpa_attention(q, k, v, scale, causal=True, dropout_p=0.0, window=None, key_mask=None, sink=None):
+def sdpa_attention(q, k, v, scale, causal=True, dropout_p=0.0, window=None, key_mask=None, sink=None, alibi=None):
     """The fast path: PyTorch's fused kernel (flash or memory-efficient on a GPU), K/V shared by
-    query groups without a copy (enable_gqa)."""
+    query groups without a copy (enable_gqa). ALiBi's bias goes in as an additive float mask."""
     Tq, Tk = q.size(-2), k.size(-2)
     kw = dict(dropout_p=dropout_p, scale=scale, enable_gqa=k.size(1) != q.size(1))
+    mask = key_visibility(Tq, Tk, causal, window, key_mask, q.device) if sink is not None or alibi is not None else None
+    if alibi is not None:  # (nh, Tq, Tk): the bias where a key is visible, -inf where not
+        bias = alibi_bias(alibi).to(q.dtype)
+        mask = bias if mask is None else bias.masked_fill(~mask, float("-inf"))
     if sink is not None:
-        q, k, v, mask = with_sink(q, k, v, sink, scale, key_visibility(Tq, Tk, causal, window, key_mask, q.device))
+        q, k, v, mask = with_sink(q, k, v, sink, scale, mask)
+    if mask is not None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **kw)
     if causal and Tq == Tk and (window is None or window >= Tk) and key_mask is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, **kw)  # aligned top-left: only for Tq == Tk
@@ -200,12 +226,14 @@ def sdpa_attention(q, k, v, scale, causal=True, dropout_p=0.0, window=None, key_
                                                                              q.device), **kw)
 
 
-def reference_attention(q, k, v, scale, causal=True, dropout_p=0.0, window=None, key_mask=None, sink=None):
+def reference_attention(q, k, v, scale, causal=True, dropout_p=0.0, window=None, key_mask=None, sink=None, alibi=None):
     """The same function written out: K/V expanded to one head per query head, explicit scores,
     -inf mask, the sink's logit as one more column (its weight multiplies no value), softmax (in at
     least fp32), weights @ V."""
     k, v = repeat_kv(k, q.size(1)), repeat_kv(v, q.size(1))
     scores = attention_scores(q, k, scale, causal, window)  # (B, nh, Tq, Tk)
+    if alibi is not None:
+        scores = scores + alibi_bias(alibi).to(scores.dtype)
     if key_mask is not None:
         scores = scores.masked_fill(~key_mask, float("-inf"))
     if sink is not None:
@@ -260,7 +288,7 @@ class TiledAttention(torch.autograd.Function):
     are one batch dimension); everything accumulates in at least fp32."""
 
     @staticmethod
-    def forward(ctx, q, k, v, scale, causal, window, key_mask, block, sink):
+    def forward(ctx, q, k, v, scale, causal, window, key_mask, block, sink, alibi):
         B, nh, Tq, hs = q.shape
         n_kv, Tk = k.size(1), k.size(2)
         acc = torch.promote_types(q.dtype, torch.float32)
@@ -278,6 +306,8 @@ class TiledAttention(torch.autograd.Function):
                 l = torch.ones_like(m)
             for k0, k1 in key_blocks(q0, q1, Tk, offset, block, causal, window):
                 s = qg[..., q0:q1, :] @ kg[..., k0:k1, :].transpose(-2, -1) * scale  # (B, n_kv, g, bq, bk)
+                if alibi is not None:  # this tile's part of ALiBi's bias: never the whole table
+                    s = s + alibi_bias(alibi, slice(q0, q1), slice(k0, k1)).view(1, n_kv, nh // n_kv, q1 - q0, -1)
                 mask = tile_mask(q0, q1, k0, k1, offset, causal, window, key_mask, q.device)
                 if mask is not None:
                     s = s.masked_fill(~mask, float("-inf"))
@@ -291,13 +321,13 @@ class TiledAttention(torch.autograd.Function):
             out[..., q0:q1, :] = o / l.unsqueeze(-1)
             lse[..., q0:q1] = m + torch.log(l)
         ctx.save_for_backward(q, k, v, out, lse, key_mask, sink)
-        ctx.args = (scale, causal, window, block)
+        ctx.args = (scale, causal, window, block, alibi)
         return out.view(B, nh, Tq, -1).to(q.dtype)
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse, key_mask, sink = ctx.saved_tensors
-        scale, causal, window, block = ctx.args
+        scale, causal, window, block, alibi = ctx.args
         B, nh, Tq, hs = q.shape
         n_kv, Tk = k.size(1), k.size(2)
         acc = out.dtype
@@ -310,6 +340,8 @@ class TiledAttention(torch.autograd.Function):
             q1 = min(q0 + block, Tq)
             for k0, k1 in key_blocks(q0, q1, Tk, offset, block, causal, window):
                 s = qg[..., q0:q1, :] @ kg[..., k0:k1, :].transpose(-2, -1) * scale
+                if alibi is not None:
+                    s = s + alibi_bias(alibi, slice(q0, q1), slice(k0, k1)).view(1, n_kv, nh // n_kv, q1 - q0, -1)
                 mask = tile_mask(q0, q1, k0, k1, offset, causal, window, key_mask, q.device)
                 if mask is not None:
                     s = s.masked_fill(~mask, float("-inf"))
@@ -324,38 +356,72 @@ class TiledAttention(torch.autograd.Function):
             p_sink = torch.exp(sink.to(acc).view(1, n_kv, nh // n_kv, 1) - lse)
             dsink = -(p_sink * D).sum(dim=(0, 3)).reshape(nh).to(sink.dtype)
         return (dq.view(q.shape).to(q.dtype), dk.squeeze(2).to(k.dtype), dv.squeeze(2).to(v.dtype),
-                None, None, None, None, None, dsink)
+                None, None, None, None, None, dsink, None)
 
 
-def tiled_attention(q, k, v, scale, causal=True, dropout_p=0.0, window=None, key_mask=None, sink=None, block=128):
+def tiled_attention(q, k, v, scale, causal=True, dropout_p=0.0, window=None, key_mask=None, sink=None, alibi=None,
+                    block=128):
     """FlashAttention's algorithm in plain PyTorch (TiledAttention); no attention dropout."""
     if dropout_p > 0:
         raise ValueError("the tiled path does not drop attention weights")
-    return TiledAttention.apply(q, k, v, scale, causal, window, key_mask, block, sink)
+    return TiledAttention.apply(q, k, v, scale, causal, window, key_mask, block, sink, alibi)
 
 
 ATTENTION_PATHS = {"sdpa": sdpa_attention, "reference": reference_attention, "tiled": tiled_attention}
 
 
 def attention(q, k, v, scale: float, *, causal: bool = True, impl: str = "sdpa", dropout_p: float = 0.0,
-              window=None, key_mask=None, sink=None, block: int = 128):
+              window=None, key_mask=None, sink=None, alibi=None, block: int = 128):
     """softmax(q·kᵀ·scale + M)·v for q (B, nh, Tq, hs) and k, v (B, n_kv, Tk, hs) -> (B, nh, Tq, hs).
 
     M is 0 where a key is visible (causal, and within `window` if given), -inf elsewhere. With
     n_kv < nh (grouped-query attention) each kv head serves nh / n_kv consecutive query heads.
     key_mask (1, 1, 1, Tk) bool, for a single query: which cache slots hold a key (a static cache).
-    sink (nh,): the logit of a key every query sees and whose value is zero (with_sink)."""
+    sink (nh,): the logit of a key every query sees and whose value is zero (with_sink).
+    alibi (slopes (nh,), q positions (Tq,), k positions (Tk,)): ALiBi's bias -m_h (i - j) on the logits."""
     kw = {"block": block} if impl == "tiled" else {}
-    return ATTENTION_PATHS[impl](q, k, v, scale, causal, dropout_p, window, key_mask, sink, **kw)
+    return ATTENTION_PATHS[impl](q, k, v, scale, causal, dropout_p, window, key_mask, sink, alibi, **kw)
 
 
 # ----------------------------------------------------------------------------- RoPE and QK-Norm
 
-def rope_freqs(head_dim: int, length: int, base: float, device=None):
-    """cos and sin of position * theta_j for positions 0..length-1: (length, head_dim // 2, 2)."""
-    theta = 1.0 / base ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+ROPE_SCALINGS = ("none", "linear", "ntk", "yarn")
+YARN_ALPHA, YARN_BETA = 1.0, 32.0  # YaRN's ramp: dims with fewer turns than alpha interpolate, more than beta don't
+
+
+def rope_theta(head_dim: int, base: float, scaling: str = "none", factor: float = 1.0, original: int = 0, device=None):
+    """RoPE's angular frequencies theta_j = base^(-2j/d), j = 0..d/2-1, for positions `factor` times
+    longer than the `original` length trained on (factor 1: unchanged, whatever the scaling):
+    - linear, position interpolation (Chen et al. 2023, arXiv 2306.15595): theta_j / factor;
+    - ntk, "NTK-aware" (bloc97, 2023): the base raised to base * factor^(d / (d - 2)), so the lowest
+      frequency is interpolated and the highest kept;
+    - yarn (Peng et al. 2023, arXiv 2309.00071): per dimension by its number of turns within the
+      original length, r_j = original * theta_j / 2π: interpolated where r_j < alpha, kept where
+      r_j > beta, a linear ramp between."""
+    j = torch.arange(0, head_dim, 2, device=device, dtype=torch.float32)
+    if factor == 1:
+        scaling = "none"
+    if scaling == "ntk":
+        base = base * factor ** (head_dim / (head_dim - 2))
+    theta = 1.0 / base ** (j / head_dim)
+    if scaling == "linear":
+        theta = theta / factor
+    elif scaling == "yarn":
+        turns = original * theta / (2 * math.pi)
+        keep = ((turns - YARN_ALPHA) / (YARN_BETA - YARN_ALPHA)).clamp(0, 1)  # 1: keep, 0: interpolate
+        theta = keep * theta + (1 - keep) * theta / factor
+    return theta
+
+
+def rope_freqs(head_dim: int, length: int, base: float, device=None, scaling: str = "none", factor: float = 1.0,
+               original: int = 0):
+    """cos and sin of position * theta_j for positions 0..length-1: (length, head_dim // 2, 2).
+    YaRN also scales both by its attention temperature 0.1 ln(factor) + 1, so every q·k logit is
+    multiplied by its square (Peng et al. 2023, "length scaling")."""
+    theta = rope_theta(head_dim, base, scaling, factor, original, device)
     angles = torch.outer(torch.arange(length, device=device, dtype=torch.float32), theta)  # (L, hs/2)
-    return torch.stack((angles.cos(), angles.sin()), dim=-1)
+    mscale = 0.1 * math.log(factor) + 1 if scaling == "yarn" and factor > 1 else 1.0
+    return torch.stack((angles.cos(), angles.sin()), dim=-1) * mscale
 
 
 def apply_rope(x, freqs, real=None):
@@ -414,6 +480,15 @@ class KVCache:
     def nbytes(self) -> int:
         return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
 
+    def positions(self, q_pos, n: int):
+        """(query positions, positions of the n keys update returned) for a position-dependent bias
+        (ALiBi): slot s of the ring holds the latest position p <= the newest with p = s mod length."""
+        newest = q_pos[-1]
+        if n > self.length:  # a prefill longer than the cache attends to all of its own tokens
+            return q_pos, torch.arange(n, device=q_pos.device) + newest - n + 1
+        slots = torch.arange(n, device=q_pos.device)
+        return q_pos, newest - (newest - slots) % self.length
+
     def update(self, pos: int, k, v):
         """Store k, v (B, n_kv, T, hs) for positions pos..pos+T-1; return all cached (B, n_kv, n, hs)
         and a key mask (None: every returned slot holds a key). A prefill longer than the cache (a
@@ -460,6 +535,13 @@ class StaticKVCache(KVCache):
         self.v.index_copy_(2, slot, v.to(self.v.dtype))
         written = (self.slots <= pos) & (self.slots < self.length)  # positions 0..pos, all once full; never the pad
         return self.k, self.v, written.view(1, 1, 1, -1)
+
+    def positions(self, q_pos, n: int):
+        """A decode step returns every slot (the unwritten and the pad are masked, whatever position they
+        get); the eager prefill, what KVCache returns."""
+        if n != self.slots.numel():
+            return super().positions(q_pos, n)
+        return q_pos, q_pos[-1] - (q_pos[-1] - self.slots) % self.length
 
 
 class Int8KVCache(KVCache):
@@ -542,6 +624,12 @@ class SinkKVCache(KVCache):
         self.order = order
         return self.k[:, :, order], self.v[:, :, order], None
 
+    def positions(self, q_pos, n: int):
+        """Positions within the cache: the keys 0..n-1 in cache order, the query the newest (decoding)."""
+        if q_pos.numel() > 1:  # a prefill, at its own positions
+            return q_pos, q_pos
+        return torch.arange(n - 1, n, device=q_pos.device), torch.arange(n, device=q_pos.device)
+
     def rotate(self, q, k):
         """q (B, nh, T, hs) and cached keys (B, n_kv, n, hs) rotated to their positions in the cache."""
         if self.rope_table is None:
@@ -593,6 +681,9 @@ class CausalSelfAttention(nn.Module):
         else:  # zero: softmax with an extra zero logit ("off by one", Miller 2023); none: no sink
             self.register_buffer("sink_logit", torch.zeros(config.n_head) if config.attn.sink == "zero" else None,
                                  persistent=False)
+        # ALiBi (Press et al. 2021): no positions in q or k; a per-head linear bias on the logits
+        self.register_buffer("alibi_slopes", alibi_slopes(config.n_head) if config.pos == "alibi" else None,
+                             persistent=False)
         self.hook_q, self.hook_k = HookPoint(), HookPoint()
 
     def make_projections(self, config):
@@ -684,8 +775,15 @@ class CausalSelfAttention(nn.Module):
                 window = None
         # a cache may hold another dtype (sample.kv_dtype): q joins it, the output returns to q's
         y = self.attend(q.to(k.dtype), k, v, self.scale, True, self.dropout if self.training else 0.0, window,
-                        key_mask, self.sink_logit).to(q.dtype)  # (B, nh, T, hs)
+                        key_mask, self.sink_logit, self.alibi(pos, T, kv_cache, k.size(2))).to(q.dtype)  # (B, nh, T, hs)
         return self.project(x, y)
+
+    def alibi(self, pos, T: int, kv_cache, n_keys: int):
+        """(slopes, query positions, key positions) for ALiBi's bias, or None without ALiBi."""
+        if self.alibi_slopes is None:
+            return None
+        q_pos = pos + torch.arange(T, device=self.alibi_slopes.device)  # pos may be a tensor (compiled decoding)
+        return (self.alibi_slopes, *(kv_cache.positions(q_pos, n_keys) if kv_cache is not None else (q_pos, q_pos)))
 
     def project(self, x, y):
         """The heads' outputs y (B, nh, T, hs), gated if the layer has a gate, side by side, projected."""
@@ -873,13 +971,14 @@ class LatentAttention(CausalSelfAttention):
             q = torch.cat([torch.einsum("bhtd,hdc->bhtc", qc, w_uk), qr], dim=-1)  # (B, nh, T, d_c + d_r)
             q, k = self.hook_q(q), self.hook_k(ckr.to(q.dtype))
             lat = self.attend(q, k, ckr[..., :self.d_c].to(q.dtype), self.scale, True, drop, window, None,
-                              self.sink_logit)  # (B, nh, T, d_c): each head's weighted latent
+                              self.sink_logit, self.alibi(pos, T, kv_cache, ckr.size(2)))  # (B, nh, T, d_c): each head's weighted latent
             w_uv = self.v_up.weight.view(self.n_head, self.head_dim, self.d_c)
             y = torch.einsum("bhtc,hdc->bhtd", lat, w_uv)  # v_h = W_uv,h c, summed after the weights
         else:  # naive: keys and values up-projected from the latents, then ordinary attention
             k, v = self.expand(ckr.to(qc.dtype))
             q, k = self.hook_q(torch.cat([qc, qr], dim=-1)), self.hook_k(k)
-            y = self.attend(q, k, v, self.scale, True, drop, window, None, self.sink_logit)
+            y = self.attend(q, k, v, self.scale, True, drop, window, None, self.sink_logit,
+                            self.alibi(pos, T, kv_cache, k.size(2)))
         return self.project(x, y.to(x.dtype))
 
 

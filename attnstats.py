@@ -32,7 +32,7 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 
-from attention import attention_scores, repeat_kv
+from attention import alibi_bias, attention_scores, repeat_kv
 
 
 ROLE_STATS = ("prev", "first", "self", "dist")  # what each head looks at (rows i >= 1)
@@ -63,7 +63,7 @@ def reading_qk(model, fn):
     """Within the block, every forward of `model` calls fn(layer, q, k, scale) for each layer: the q
     (B, nh, T, hs) and k (B, nh, T, hs, repeated to one per query head) that enter its attention,
     read at the attention's hook points, and its logit scale; a layer with an attention sink adds
-    sink=its logits (nh,)."""
+    sink=its logits (nh,), an ALiBi layer alibi=its slopes (nh,)."""
     handles = []
     for layer, block in enumerate(model.blocks):
         attn, seen = block.attn, {}
@@ -75,6 +75,8 @@ def reading_qk(model, fn):
 
         def read_k(module, args, k, seen=seen, layer=layer, attn=attn):
             extra = {} if attn.sink_logit is None else {"sink": attn.sink_logit.detach()}
+            if attn.alibi_slopes is not None:
+                extra["alibi"] = attn.alibi_slopes
             fn(layer, seen.pop("q"), repeat_kv(k, attn.n_head), attn.scale, **extra)
 
         handles += [attn.hook_q.register_forward_hook(read_q), attn.hook_k.register_forward_hook(read_k)]
@@ -86,7 +88,8 @@ def reading_qk(model, fn):
 
 
 @torch.no_grad()
-def attention_stats(q, k, scale: float, block: int = 256, dtype=torch.float32, period=None, sink=None) -> dict:
+def attention_stats(q, k, scale: float, block: int = 256, dtype=torch.float32, period=None, sink=None,
+                    alibi=None) -> dict:
     """Statistics of causal softmax(q·kᵀ·scale) for q, k (B, nh, T, hs), computed block-wise.
 
     Returns per-head tensors (nh,): `entropy` (nats, mean over rows), `entropy_norm` (each row
@@ -96,7 +99,8 @@ def attention_stats(q, k, scale: float, block: int = 256, dtype=torch.float32, p
     `dist` (sum_j p_ij (i - j)). With `period` n (the rows are [r, r] repeated, T = 2n): also
     `induction`, the mean weight of the second copy's queries t >= n on key t - n + 1. With a sink
     (its logits (nh,)), the softmax includes it: `sink` is its mean weight, the entropy counts it as
-    one more choice, and the key statistics are the weights keys get beside it.
+    one more choice, and the key statistics are the weights keys get beside it. With ALiBi's slopes
+    (nh,), its bias -m_h (i - j) is added to the logits (the queries and keys at positions 0..T-1).
     """
     B, nh, T, _ = q.shape
     q, k = q.to(dtype), k.to(dtype)
@@ -111,6 +115,8 @@ def attention_stats(q, k, scale: float, block: int = 256, dtype=torch.float32, p
     for start in range(0, T, block):
         end = min(start + block, T)
         scores = attention_scores(q[:, :, start:end], k[:, :, :end], scale)  # (B, nh, Tb, end)
+        if alibi is not None:
+            scores = scores + alibi_bias((alibi, positions.long(), positions.long()), slice(start, end), slice(0, end))
         if sink is None:
             logp = F.log_softmax(scores, dim=-1)
         else:  # the sink as column 0 of the softmax, then set apart
@@ -155,14 +161,17 @@ def attention_maps(model, idx, block: int = 256):
     model.eval()
     maps, stats = {}, {}
 
-    def hook(layer, q, k, scale, sink=None):
+    def hook(layer, q, k, scale, sink=None, alibi=None):
         scores = attention_scores(q.float(), k.float(), scale)  # (1, nh, T, T), -inf above the diagonal
+        if alibi is not None:
+            t = torch.arange(q.size(2), device=q.device)
+            scores = scores + alibi_bias((alibi, t, t))
         if sink is None:
             maps[layer] = F.softmax(scores, dim=-1)[0].cpu()
         else:  # what the keys get beside the sink (a row sums to 1 minus the sink's weight)
             column = sink.float().view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
             maps[layer] = F.softmax(torch.cat([column, scores], dim=-1), dim=-1)[0, ..., 1:].cpu()
-        stats[layer] = attention_stats(q, k, scale, block, sink=sink)
+        stats[layer] = attention_stats(q, k, scale, block, sink=sink, alibi=alibi)
 
     with reading_qk(model, hook):
         model(idx)
@@ -214,8 +223,8 @@ class AttentionProbe:
         model.eval()
         per_layer = {}
 
-        def hook(layer, q, k, scale, sink=None):  # called once per layer with that layer's q, k
-            per_layer[layer] = attention_stats(q, k, scale, self.block, sink=sink)
+        def hook(layer, q, k, scale, **extra):  # called once per layer with that layer's q, k (sink, alibi)
+            per_layer[layer] = attention_stats(q, k, scale, self.block, **extra)
 
         largest = {}  # the largest |activation| of the residual stream after each block ("massive
         handles = [b.register_forward_hook(  # activations", Sun et al. 2024, arXiv 2402.17762; sinks' partners)
@@ -231,8 +240,8 @@ class AttentionProbe:
         if self.repeated is not None:
             n = self.repeated.size(1) // 2
 
-            def induction_hook(layer, q, k, scale, sink=None):
-                per_layer[layer]["induction"] = attention_stats(q, k, scale, self.block, period=n, sink=sink)["induction"]
+            def induction_hook(layer, q, k, scale, **extra):
+                per_layer[layer]["induction"] = attention_stats(q, k, scale, self.block, period=n, **extra)["induction"]
 
             with reading_qk(model, induction_hook):
                 logits = model(self.repeated)

@@ -226,13 +226,43 @@ def resume_source(resume, out_dir: Path):
     return found
 
 
-def check_resumable(state: dict, cfg, tokenizer):
-    """A checkpoint resumes only into the same model, data and tokenizer; name the first difference."""
+CONTEXT_KEYS = ("block_size", "rope_scaling", "rope_scaling_factor", "rope_original_length")
+
+
+def context_extension(state: dict, cfg):
+    """A resume may lengthen the context and nothing else of the model: model.block_size above the
+    checkpoint's, with RoPE scaling (or ALiBi, NoPE: nothing to scale) changed to reach it. Returns
+    what changed ({key: [checkpoint's, now]}; empty if nothing), after setting an unset
+    model.rope_original_length to the length RoPE was trained at. One line if the positions cannot
+    stretch (a learned or sinusoidal table) or the block would shrink."""
+    saved = (state.get("config") or {}).get("model", {})
+    now = cfg.model
+    changed = {k: [saved.get(k), now[k]] for k in CONTEXT_KEYS if k in saved and saved.get(k) != now[k]}
+    if "block_size" not in changed or changed["block_size"][0] is None:
+        return {k: v for k, v in changed.items() if k != "rope_original_length"}
+    old, new = changed["block_size"]
+    if new < old:
+        raise UserError(f"cannot resume: model.block_size={new} is below the checkpoint's {old}; a resume may only "
+                        "lengthen the context")
+    if now.pos in ("learned", "sinusoidal"):
+        raise UserError(f"cannot resume with model.block_size={new}: model.pos={now.pos} has a table of {old} "
+                        "positions; only rope (with model.rope_scaling), alibi and none can lengthen the context")
+    if now.rope_original_length is None:  # RoPE was trained at the checkpoint's length (or its own original)
+        now.rope_original_length = saved.get("rope_original_length") or old
+        changed["rope_original_length"] = [saved.get("rope_original_length"), now.rope_original_length]
+    return changed
+
+
+def check_resumable(state: dict, cfg, tokenizer, extension=()):
+    """A checkpoint resumes only into the same model, data and tokenizer, the context extension's keys
+    apart; name the first difference."""
     saved = state.get("config") or {}
     now = OmegaConf.to_container(cfg, resolve=True)
     for group, keys in (("model", None), ("data", ("name", "tokenizer", "val_fraction"))):
         a, b = saved.get(group, {}), now.get(group, {})
         for key in keys or sorted(set(a) | set(b)):
+            if group == "model" and key in extension:
+                continue
             if key != "vocab_size" and a.get(key) != b.get(key):
                 raise UserError(f"cannot resume: {group}.{key} is {b.get(key)!r} here but {a.get(key)!r} in the "
                                 "checkpoint; resume with the run's own config")

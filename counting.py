@@ -98,6 +98,12 @@ def attention_macs(c, seq_len, layer: int) -> tuple:
     return keys * qk, keys * c.n_head * hs
 
 
+def mean_over_layers(values):
+    """The mean of per-layer counts, exact for ints and Fractions (a float N stays a float)."""
+    total = sum(values)
+    return total / len(values) if isinstance(total, float) else Fraction(total, len(values))
+
+
 def macs_per_token(c, seq_len) -> dict:
     """Forward MACs per token at length seq_len: per layer (q, k, v, o, scores, weighted_sum, mlp,
     other; sums proj, attn, layer; attention averaged over the layers, which differ only with a
@@ -109,15 +115,15 @@ def macs_per_token(c, seq_len) -> dict:
     gate = lp["attn_matrices"] - sum(projection_macs(c).values())  # the attention gates' weights
     m = {
         **projection_macs(c),  # q, k, v, o: one MAC per weight
-        "scores": sum(s for s, _ in attn) / Fraction(c.n_layer),  # q.k with each key a query sees (attention_macs)
-        "weighted_sum": sum(w for _, w in attn) / Fraction(c.n_layer),  # the weighted sum of their values
+        "scores": mean_over_layers([s for s, _ in attn]),  # q.k with each key a query sees (attention_macs)
+        "weighted_sum": mean_over_layers([w for _, w in attn]),  # the weighted sum of their values
         "mlp": lp["mlp_matrices"],
         "other": lp["attn_other"] + lp["mlp_other"] + 2 * lp["norm"] + gate,  # the gates' MACs with the rest
         "lm_head": d * c.vocab_size,
         "other_final": lp["norm"] if c.norm_position == "pre" else 0,  # ln_f
     }
     for key in ("scores", "weighted_sum"):  # whole numbers stay ints (N may be a Fraction: keep it exact)
-        if m[key].denominator == 1:
+        if isinstance(m[key], Fraction) and m[key].denominator == 1:
             m[key] = int(m[key])
     m["proj"] = m["q"] + m["k"] + m["v"] + m["o"]
     m["attn"] = m["scores"] + m["weighted_sum"]

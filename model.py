@@ -30,14 +30,14 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from attention import ATTENTION_KINDS, AttnConfig, check_attention_options, resolve_scale, rope_freqs
+from attention import ATTENTION_KINDS, ROPE_SCALINGS, AttnConfig, check_attention_options, resolve_scale, rope_freqs
 from common import FRACTION, POSITIVE, OneOf, Range, UserError, check_values
 from counting import flops_per_token
 
 NORMS = ("layernorm", "rmsnorm")
 NORM_POSITIONS = ("pre", "post")
 MLPS = ("gelu", "swiglu", "relu2")
-POSITIONS = ("rope", "learned", "sinusoidal", "none")
+POSITIONS = ("rope", "learned", "sinusoidal", "none", "alibi")
 NORM_EPS = 1e-5  # LayerNorm's and RMSNorm's epsilon (PyTorch's LayerNorm default)
 
 
@@ -61,8 +61,11 @@ class GPTConfig:
     norm_position: str = "pre"  # pre: x + f(norm(x)) | post: norm(x + f(x)), the original Transformer
     mlp: str = "gelu"  # gelu (GPT-2) | swiglu (Llama) | relu2 (ReLU squared)
     d_ff: Optional[int] = None  # MLP hidden width; unset: 4*n_embd, or for swiglu ~8/3*n_embd rounded up to 64
-    pos: str = "rope"  # rope | learned (a table added to the embeddings) | sinusoidal (added) | none (NoPE)
+    pos: str = "rope"  # rope | learned (a table added to the embeddings) | sinusoidal (added) | none (NoPE) | alibi (a bias per head on the logits)
     rope_base: float = 10000.0  # RoPE frequency base theta
+    rope_scaling: str = "none"  # none | linear (position interpolation) | ntk | yarn: RoPE for contexts longer than trained
+    rope_scaling_factor: float = 1.0  # how many times longer than rope_original_length (1: no scaling)
+    rope_original_length: Optional[int] = None  # the length RoPE was trained at; unset: block_size
     tie_embeddings: bool = True  # the LM head shares the token embedding's weights
     logit_softcap: float = 0.0  # > 0: output logits = c * tanh(logits / c); 0 = off
     zero_init_proj: bool = False  # residual output projections (attn and MLP c_proj) start at zero
@@ -74,6 +77,8 @@ class GPTConfig:
         "n_embd": POSITIVE, "n_kv_head": POSITIVE, "d_ff": POSITIVE, "dropout": FRACTION,
         "norm": OneOf(NORMS), "norm_position": OneOf(NORM_POSITIONS), "mlp": OneOf(MLPS), "pos": OneOf(POSITIONS),
         "rope_base": Range(1, lo_open=True, why="the RoPE frequency base"),
+        "rope_scaling": OneOf(ROPE_SCALINGS), "rope_scaling_factor": Range(1, why="1 is no scaling"),
+        "rope_original_length": POSITIVE,
         "logit_softcap": Range(0, why="0 turns the soft-cap off"),
     }
 
@@ -100,6 +105,10 @@ class GPTConfig:
         self.attn_scale = resolve_scale(self.attn.scale, self.head_dim)
         # the channels RoPE rotates: a head's, or MLA's decoupled RoPE part (attention.LatentAttention)
         self.rope_dim = (self.attn.rope_head_dim or self.head_dim // 2) if self.attn.kind == "mla" else self.head_dim
+        if self.rope_scaling != "none" and self.pos != "rope":
+            raise ConfigError(f"model.rope_scaling={self.rope_scaling} has no effect with model.pos={self.pos}")
+        if self.rope_original_length is None:
+            self.rope_original_length = self.block_size
         if self.rope_dim % 2:
             raise ConfigError(f"MLA's RoPE part head_dim/2={self.rope_dim} is odd, but RoPE rotates pairs of channels: "
                               "set model.attn.rope_head_dim to an even number")
@@ -236,8 +245,7 @@ class GPT(nn.Module):
         if config.tie_embeddings:
             self.lm_head.weight = self.wte.weight
         self.rotary = config.pos == "rope"
-        freqs = rope_freqs(config.rope_dim, config.block_size, config.rope_base)
-        self.register_buffer("rope", freqs, persistent=False)  # (block_size, hs/2, 2): cos, sin
+        self.register_buffer("rope", self.rope_table(config.block_size), persistent=False)  # (block_size, hs/2, 2): cos, sin
         self.init_weights()
 
     def init_weights(self):
@@ -263,8 +271,14 @@ class GPT(nn.Module):
         angles in bf16 would be wrong, and complex bf16 does not exist)."""
         super()._apply(fn, recurse)
         if self.rope.dtype != torch.float32:
-            self.rope = rope_freqs(self.config.rope_dim, self.rope.size(0), self.config.rope_base, self.rope.device)
+            self.rope = self.rope_table(self.rope.size(0), self.rope.device)
         return self
+
+    def rope_table(self, length: int, device=None):
+        """cos and sin of RoPE's angles for positions 0..length-1, scaled as model.rope_scaling says."""
+        c = self.config
+        return rope_freqs(c.rope_dim, length, c.rope_base, device, c.rope_scaling, c.rope_scaling_factor,
+                          c.rope_original_length)
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())  # a tied embedding counts once
@@ -284,7 +298,7 @@ class GPT(nn.Module):
             return self.rope.index_select(0, start)
         if start + T > self.rope.size(0):  # a normal tensor even when grown under inference_mode (sampling),
             with torch.inference_mode(False):  # so a later forward with autograd can still use it
-                self.rope = rope_freqs(self.config.rope_dim, 2 * (start + T), self.config.rope_base, self.rope.device)
+                self.rope = self.rope_table(2 * (start + T), self.rope.device)
         return self.rope[start:start + T]
 
     @property

@@ -31,9 +31,9 @@ from omegaconf import OmegaConf
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from attnstats import AttentionProbe
-from checkpoint import (BEST_NAME, check_resumable, last_good_checkpoint, latest_checkpoint, load_checkpoint,
-                        load_weights, prune_checkpoints, resume_source, rng_state, save_checkpoint, set_rng_state,
-                        step_name)
+from checkpoint import (BEST_NAME, check_resumable, context_extension, last_good_checkpoint, latest_checkpoint,
+                        load_checkpoint, load_weights, prune_checkpoints, resume_source, rng_state, save_checkpoint,
+                        set_rng_state, step_name)
 from common import (Dist, Runtime, StopRequest, UserError, check_memory, cli, compile_wanted,
                     dir_mode, first_line, init_distributed, is_oom, lock_run_dir, peak_flops, remove_stale_temps,
                     run_app, run_info, setup_runtime)
@@ -78,6 +78,7 @@ class Run:
     attn_history: list = field(default_factory=list)
     updates: int = 0  # optimizer steps taken by this process (skipped ones not counted)
     wandb_id: Optional[str] = None  # a resumed run's W&B run, continued
+    extensions: list = field(default_factory=list)  # context extensions: (step, block_size and RoPE scaling changes)
 
 
 # ----------------------------------------------------------------------------- the run
@@ -171,9 +172,11 @@ def setup(cfg, run_name=None, run_group=None, overrides=None) -> Run:
                 raise UserError(f"{out_dir} already holds a run: continue it with resume=true, or give a new "
                                 "hydra.run.dir (nothing was overwritten)")
             remove_stale_temps(out_dir, alive_only=False)  # we hold the lock: a temp file here is a killed write's
+        state = load_checkpoint(source) if source is not None else None  # to CPU: RNG states must stay there
+        extension = context_extension(state, cfg) if state is not None else {}  # a longer block: before building
         run = build(cfg, out_dir, dist_, grad_accum, lock)
-        if source is not None:
-            restore(run, source)
+        if state is not None:
+            restore(run, state, source, extension)
         record(run, run_name, run_group, overrides)
         return run
     except BaseException:
@@ -217,14 +220,14 @@ def build(cfg, out_dir, dist_, grad_accum, lock) -> Run:
                lock=lock, file_mode=file_mode)
 
 
-def restore(run: Run, source: Path):
-    """Continue from a checkpoint: weights, optimizer, grad scaler, batch sampler, every RNG, step."""
-    state = load_checkpoint(source)  # to CPU: RNG states must stay there; weights move on load
+def restore(run: Run, state: dict, source: Path, extension=None):
+    """Continue from a checkpoint: weights, optimizer, grad scaler, batch sampler, every RNG, step;
+    with a context extension (a longer block, RoPE scaled to it), recorded in the run's checkpoints."""
     missing = [k for k in ("step", "optimizer", "sampler", "rng", "best_val_loss") if k not in state]
     if missing:
         raise UserError(f"cannot resume from {source}: it has no {', '.join(missing)} (weights only?); resume "
                         "from a ckpt_*.pt file train.py wrote, or start a new run")
-    check_resumable(state, run.cfg, run.data.tokenizer)
+    check_resumable(state, run.cfg, run.data.tokenizer, extension or {})
     if state["step"] > run.cfg.train.max_iters:
         raise UserError(f"the checkpoint is at step {state['step']}, past train.max_iters={run.cfg.train.max_iters}: "
                         f"pass train.max_iters > {state['step']} to train on (nothing was changed)")
@@ -240,6 +243,11 @@ def restore(run: Run, source: Path):
                         f"({type(e).__name__}: {first_line(e, 120)}); resume with the run's own config") from None
     run.step, run.best_val, run.wandb_id = state["step"], state["best_val_loss"], state.get("wandb_id")
     run.resuming, run.saved_at = True, run.step
+    run.extensions = list(state.get("context_extensions") or [])
+    if extension and "block_size" in extension:
+        run.extensions.append({"step": run.step, **extension})
+        log.info("extending the context at step %d: %s", run.step,
+                 ", ".join(f"model.{k} {a} -> {b}" for k, (a, b) in extension.items()))
     log.info("resuming from %s at step %d", source, run.step)
 
 
@@ -277,7 +285,8 @@ def checkpoint_contents(run: Run, full: bool = True) -> dict:
              "tokenizer": run.data.tokenizer.to_dict(), "step": run.step, "val_loss": run.evals.get("val"),
              "best_val_loss": run.best_val, "config": run.resolved,
              # whether a sample may start from <|endoftext|>: only if the model saw documents begin after one
-             "eot_in_train": run.data.meta.get("eot_in_train")}
+             "eot_in_train": run.data.meta.get("eot_in_train"),
+             "context_extensions": run.extensions}
     if full:
         state.update(optimizer=run.optimizer.state_dict(), scaler=run.scaler.state_dict(),
                      sampler=run.sampler.get_state(), rng=rng_state(run.rt.device, run.dist.world),

@@ -128,6 +128,9 @@ def variant_model(seed=0, block_size=16, n_layer=2, n_head=4, n_embd=32, vocab=4
 
 
 TIMING = ("tokens_per_sec", "ms_per_iter", "mfu")  # wall-clock figures differ between any two runs
+# the whole-val-split loss is logged where a run ends (train.max_iters): a run stopped at 30 and resumed to
+# 60 has it at step 30 too, one that went straight to 60 does not; every other key must match
+FINAL_ONLY = ("val/loss_full", "val/bpc_full", "val/tokens_full")
 
 
 def cli_args(run_dir, cache):
@@ -139,9 +142,12 @@ def cli_args(run_dir, cache):
             f"data.cache_dir={cache}", f"hydra.run.dir={run_dir}"]
 
 
-def metrics_without_timing(run_dir):
+def metrics_without_timing(run_dir, keep_final=False):
+    """The run's metrics lines without the wall-clock keys (and, unless keep_final, the end-of-run
+    whole-val-split loss, which marks where the run's own max_iters fell)."""
     lines = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in m.items() if k not in TIMING} for m in lines]
+    drop = TIMING if keep_final else TIMING + FINAL_ONLY
+    return [{k: v for k, v in m.items() if k not in drop} for m in lines]
 
 
 def poison_training_loss(monkeypatch, at: dict):

@@ -602,7 +602,9 @@ HUGE_MUST_FAIL = {"train.batch_size", "train.probe_batch_size", "train.grad_accu
 # every command's config (configs/NAME.yaml) and the function its entry point calls first
 ENTRY_POINTS = {"config": "train:train", "sample": "sample:sample", "bench": "tools.bench:bench",
                 "cost": "tools.cost:cost", "bench_sample": "tools.bench_sample:bench_sample",
-                "visualize": "tools.visualize:visualize", "export": "tools.export:export"}
+                "visualize": "tools.visualize:visualize", "export": "tools.export:export",
+                "bench_attention": "tools.bench_attention:bench_attention", "eval_stream": "tools.eval_stream:eval_stream",
+                "eval_lengths": "tools.eval_lengths:eval_lengths"}
 
 
 def entry(name):
@@ -698,8 +700,11 @@ def test_every_config_key_refuses_its_bad_values_in_one_line(name, key, typ, kin
             "bench_sample": ["model=debug", "tokens=2", "repeats=1", "batch_sizes=[1]", "compile=[false]",
                              "recompute=false"],
             "visualize": [f"ckpt={enum_dirs['ckpt']}", "prompt=line", f"out={tmp / 'maps'}"],
-            "export": [f"ckpt={enum_dirs['ckpt']}", f"out={tmp / 'hf'}"]}[name]
-    listed = key in ("batch_sizes", "layouts", "kv_dtypes")  # a list: one bad element
+            "export": [f"ckpt={enum_dirs['ckpt']}", f"out={tmp / 'hf'}"],
+            "bench_attention": ["lengths=[8]", "repeats=1", "out=null"],
+            "eval_stream": [f"ckpt={enum_dirs['ckpt']}", "out=null"],
+            "eval_lengths": [f"ckpt={enum_dirs['ckpt']}", "out=null"]}[name]
+    listed = key in ("batch_sizes", "layouts", "kv_dtypes", "lengths", "paths", "policies")  # a list: one bad element
     if kind == "schema":
         with pytest.raises((HydraException, OmegaConfBaseException)) as e:
             compose_cfg(name, base + [override(key, value, listed)])

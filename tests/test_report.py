@@ -1,7 +1,10 @@
 """A real sweep through the CLI, then report.py over its runs."""
+import json
+import math
 import struct
 
 import pytest
+import torch
 
 from common import UserError
 from helpers import wandb_run_record
@@ -16,37 +19,39 @@ def png_size(path):
 
 def test_two_run_sweep_then_report(tmp_path, cli):
     sweep = tmp_path / "sweep"
+    """`python train.py -m ... seed=1,2` then the report: two arms of two seeds, W&B runs grouped by arm,
+    the arms' means, their paired difference and the band plots."""
     r = cli("train.py", "-m", "model=debug", "train.max_iters=20", "train.eval_interval=10",
-                "train.eval_iters=2", "train.batch_size=4", "device=cpu", f"data.cache_dir={tmp_path / 'cache'}",
-                "model.attn.scale=sqrt_dk,none", f"hydra.sweep.dir={sweep}", "logger.wandb.mode=offline",
-                env={"WANDB_DIR": str(tmp_path / "wandb_env")})
+            "train.eval_iters=2", "train.batch_size=4", "device=cpu", f"data.cache_dir={tmp_path / 'cache'}",
+            "model.attn.scale=sqrt_dk,none", "seed=1,2", f"hydra.sweep.dir={sweep}", "logger.wandb.mode=offline",
+            env={"WANDB_DIR": str(tmp_path / "wandb_env")})
     assert r.returncode == 0, r.stderr[-3000:]
     runs = sorted(p for p in sweep.iterdir() if (p / "metrics.jsonl").is_file())
-    assert len(runs) == 2 and runs[0] != runs[1]
-    assert "scale=none" in runs[1].name  # named by their overrides
+    assert len(runs) == 4 and len(set(runs)) == 4
+    assert "scale=none" in runs[2].name and "seed=2" in runs[3].name  # named by their overrides
     identities = []
-    for run in runs:  # one W&B run per job, grouped by the sweep, named by its overrides
+    for run in runs:  # one W&B run per job; the seeds of an arm are one group
         offline = list((run / "wandb").glob("offline-run-*"))
         assert len(offline) == 1 and (run / "best.pt").is_file()
         identities.append(wandb_run_record(offline[0]))
-    assert identities[0]["group"] == identities[1]["group"] == "sweep"
-    assert identities[0]["id"] != identities[1]["id"]
-    assert "model.attn.scale=none" in identities[1]["name"]
-    cfgs = [(run / "config.yaml").read_text() for run in runs]
-    assert "scale: sqrt_dk" in cfgs[0] and "scale: none" in cfgs[1]
+    groups = [i["group"] for i in identities]
+    assert groups[0] == groups[1] != groups[2] == groups[3] and groups[0].startswith("sweep/")
+    assert "seed" not in groups[0] and "model.attn.scale=none" in groups[2]
+    assert len({i["id"] for i in identities}) == 4 and "seed=2" in identities[3]["name"]
 
     result = report([str(sweep)])
     table_rows = [l for l in result["table"].splitlines() if l.startswith("| model.attn.scale=")]
-    assert len(table_rows) == 2
-    for name in ("val_loss.png", "attn_stats.png", "report.md"):
+    assert len(table_rows) == 2 and all(row.split("|")[2].strip() == "2" for row in table_rows)  # n = 2 seeds each
+    import json
+    finals = [[json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines() if "val/loss_full" in l][-1]
+              ["val/loss_full"] for run in runs]
+    assert f"{(finals[2] + finals[3]) / 2:.4f}" in table_rows[1]  # the arm's mean of its seeds' final loss
+    (c,) = result["comparisons"]
+    assert c["test"] == "paired t" and c["diff"] == pytest.approx((finals[2] - finals[0] + finals[3] - finals[1]) / 2)
+    for name in ("val_loss.png", "attn_stats.png", "val_loss_diff.png", "report.md"):
         assert (sweep / name).is_file()
     w, h = png_size(sweep / "val_loss.png")
     assert w >= 600 and h >= 400
-    png_size(sweep / "attn_stats.png")
-    # the table's val loss is the last eval line of each run
-    import json
-    last = [json.loads(l) for l in (runs[1] / "metrics.jsonl").read_text().splitlines() if "val/loss" in l][-1]
-    assert f"{last['val/loss']:.4f}" in table_rows[1]
 
 
 def test_report_cli_on_missing_dir_is_one_line_error(tmp_path, cli):
@@ -61,3 +66,91 @@ def test_report_on_missing_or_empty_dirs_is_one_line_error(tmp_path):
     assert "\n" not in str(e.value)
     with pytest.raises(UserError, match="no metrics.jsonl under"):
         report([str(tmp_path)])
+
+
+# ----------------------------------------------------------------------------- arms, intervals, tests, verdicts
+
+T975 = {2: 4.302652729749464, 4: 2.7764451051977934}  # Student t's 0.975 quantiles (printed tables)
+
+
+def fake_run(root, name, config, final, curve=(2.5, 2.0)):
+    """A run dir as train.py leaves it, with a given resolved config and final whole-val-split loss."""
+    import yaml
+    run = root / name
+    run.mkdir(parents=True)
+    (run / "config.yaml").write_text(yaml.safe_dump(config))
+    lines = [{"step": 0, "val/loss": curve[0]}, {"step": 10, "val/loss": curve[1]},
+             {"step": 20, "val/loss": final + 0.01, "val/loss_full": final}]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in lines))
+    return run
+
+
+def cfg(qk_norm, seed, data_seed=None, lr=1e-3):
+    return {"seed": seed, "out_dir": f"/tmp/{seed}", "model": {"n_layer": 2, "attn": {"qk_norm": qk_norm}},
+            "train": {"lr": lr, "data_seed": data_seed}, "logger": {"wandb": {"mode": "disabled"}}}
+
+
+def test_arms_means_intervals_and_the_paired_test_by_hand(tmp_path):
+    sweep = tmp_path / "sweep"
+    a, b = [1.80, 1.78, 1.79], [1.76, 1.75, 1.78]
+    for i, seed in enumerate((1, 2, 3)):
+        fake_run(sweep, f"{i}_a", cfg(False, seed), a[i])
+        fake_run(sweep, f"{3 + i}_b", cfg(True, seed), b[i])
+    r = report([str(sweep)])
+    arm_a, arm_b = r["arms"]
+    assert (arm_a.label, arm_b.label) == ("model.attn.qk_norm=False", "model.attn.qk_norm=True")
+    half = T975[2] * 0.01 / math.sqrt(3)  # sd of a: 0.01
+    assert f"1.7900 ± 0.0100 | {1.79 - half:.4f} to {1.79 + half:.4f}" in r["table"]
+    (c,) = r["comparisons"]
+    d = [y - x for x, y in zip(a, b)]
+    mean = sum(d) / 3
+    sd = math.sqrt(sum((x - mean) ** 2 for x in d) / 2)
+    t = mean / (sd / math.sqrt(3))
+    assert c["test"] == "paired t" and c["diff"] == pytest.approx(mean) and c["half"] == pytest.approx(T975[2] * sd / math.sqrt(3))
+    # p of |t| = 3.024 with 2 degrees of freedom: 2 (1 - F(t)), F of Student's t with 2 dof in closed form
+    assert c["p"] == pytest.approx(1 - abs(t) / math.sqrt(2 + t * t), rel=1e-9)
+    assert "within noise (-0.0267 ± 0.0379)" in r["table"] and "paired t, n=3" in r["table"]
+    assert "Student t" in r["table"] and "Welch" in r["table"]  # the footnote names the tests
+    assert (sweep / "val_loss_diff.png").is_file() and (sweep / "val_loss.png").is_file()
+
+
+def test_arms_with_other_seeds_are_compared_by_welch_and_lone_runs_get_no_interval(tmp_path):
+    a, c = [1.80, 1.78, 1.79], [1.70, 1.72, 1.71]
+    for i in range(3):
+        fake_run(tmp_path / "s1", f"a{i}", cfg(False, i + 1), a[i])
+        fake_run(tmp_path / "s2", f"c{i}", cfg(True, i + 4), c[i])  # other seeds: nothing to pair
+    fake_run(tmp_path, "lone", cfg(False, 1, lr=3e-3), 1.5)  # another config, one run
+    r = report([str(tmp_path / "s1"), str(tmp_path / "s2"), str(tmp_path / "lone")], out=tmp_path / "out")
+    labels = [arm.label for arm in r["arms"]]
+    assert len(labels) == 3 and sum(len(arm.runs) for arm in r["arms"]) == 7
+    welch = next(x for x in r["comparisons"] if x["test"] == "Welch t")
+    # equal variances 1e-4 and n = 3 each: Welch's degrees of freedom are exactly 2 (n - 1) = 4
+    assert welch["df"] == pytest.approx(4) and welch["diff"] == pytest.approx(-0.08)
+    assert welch["half"] == pytest.approx(T975[4] * math.sqrt(2e-4 / 3))
+    assert f"lower by 0.0800 ± {T975[4] * math.sqrt(2e-4 / 3):.4f}" in r["table"]
+    lone = [x for x in r["comparisons"] if "lr=0.003" in x["a"] + x["b"]]
+    assert lone and all(x["half"] is None for x in lone) and "no interval can be given" in r["table"]
+    assert "one run: none" in r["table"]
+
+
+def test_the_data_seed_shares_batches_across_arms_and_changes_them_across_seeds(train_cfg, tmp_path):
+    import train as train_module
+
+    def first_batches(*overrides, name):
+        run = train_module.setup(train_cfg("train.max_iters=2", f"out_dir={tmp_path / name}", *overrides))
+        try:
+            starts = run.data.sample_starts("train", (3, 4), run.mcfg.block_size, run.sampler)
+            probe = run.probe.idx.clone()
+        finally:
+            run.tracker.close()
+            run.lock.close()
+        return starts, probe, run.model.wte.weight.detach().clone()
+    a = first_batches("seed=1", "train.data_seed=7", name="a")
+    b = first_batches("seed=2", "train.data_seed=7", "model.attn.qk_norm=true", name="b")  # another arm
+    c = first_batches("seed=1", "train.data_seed=8", name="c")  # another data seed
+    d = first_batches("seed=5", name="d")  # unset: the data follows the seed
+    e = first_batches("seed=5", "train.data_seed=5", name="e")
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])  # same batches and probe text
+    assert not torch.equal(a[2], b[2])  # other weights
+    assert not torch.equal(a[0], c[0]) and torch.equal(a[2], c[2])  # other batches, same weights
+    assert torch.equal(d[0], e[0]) and torch.equal(d[1], e[1])

@@ -41,6 +41,8 @@ VARIANTS = [
     {"attn": {"kind": "mla", "q_lora_rank": 16, "kv_lora_rank": 12, "rope_head_dim": 4, "gate": "head"}},
     {"attn": {"gate": "channel", "sink": "learned"}},
     {"n_kv_head": 2, "attn": {"sink": "zero", "impl": "tiled", "block": 4}},
+    {"pos": "alibi"},
+    {"pos": "alibi", "n_kv_head": 2, "attn": {"impl": "tiled", "block": 4, "sink": "learned"}},
 ]
 IDS = [",".join(f"{k}={v}" for k, v in v.items()) or "default" for v in VARIANTS]
 

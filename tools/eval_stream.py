@@ -52,8 +52,9 @@ class EvalStreamConfig:
 ConfigStore.instance().store(name="base_eval_stream", node=EvalStreamConfig)
 
 
-def stream_tokens(state: dict, cfg, n: int) -> torch.Tensor:
-    """The first n tokens of cfg.text, or of the run's own val split (prepared again from its config)."""
+def stream_tokens(state: dict, cfg, n=None) -> torch.Tensor:
+    """The first n tokens (all: None) of cfg.text, or of the run's own val split (prepared again from
+    its config): a held-out text the model never trained on."""
     tok = tokenizer_from_dict(state["tokenizer"])
     if cfg.text:
         try:
@@ -68,7 +69,7 @@ def stream_tokens(state: dict, cfg, n: int) -> torch.Tensor:
         from data.prepare import prepare
         data_cfg = OmegaConf.merge(OmegaConf.structured(DataConfig), state["config"]["data"])  # the run's own data
         ids = TokenData(prepare(data_cfg)).splits["val"][:n].tolist()
-    if len(ids) < n:
+    if n is not None and len(ids) < n:
         raise UserError(f"the text has {len(ids)} tokens, fewer than tokens={n}: give a longer text= or fewer tokens")
     return torch.tensor(ids[:n], dtype=torch.long)
 

@@ -1,0 +1,148 @@
+"""Position schemes past the trained length: ALiBi against the paper's formula, RoPE scaling (position
+interpolation, NTK, YaRN) against theirs, the length evaluation against train.py's own val loss, and a
+resume that lengthens the context."""
+import math
+
+import pytest
+import torch
+
+from attention import alibi_slopes, attention, rope_freqs, rope_theta
+from common import UserError
+from helpers import save_tiny_checkpoint, variant_model as make
+
+
+# ----------------------------------------------------------------------------- ALiBi
+
+def test_alibi_slopes_are_the_papers_geometric_sequences():
+    """Press et al. 2021: 8 heads get 1/2, 1/4, ..., 1/256; a non-power of two n takes the slopes of
+    the largest power of two below it, then every other slope of twice that."""
+    assert alibi_slopes(8).tolist() == [2.0 ** -k for k in range(1, 9)]
+    assert torch.allclose(alibi_slopes(16), torch.tensor([2.0 ** (-k / 2) for k in range(1, 17)]))
+    four, eight = [2.0 ** (-2 * k) for k in range(1, 5)], [2.0 ** -k for k in range(1, 9)]
+    assert alibi_slopes(6).tolist() == four + eight[0::2][:2]  # 1/4 .. 1/256, then 1/2, 1/8
+
+
+@pytest.mark.parametrize("impl", ["sdpa", "reference", "tiled"])
+def test_alibi_attention_is_the_biased_softmax_written_out(impl):
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 6, 19, 8), torch.randn(2, 3, 19, 8), torch.randn(2, 3, 19, 8)
+    m = alibi_slopes(6)
+    i = torch.arange(19)
+    got = attention(q, k, v, 0.35, impl=impl, alibi=(m, i, i), block=4)
+    kk, vv = (t.double().repeat_interleave(2, dim=1) for t in (k, v))
+    s = q.double() @ kk.transpose(-2, -1) * 0.35 - m.double().view(1, 6, 1, 1) * (i[:, None] - i[None, :])
+    s = s.masked_fill(i[None, :] > i[:, None], float("-inf"))
+    assert torch.allclose(got.double(), torch.softmax(s, -1) @ vv, atol=1e-5)
+
+
+def test_alibi_cached_generation_equals_recomputation_within_and_past_the_block():
+    from sample import generate
+    model = make(pos="alibi", n_head=6, n_embd=48)
+    prompt = torch.randint(40, (2, 4))
+    assert torch.equal(generate(model, prompt, 10, temperature=0), generate(model, prompt, 10, temperature=0,
+                                                                              kv_cache=False))
+    one = make(pos="alibi", n_layer=1)  # past block_size the cache slides: one layer computes the same function
+    a, b = (generate(one, prompt, 40, temperature=0, kv_cache=c) for c in (True, False))
+    assert a.shape == (2, 44) and torch.equal(a, b)
+    compiled = generate(one, prompt, 40, temperature=0, compile=True)
+    assert torch.equal(compiled, b)
+
+
+# ----------------------------------------------------------------------------- RoPE scaling
+
+def test_each_rope_scaling_is_its_formula_and_factor_one_is_none():
+    d, base, s, L = 16, 10000.0, 4.0, 64
+    theta = [base ** (-2 * j / d) for j in range(d // 2)]
+    assert torch.allclose(rope_theta(d, base, "linear", s, L), torch.tensor(theta) / s)
+    assert torch.allclose(rope_theta(d, base, "ntk", s, L), torch.tensor([(base * s ** (d / (d - 2))) ** (-2 * j / d)
+                                                                         for j in range(d // 2)]))
+    yarn = []
+    for t in theta:
+        r = L * t / (2 * math.pi)  # turns within the original length
+        gamma = min(1.0, max(0.0, (r - 1) / (32 - 1)))
+        yarn.append(gamma * t + (1 - gamma) * t / s)
+    assert torch.allclose(rope_theta(d, base, "yarn", s, L), torch.tensor(yarn))
+    cos_sin = rope_freqs(d, 5, base, scaling="yarn", factor=s, original=L)
+    plain = rope_freqs(d, 5, base, scaling="yarn", factor=s, original=L) / (0.1 * math.log(s) + 1)
+    assert torch.allclose(cos_sin.square().sum(-1).sqrt(), torch.full((5, d // 2), 0.1 * math.log(s) + 1))
+    assert torch.allclose(plain.square().sum(-1), torch.ones(5, d // 2))  # YaRN's temperature on top of a rotation
+    for kind in ("linear", "ntk", "yarn"):
+        assert torch.equal(rope_freqs(d, 9, base, scaling=kind, factor=1.0, original=L), rope_freqs(d, 9, base))
+
+
+def test_rope_scaling_is_refused_without_rope():
+    from model import GPTConfig
+    with pytest.raises(UserError, match="model.rope_scaling=yarn has no effect with model.pos=alibi"):
+        GPTConfig(vocab_size=40, n_layer=1, n_head=2, n_embd=16, pos="alibi", rope_scaling="yarn", rope_scaling_factor=2)
+
+
+# ----------------------------------------------------------------------------- the evaluation
+
+def test_loss_at_block_size_is_train_pys_whole_val_split_loss(train_cfg, tmp_path):
+    from helpers import compose_cfg
+    from tools.eval_lengths import eval_lengths
+    from train import train
+    result = train(train_cfg("train.max_iters=6", "train.eval_interval=3"))
+    r = eval_lengths(compose_cfg("eval_lengths", [f"ckpt={tmp_path / 'run' / 'ckpt_0000006.pt'}", "lengths=[32,64]",
+                                                  "tokens=1000000", "out=null"]))
+    assert r["rows"][0]["loss"] == pytest.approx(result["val_loss_full"], abs=1e-5)
+    assert sum(r["rows"][0]["per_position"]) / 32 == pytest.approx(r["rows"][0]["loss"], rel=1e-6)
+    assert len(r["rows"][1]["per_position"]) == 64 and math.isfinite(r["rows"][1]["copy_loss"])
+
+
+def test_absolute_tables_are_not_extrapolated(tmp_path, capsys):
+    from helpers import compose_cfg
+    from tools.eval_lengths import eval_lengths
+    ckpt = save_tiny_checkpoint(tmp_path, pos="learned", block_size=16)
+    text = tmp_path / "t.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 20)
+    r = eval_lengths(compose_cfg("eval_lengths", [f"ckpt={ckpt}", f"text={text}", "lengths=[16,32]", "out=null"]))
+    assert "loss" in r["rows"][0] and r["rows"][1] == {"length": 32, "skipped": True}
+    assert "L=32: skipped: model.pos=learned has a table of 16 positions" in capsys.readouterr().out
+
+
+def test_rope_scaling_applies_to_a_trained_checkpoint_as_it_is(tmp_path):
+    """The same checkpoint evaluated past its length with YaRN: other numbers than unscaled, and at
+    factor 1 exactly the unscaled ones."""
+    from helpers import compose_cfg
+    from tools.eval_lengths import eval_lengths
+    ckpt = save_tiny_checkpoint(tmp_path, block_size=16)
+    text = tmp_path / "t.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 20)
+    base = [f"ckpt={ckpt}", f"text={text}", "lengths=[64]", "out=null"]
+    plain = eval_lengths(compose_cfg("eval_lengths", base))["rows"][0]["loss"]
+    one = eval_lengths(compose_cfg("eval_lengths", base + ["rope_scaling=yarn", "rope_scaling_factor=1"]))["rows"][0]["loss"]
+    yarn = eval_lengths(compose_cfg("eval_lengths", base + ["rope_scaling=yarn", "rope_scaling_factor=4"]))["rows"][0]["loss"]
+    assert one == plain and yarn != plain
+
+
+# ----------------------------------------------------------------------------- lengthening the context
+
+def test_a_resume_may_lengthen_the_context_keeping_every_weight_and_nothing_else(train_cfg, tmp_path):
+    import checkpoint as ck
+    import train as train_module
+    train_module.train(train_cfg("train.max_iters=4", "train.eval_interval=2"))
+    before = ck.load_checkpoint(tmp_path / "run" / "ckpt_0000004.pt")
+    longer = ["model.block_size=64", "model.rope_scaling=yarn", "model.rope_scaling_factor=2", "resume=true"]
+    with pytest.raises(UserError, match="model.n_head is 4 here but 2"):
+        train_module.train(train_cfg("train.max_iters=6", *longer, "model.n_head=4"))  # any other change is refused
+    run = train_module.setup(train_cfg("train.max_iters=6", *longer))
+    try:  # the resumed model: every weight as saved, the longer block with YaRN from the trained 32
+        assert all(torch.equal(before["model"][k], v) for k, v in run.model.state_dict().items())
+        c = run.model.config
+        assert (c.block_size, c.rope_scaling, c.rope_scaling_factor, c.rope_original_length) == (64, "yarn", 2.0, 32)
+    finally:
+        run.tracker.close()
+        run.lock.close()
+    train_module.train(train_cfg("train.max_iters=6", *longer))
+    after = ck.load_checkpoint(tmp_path / "run" / "ckpt_0000006.pt")  # stated in the checkpoint
+    ext = after["context_extensions"]
+    assert len(ext) == 1 and ext[0]["step"] == 4 and ext[0]["block_size"] == [32, 64]
+    assert ext[0]["rope_scaling"] == ["none", "yarn"] and after["model_config"]["rope_original_length"] == 32
+
+
+def test_a_position_table_cannot_be_lengthened(train_cfg):
+    from train import train
+    train(train_cfg("train.max_iters=2", "train.eval_interval=2", "model.pos=learned"))
+    with pytest.raises(UserError, match="model.pos=learned has a table of 32 positions"):
+        train(train_cfg("train.max_iters=4", "model.pos=learned", "model.block_size=64", "resume=true"))

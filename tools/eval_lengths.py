@@ -1,0 +1,156 @@
+"""How far does a model's position scheme reach? Its loss on held-out text at several context lengths,
+at and beyond the block_size it was trained at, and the loss at each position within the context.
+
+    python tools/eval_lengths.py ckpt=outputs/runs/X                         # 1/2/4/8 x block_size
+    python tools/eval_lengths.py ckpt=outputs/runs/X lengths=[64,256,512] rope_scaling=yarn rope_scaling_factor=8
+    python tools/eval_lengths.py ckpt=outputs/runs/X text=book.txt out=lengths.png
+
+For each length L the text (the run's own val split unless text= is given) is cut into consecutive
+windows of L tokens, each run as its own sequence at positions 0..L-1: the mean loss (nats per token,
+and bits per character for a char-level model), and the loss at each position averaged over the
+windows (does it keep falling with more context, or rise past the trained length?). At L = block_size
+this is exactly train.py's whole-val-split loss. A retrieval column: the loss on the second copy of a
+span repeated once (the first L/2 tokens of each window, twice), which is low only if the model can
+look back L/2 tokens and copy. RoPE scaling (position interpolation, NTK, YaRN) applies to a trained
+checkpoint as it is, without training: rope_scaling= and rope_scaling_factor=. A model with a learned
+or sinusoidal position table has no position past its block_size: those lengths are skipped with a
+line saying so, never extrapolated.
+"""
+import math
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import ClassVar, List, Optional
+
+import hydra
+import torch
+import torch.nn.functional as F
+from hydra.core.config_store import ConfigStore
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as tools/X.py: the repo's modules
+
+from attention import ROPE_SCALINGS  # noqa: E402
+from attnstats import copy_losses  # noqa: E402
+from checkpoint import find_checkpoint, load_checkpoint, model_from_checkpoint  # noqa: E402
+from common import POSITIVE, OneOf, Range, UserError, check_values, cli, pick_device, run_app  # noqa: E402
+from tools.eval_stream import stream_tokens  # noqa: E402
+
+
+@dataclass
+class EvalLengthsConfig:
+    ckpt: Optional[str] = None  # checkpoint file or run dir; default: the newest run under outputs/
+    text: Optional[str] = None  # a UTF-8 text file; unset: the run's own val split
+    lengths: Optional[List[int]] = None  # context lengths L; unset: 1, 2, 4 and 8 times block_size
+    tokens: int = 65536  # tokens evaluated at each length (consecutive windows of L)
+    rope_scaling: Optional[str] = None  # none | linear | ntk | yarn; unset: the checkpoint's own
+    rope_scaling_factor: Optional[float] = None  # unset: the checkpoint's own
+    batch_size: int = 8  # windows per forward pass
+    device: str = "cpu"
+    out: Optional[str] = "lengths.png"  # the plot; null: none
+
+    RULES: ClassVar[dict] = {"lengths": Range(2, 2**20), "tokens": Range(2), "rope_scaling": OneOf(ROPE_SCALINGS),
+                             "rope_scaling_factor": Range(1, why="1 is no scaling"), "batch_size": POSITIVE}
+
+
+ConfigStore.instance().store(name="base_eval_lengths", node=EvalLengthsConfig)
+
+
+@torch.no_grad()
+def window_losses(model, ids, L: int, batch_size: int = 8) -> torch.Tensor:
+    """The next-token loss at every position of every consecutive window of L tokens of ids:
+    (windows, L); window w reads ids[w*L : (w+1)*L] and predicts ids[w*L+1 : (w+1)*L+1]."""
+    n = (ids.numel() - 1) // L
+    if n == 0:
+        raise UserError(f"the text has {ids.numel()} tokens: too few for one window of {L} (give a longer text=)")
+    x = ids[:n * L].view(n, L)
+    y = ids[1:n * L + 1].view(n, L)
+    losses = []
+    for xb, yb in zip(x.split(batch_size), y.split(batch_size)):
+        logits = model(xb, window=L)  # window=L: full attention over all L, also past block_size
+        losses.append(F.cross_entropy(logits.flatten(0, 1).float(), yb.flatten(), reduction="none").view(yb.shape))
+    return torch.cat(losses)
+
+
+@torch.no_grad()
+def copy_loss(model, ids, L: int, batch_size: int = 8) -> float:
+    """Mean loss on the second copy of [r, r], r the first L/2 tokens of each window of L (a retrieval
+    probe at distance L/2: what seeing the span once saves)."""
+    n, half = min((ids.numel() - 1) // L, 64), L // 2
+    rows = ids[:n * L].view(n, L)[:, :half]
+    total = 0.0
+    for rb in rows.split(batch_size):
+        seq = torch.cat([rb, rb], dim=1)
+        total += copy_losses(model(seq, window=L), seq, half)[1] * rb.size(0)
+    return total / n
+
+
+def eval_lengths(cfg) -> dict:
+    check_values(cfg)
+    path = find_checkpoint(cfg.ckpt)
+    state = load_checkpoint(path)
+    mc = dict(state["model_config"])
+    if cfg.rope_scaling is not None or cfg.rope_scaling_factor is not None:
+        if mc.get("pos", "rope") != "rope":
+            raise UserError(f"rope_scaling applies to RoPE models; this one has model.pos={mc.get('pos')}")
+        mc["rope_scaling"] = cfg.rope_scaling or mc.get("rope_scaling", "none")
+        mc["rope_scaling_factor"] = cfg.rope_scaling_factor or mc.get("rope_scaling_factor", 1.0)
+    model = model_from_checkpoint({**state, "model_config": mc}, pick_device(cfg.device)).eval()
+    c = model.config
+    lengths = list(cfg.lengths) if cfg.lengths else [c.block_size * k for k in (1, 2, 4, 8)]
+    ids = stream_tokens(state, cfg, None).to(model.wte.weight.device)
+    chars_per_token = state["tokenizer"].get("kind") == "char"
+    scaling = f", rope_scaling={c.rope_scaling} x{c.rope_scaling_factor:g}" if c.rope_scaling != "none" else ""
+    print(f"{path}: model.pos={c.pos}, block_size {c.block_size}{scaling}; {ids.numel()} tokens of text")
+    rows = []
+    for L in lengths:
+        if model.positions is not None and L > c.block_size:
+            print(f"L={L}: skipped: model.pos={c.pos} has a table of {c.block_size} positions (nothing to extrapolate)")
+            rows.append({"length": L, "skipped": True})
+            continue
+        losses = window_losses(model, ids[:cfg.tokens + 1], L, cfg.batch_size)
+        row = {"length": L, "loss": losses.mean().item(), "windows": losses.size(0),
+               "per_position": losses.mean(0).tolist(), "copy_loss": copy_loss(model, ids, L, cfg.batch_size)}
+        if chars_per_token:
+            row["bpc"] = row["loss"] / math.log(2)
+        rows.append(row)
+        print(f"L={L:6d} ({L / c.block_size:4.1f} x block): loss {row['loss']:.4f}"
+              + (f", {row['bpc']:.3f} bits/char" if "bpc" in row else "")
+              + f", last quarter of positions {sum(row['per_position'][-L // 4:]) / (L // 4):.4f}"
+              + f", copy loss at distance {L // 2}: {row['copy_loss']:.4f} ({row['windows']} windows)")
+    result = {"ckpt": str(path), "block_size": c.block_size, "pos": c.pos, "rope_scaling": c.rope_scaling,
+              "rope_scaling_factor": c.rope_scaling_factor, "rows": rows}
+    if cfg.out and any("loss" in r for r in rows):
+        plot(result, cfg.out)
+        print(f"wrote {cfg.out}")
+    return result
+
+
+def plot(result, path):
+    """The loss at each position of the context, one line per length, the trained length marked."""
+    from plots import plt, save_figure
+
+    fig, ax = plt.subplots(figsize=(9, 5))
+    for r in result["rows"]:
+        if "per_position" in r:
+            per = torch.tensor(r["per_position"])
+            w = max(1, r["length"] // 64)  # smoothed over length/64 positions
+            smooth = per.unfold(0, w, w).mean(-1) if w > 1 else per
+            ax.plot((torch.arange(smooth.numel()) * w + w / 2).tolist(), smooth.tolist(), lw=1.2,
+                    label=f"L={r['length']} (mean {r['loss']:.3f})")
+    ax.axvline(result["block_size"], color="grey", ls=":", label="trained length (block_size)")
+    scaling = f", {result['rope_scaling']} x{result['rope_scaling_factor']:g}" if result["rope_scaling"] != "none" else ""
+    ax.set(xscale="log", xlabel="position in the context", ylabel="next-token loss (nats)",
+           title=f"loss by position: pos={result['pos']}{scaling}")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
+    return save_figure(fig, path)
+
+
+@hydra.main(version_base="1.3", config_path="../configs", config_name="eval_lengths")
+@cli
+def main(cfg):
+    eval_lengths(cfg)
+
+
+if __name__ == "__main__":
+    run_app(main)
