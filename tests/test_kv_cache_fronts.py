@@ -5,7 +5,6 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from attention import Int8KVCache, LatentCache, SinkKVCache, attention, rope_freqs, rotate
 from common import UserError

@@ -18,7 +18,7 @@ line saying so, never extrapolated.
 """
 import math
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar, List, Optional
 
