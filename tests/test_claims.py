@@ -103,6 +103,13 @@ def test_named_tests_exist():
             assert re.search(rf"^def {test}\(", (REPO / path).read_text(), flags=re.M), name
 
 
+def test_docs_show_every_claim_with_its_command():
+    doc = (REPO / "docs" / "claims.md").read_text(encoding="utf-8")
+    for i in IDS:
+        assert re.search(rf"^\| {i} \|", doc, flags=re.M), i
+        assert f"python tools/claims.py --only {i}`" in doc, i
+
+
 @pytest.mark.slow
 def test_trained_checks_run_end_to_end_at_a_tiny_size(tmp_path, monkeypatch):
     """The full run's code path (train.train, checkpoints, figures), a few steps per run: each trained
