@@ -198,6 +198,7 @@ TRAINING_RUNS = {
     "post_ln": DEEP + ["model.norm_position=post"],
     "nope": ONE_LAYER + ["model.pos=none"],
     "rope": ONE_LAYER,
+    "alibi": ONE_WIDE_HEAD + ["model.pos=alibi"],
 }
 
 
@@ -927,62 +928,77 @@ def check_c9(ctx):
 
 @claim("C10", "The KV cache is fought on several fronts: GQA/MQA/MLA compression, quantisation, eviction.",
        "KV 缓存有多条战线：GQA/MQA/MLA 压缩、量化、淘汰。",
-       tests=("tests/test_decode.py::test_bf16_kv_cache_follows_the_reference_to_bf16_rounding",))
+       tests=("tests/test_decode.py::test_bf16_kv_cache_follows_the_reference_to_bf16_rounding",
+              "tests/test_kv_cache_fronts.py::test_mla_cache_holds_only_the_latent_and_the_rope_key",
+              "tests/test_kv_cache_fronts.py::test_int8_cache_dequantises_within_half_a_scale_and_weighs_what_cost_py_says",
+              "tests/test_kv_cache_fronts.py::test_sink_eviction_equals_attention_over_exactly_the_kept_positions"))
 def check_c10(ctx):
     base = dict(vocab_size=40, block_size=64, n_layer=2, n_head=8, n_embd=64)
-    size = {h: sum(c.k.nbytes + c.v.nbytes for c in GPT(GPTConfig(**base, n_kv_head=h)).new_kv_cache(1, 64))
-            for h in (8, 2, 1)}
+    size = {h: sum(c.nbytes() for c in GPT(GPTConfig(**base, n_kv_head=h)).new_kv_cache(1, 64)) for h in (8, 2, 1)}
+    mla = GPT(GPTConfig(**base, attn={"kind": "mla", "kv_lora_rank": 16, "rope_head_dim": 4}))
+    size["mla"] = sum(c.nbytes() for c in mla.new_kv_cache(1, 64))  # latent 16 + RoPE key 4 per token and layer
     model = GPT(GPTConfig(**base))
-    narrow = {str(dt).split(".")[1]: sum(c.k.nbytes + c.v.nbytes for c in model.new_kv_cache(1, 64, dtype=dt))
-              for dt in (torch.float32, torch.bfloat16)}
+    by_dtype = {str(dt).split(".")[1]: sum(c.nbytes() for c in model.new_kv_cache(1, 64, dtype=dt))
+                for dt in (torch.float32, torch.bfloat16, torch.int8)}
+    evicting = model.new_kv_cache(1, 16, sinks=4)  # StreamingLLM: 4 sinks + the latest 12 of any length
     windowed = GPT(GPTConfig(**base, attn={"window": 16})).new_kv_cache(1, 64)
-    ok = size[8] == 4 * size[2] == 8 * size[1] and narrow["float32"] == 2 * narrow["bfloat16"] \
-        and windowed[0].length == 16
-    return Result("partial" if ok else "fails",
-                  f"GQA / MQA: 8 → 2 → 1 KV heads make the cache {size[8] // size[2]}x / {size[8] // size[1]}x "
-                  f"smaller; a bf16 cache (sample.kv_dtype) is half of fp32; a windowed layer's cache keeps "
-                  f"{windowed[0].length} of 64 positions (the oldest overwritten)",
-                  "the measured fronts exactly 4x, 8x, 2x and W positions",
-                  note="not checkable yet in this version: MLA (a latent K/V), quantised caches (int8/int4; bf16 is "
-                       "a narrower dtype, not quantisation) and eviction by importance (a window evicts by age only)",
-                  figures={"bytes_by_kv_heads": size, "bytes_by_dtype": narrow,
-                           "window_cache_length": windowed[0].length})
+    ok = size[8] == 4 * size[2] == 8 * size[1] and size[8] == size["mla"] * 2 * 8 * 8 // 20 \
+        and by_dtype["float32"] == 2 * by_dtype["bfloat16"] and by_dtype["int8"] < by_dtype["bfloat16"] \
+        and evicting[0].length == 16 and evicting[0].sinks == 4 and windowed[0].length == 16
+    return Result(verdict(ok),
+                  f"compression: 8 → 2 → 1 KV heads make the cache {size[8] // size[2]}x / {size[8] // size[1]}x "
+                  f"smaller, MLA (a latent of 16 and a RoPE key of 4 per token) {size[8] / size['mla']:.1f}x; "
+                  f"quantisation: int8 with a scale per token and head {by_dtype['float32'] / by_dtype['int8']:.2f}x "
+                  f"below fp32 (bf16 2x); eviction: a cache of 16 that keeps 4 sink tokens and the latest 12 "
+                  f"(sample.kv_sinks), a windowed layer's of 16",
+                  "each front's bytes as counted: 4x, 8x, 2·8·8/(16+4) for MLA, 2x bf16, < bf16 for int8, fixed sizes",
+                  note="evicting by importance (e.g. H2O) and int4 are not in attnlab; docs/kv_cache.md measures what "
+                       "eviction does to the loss",
+                  figures={"bytes_by_kv_heads": size, "bytes_by_dtype": by_dtype})
 
 
 @claim("C11", "RoPE has limits when extrapolating past the trained length.",
-       "RoPE 外推到超过训练长度时能力有限。", trains=True)
+       "RoPE 外推到超过训练长度时能力有限。", trains=True,
+       tests=("tests/test_positions.py::test_each_rope_scaling_is_its_formula_and_factor_one_is_none",
+              "tests/test_positions.py::test_alibi_attention_is_the_biased_softmax_written_out"))
 def check_c11(ctx):
-    missing = "RoPE scaling (position interpolation, NTK, YaRN) and ALiBi, the remedies, are not in this version"
     if ctx.quick:
-        r = skipped("a trained model")
-        r.note = missing
-        return r
+        return skipped("a trained model")
+    from tools.eval_lengths import window_losses
+
+    def late_loss(model, L):  # the mean loss of positions 4x..8x the trained length, every window of L
+        n = window_losses(model, val, L)
+        return n[:, L // 2:].mean().item()
+
     run = ctx.trained("scaled")
     trained = run.model()
-    trained_len = trained.config.block_size
-    L = 8 * trained_len
-    fields = {k: v for k, v in vars(trained.config).items() if k not in ("head_dim", "attn_scale")}  # derived ones
-    model = GPT(GPTConfig(**{**fields, "block_size": L})).eval()  # the same weights; RoPE's table reaches 8x further
-    model.load_state_dict(trained.state_dict())
+    alibi = ctx.trained("alibi").model()  # trained like "scaled", ALiBi in place of RoPE
+    T = trained.config.block_size
+    L = 8 * T
     val = run.val_tokens()
-    n = (len(val) - 1) // L
-    x, y = val[: n * L].view(n, L), val[1: n * L + 1].view(n, L)
-    loss = {}
     with torch.no_grad():
-        for name, window in (("full context", None), (f"window {trained_len}", trained_len)):
-            logits = model(x, window=window)
-            nll = F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1), reduction="none").view(n, L)
-            loss[name] = [nll[:, a:b].mean().item() for a, b in ((trained_len, 2 * trained_len), (4 * trained_len, L))]
-    rise = loss["full context"][1] - loss[f"window {trained_len}"][1]
+        windowed = F.cross_entropy(trained(val[: ((len(val) - 1) // L) * L].view(-1, L), window=T)[:, L // 2:]
+                                   .reshape(-1, trained.config.vocab_size),
+                                   val[1: ((len(val) - 1) // L) * L + 1].view(-1, L)[:, L // 2:].reshape(-1)).item()
+        loss = {"rope": late_loss(trained, L), f"rope, window {T}": windowed}
+        fields = {k: v for k, v in vars(trained.config).items() if k not in ("head_dim", "attn_scale", "rope_dim")}
+        for scaling in ("linear", "ntk", "yarn"):  # the same weights, RoPE scaled 8x at evaluation
+            scaled = GPT(GPTConfig(**{**fields, "rope_scaling": scaling, "rope_scaling_factor": 8.0})).eval()
+            scaled.load_state_dict(trained.state_dict())
+            loss[f"rope + {scaling} x8"] = late_loss(scaled, L)
+        loss["alibi"] = late_loss(alibi, L)
+        loss["alibi, at the trained length"] = window_losses(alibi, val, T).mean().item()
+    rise = loss["rope"] - loss[f"rope, window {T}"]
+    best = min(("rope + linear x8", "rope + ntk x8", "rope + yarn x8"), key=loss.get)
     status = "holds" if rise >= 0.05 else "not_shown"
     return Result(status,
-                  f"a RoPE model trained at {trained_len} tokens, on the val split at {L}: the tokens at positions "
-                  f"{4 * trained_len}-{L - 1} cost {loss['full context'][1]:.3f} nats seeing the whole context vs "
-                  f"{loss[f'window {trained_len}'][1]:.3f} seeing the latest {trained_len} (+{rise:.3f}); at "
-                  f"{trained_len}-{2 * trained_len - 1}: {loss['full context'][0]:.3f} vs "
-                  f"{loss[f'window {trained_len}'][0]:.3f}",
+                  f"models trained at {T} tokens, on the val split in windows of {L}, positions {L // 2}-{L - 1}: RoPE "
+                  f"{loss['rope']:.3f} nats vs {loss[f'rope, window {T}']:.3f} seeing only the latest {T} "
+                  f"(+{rise:.3f}); scaled at evaluation: {best} {loss[best]:.3f}; ALiBi {loss['alibi']:.3f} "
+                  f"({loss['alibi, at the trained length']:.3f} at its trained length)",
                   "the same tokens cost ≥ 0.05 nats more with context past the trained length",
-                  note="the rise mixes unseen rotation offsets with attention spread over more keys; " + missing,
+                  note="the rise mixes unseen rotation offsets with attention spread over more keys; docs/positions.md "
+                       "has every scheme and scaling with seeds (tools/eval_lengths.py)",
                   figures={"loss": loss, "rise": rise})
 
 
