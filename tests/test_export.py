@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from transformers import AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tools import export  # registers its config schema
 from checkpoint import model_from_checkpoint
@@ -211,6 +211,18 @@ def test_code_export_equals_attnlab(name, tmp_path):
     hf = load_export(out)
     check_logits(model, hf, name)
     check_greedy(model, hf, torch.tensor([CHARS.encode("the c").tolist()]), name)
+
+
+def test_code_export_loads_in_bfloat16(tmp_path):
+    """from_pretrained(dtype=bfloat16) gives attnlab's model after .to(bfloat16): the tables GPT
+    computes when built (not saved) follow its own rules, RoPE's in float32, a position table in
+    the model's dtype."""
+    model = export_model(**CODE_VARIANTS["sinusoidal_mqa_qk_layer_head_gain"])
+    out = run_export(write_checkpoint(tmp_path / "ckpt.pt", model), tmp_path / "hf")
+    hf = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True, dtype=torch.bfloat16).eval()
+    idx = torch.randint(CHARS.vocab_size, (2, BLOCK), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        assert torch.equal(hf(idx).logits, model.to(torch.bfloat16)(idx))
 
 
 @pytest.mark.parametrize("kw,chosen,why", [

@@ -45,7 +45,8 @@ class AttnlabForCausalLM(PreTrainedModel, GenerationMixin):
         builds the model on the meta device, so these are computed again, as a GPT built here."""
         if not isinstance(module, GPT):
             return
-        fresh = GPT(module.config)
+        dtype = next(p.dtype for p in module.parameters() if p.is_floating_point())
+        fresh = GPT(module.config).to(dtype)  # GPT's own rules: tables in the model's dtype, RoPE's in float32
         for name, sub in module.named_modules():
             for buf in sub._non_persistent_buffers_set:
                 value = fresh.get_buffer(f"{name}.{buf}" if name else buf)
