@@ -304,6 +304,19 @@ def check_val_split(data_dir: Path, tmp_path):
     return len(want)
 
 
+def test_char_export_names_a_newline_its_bos(tmp_path):
+    """A char vocabulary has no special token; the export names a newline its BOS, so that
+    lm-evaluation-harness has a prefix token (and TransformerLens' prepend_bos a BOS). Encoding is
+    unchanged, and decoding keeps the newline unless special tokens are skipped."""
+    out = run_export(write_checkpoint(tmp_path / "ckpt.pt", export_model()), tmp_path / "hf")
+    fast = AutoTokenizer.from_pretrained(out)
+    text = "ab\ncd\n"
+    assert fast.bos_token == "\n" and fast.bos_token_id == CHARS.encode("\n")[0] and fast.eos_token is None
+    assert fast(text)["input_ids"] == CHARS.encode(text).tolist() and fast.decode(fast(text)["input_ids"]) == text
+    assert fast.decode(fast(text)["input_ids"], skip_special_tokens=True) == "abcd"  # what the docs warn of
+    assert json.loads((out / "generation_config.json").read_text())["bos_token_id"] == fast.bos_token_id
+
+
 def prepared(train_cfg, *overrides):
     return prepare(train_cfg(*overrides).data)
 

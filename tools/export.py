@@ -42,11 +42,14 @@ the directory):
 - GPT-NeoX and GPT-2 have no grouped-query attention: K and V heads are repeated for each query
   head of their group (the function GQA computes). NeoX fuses query_key_value per head
   [q_h, k_h, v_h]; GPT-2's Conv1D weights are (in, out). Biases these always have (MLP, LayerNorm,
-  GPT-2's attention) are written as zeros where attnlab has none (model.bias=false).
+  GPT-2's attention) are written as zeros where attnlab has none (model.bias=false); so are NeoX's
+  attention biases, which TransformerLens' GPT-NeoX adapter requires.
 - Positions: GPT-2's wpe table holds the learned table, the sinusoidal one, or zeros (NoPE).
 Options no stock class computes (Post-LN, logit soft-cap, layer/l2 QK-Norm, per-head QK gains,
 SwiGLU with LayerNorm, windows, linear attention, ...) go to custom code with format=auto, and stop
 format=stock with one line naming the option.
+Tokenizer: a char vocabulary has no special token, so a newline is named its BOS (char_bos): what
+lm-evaluation-harness predicts a text's first token after (and TransformerLens' prepend_bos adds).
 Past block_size attnlab's sampler slides a block_size window; transformers attends to the whole
 context, so generation agrees while prompt plus continuation fit in block_size tokens.
 """
@@ -205,6 +208,7 @@ def hf_config(c: GPTConfig, target: str, bos, eos):
                   rope_parameters={"rope_type": "default", "rope_theta": c.rope_base})
     if target == "gpt_neox":
         common["rope_parameters"]["partial_rotary_factor"] = 1.0  # its default rotates only a quarter
+        common["attention_bias"] = True  # zeros without model.bias: TransformerLens' NeoX adapter needs them
         return GPTNeoXConfig(**common, hidden_act=c.mlp, layer_norm_eps=NORM_EPS, hidden_dropout=c.dropout,
                              use_parallel_residual=False)  # its default adds attn and MLP of one input
     gqa = dict(num_key_value_heads=c.n_kv_head, head_dim=c.head_dim, hidden_act="silu", rms_norm_eps=NORM_EPS)
@@ -288,10 +292,9 @@ def neox_weights(sd: dict, c: GPTConfig) -> dict:
             w[f"{h}.{theirs}.bias"] = sd.get(f"{p}.{ours}.bias", zeros)
         for kind in ("weight", "bias"):
             parts = mha_parts(sd, p, c, kind)
-            if parts is None:
-                continue
-            w[f"{h}.attention.query_key_value.{kind}"] = torch.stack(parts, dim=1).flatten(0, 2)  # per head [q|k|v]
-            w[f"{h}.attention.dense.{kind}"] = sd[f"{p}.attn.c_proj.{kind}"]
+            fused = torch.zeros(3 * c.n_embd) if parts is None else torch.stack(parts, dim=1).flatten(0, 2)
+            w[f"{h}.attention.query_key_value.{kind}"] = fused  # per head [q|k|v]
+            w[f"{h}.attention.dense.{kind}"] = sd.get(f"{p}.attn.c_proj.{kind}", zeros)
         w[f"{h}.mlp.dense_h_to_4h.weight"] = sd[f"{p}.mlp.c_fc.weight"]
         w[f"{h}.mlp.dense_h_to_4h.bias"] = sd.get(f"{p}.mlp.c_fc.bias", torch.zeros(c.d_ff))
         w[f"{h}.mlp.dense_4h_to_h.weight"] = sd[f"{p}.mlp.c_proj.weight"]
@@ -511,13 +514,23 @@ def char_tokenizer(chars: str):
     return tk
 
 
+def char_bos(chars: str) -> str:
+    """The character a char vocabulary names its BOS: a newline (where a text, or a paragraph,
+    starts), else its first character. Tools need one: lm-evaluation-harness predicts a text's first
+    token after a BOS (or EOS) token, and TransformerLens' to_tokens(prepend_bos=True) adds the BOS.
+    Adding a new token instead would add a logit no attnlab model has. transformers then counts
+    the character as special: decode with skip_special_tokens=False (the pipeline's default is True)
+    to keep it in the text."""
+    return "\n" if "\n" in chars else chars[0]
+
+
 def hf_tokenizer(tok_dict: dict, block_size: int):
     """attnlab's tokenizer as a transformers fast tokenizer (PreTrainedTokenizerFast)."""
     from transformers import PreTrainedTokenizerFast
 
     tok = tokenizer_from_dict(tok_dict)
-    if tok.kind == "char":
-        tk, special = char_tokenizer(tok.chars), {}
+    if tok.kind == "char":  # no special token: one of its characters is named BOS (char_bos)
+        tk, special = char_tokenizer(tok.chars), {"bos_token": char_bos(tok.chars)}
     else:  # a named tiktoken encoding or our trained BPE: both are tiktoken Encodings, whose ranks,
         enc = tok.enc  # pattern and special tokens tiktoken keeps in attributes without a public getter
         tk = bpe_tokenizer(enc._mergeable_ranks, enc._pat_str, enc._special_tokens)
@@ -598,8 +611,14 @@ def model_card(state: dict, model: GPT, target_cls: str, ckpt: Path, tok, code: 
              f"The model was trained on {c.block_size}-token contexts: past that, attnlab's sampler slides a "
              f"{c.block_size}-token window while {past}, so the two agree on prompt plus continuation up to "
              f"{c.block_size} tokens.")
+    if tok.kind == "char":
+        outro += ("\n\nA character vocabulary has no special token, so the tokenizer names a newline (or its first "
+                  "character) its BOS: the token lm-evaluation-harness puts before a text (and TransformerLens' "
+                  "prepend_bos adds). transformers then drops that character when decoding with skip_special_tokens=True "
+                  "(the pipeline's default), hence skip_special_tokens=False above.")
     fill = lambda text: "\n\n".join(textwrap.fill(p, 100) for p in text.split("\n\n"))  # noqa: E731
     remote = ", trust_remote_code=True" if code else ""
+    keep_bos = ", skip_special_tokens=False" if tok.kind == "char" else ""
     prompt = "ROMEO:" if tok.kind == "char" else "Once upon a time"
     return f"""---
 library_name: transformers
@@ -617,7 +636,7 @@ tags: [attnlab]
 ```python
 from transformers import pipeline
 generate = pipeline("text-generation", model="PATH/TO/THIS/DIR"{remote})
-print(generate("{prompt}", max_new_tokens=100)[0]["generated_text"])
+print(generate("{prompt}", max_new_tokens=100{keep_bos})[0]["generated_text"])
 ```
 
 {fill(outro)}
