@@ -95,7 +95,7 @@ def test_random_weights_give_equal_logits(name, tmp_path):
     check_logits(model, load_export(out), name)
 
 
-@pytest.mark.parametrize("name", [*MAIN, "gpt2_learned"])
+@pytest.mark.parametrize("name", list(VARIANTS))
 def test_greedy_generation_equals_sample_py(name, tmp_path):
     kw, _ = VARIANTS[name]
     model = export_model(seed=3, **kw)
