@@ -172,9 +172,9 @@ def check_values(node, prefix: str = ""):
     Each schema (a dataclass: a config group, a tool's settings, GPTConfig) declares its table as
     the class attribute RULES, {field: Range | OneOf | Rule}; `node` may be the dataclass itself or
     the DictConfig Hydra composed from it. None (unset) is legal wherever the schema allows it."""
-    from omegaconf import OmegaConf
-
-    is_cfg = OmegaConf.is_config(node)
+    is_cfg = not dataclasses.is_dataclass(node)  # a DictConfig; a model's own config needs no omegaconf
+    if is_cfg:
+        from omegaconf import OmegaConf
     schema = OmegaConf.get_type(node) if is_cfg else type(node)
     rules = getattr(schema, "RULES", {})
     for f in dataclasses.fields(schema):

@@ -127,6 +127,82 @@ def variant_model(seed=0, block_size=16, n_layer=2, n_head=4, n_embd=32, vocab=4
     return model.eval()
 
 
+# ----------------------------------------------------------------------------- exports (tools/export.py)
+
+EXPORT_TEXT = "abcdefghijklmnopqrstuvwxyz ABCDEFGHIJ.,:;!?'\n0123456789"  # the vocabulary of export tests
+
+
+def export_chars():
+    from data.tokenizer import CharTokenizer
+
+    return CharTokenizer("".join(sorted(set(EXPORT_TEXT))))
+
+
+def export_model(seed=0, tiny_qk=False, block_size=64, **kw):
+    """A tiny model over export_chars() with trained-looking random weights: norm weights and
+    biases away from 1 and 0, projections larger than at init (so the attention is far from
+    uniform), none left at zero (zero_init_proj); tiny_qk: q and k so small that norms' eps matter."""
+    import torch
+
+    from model import GPT, GPTConfig
+
+    torch.manual_seed(seed)
+    model = GPT(GPTConfig(vocab_size=export_chars().vocab_size, block_size=block_size, n_layer=2, n_head=4,
+                          n_embd=32, **kw))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                p.uniform_(-0.5, 0.5) if name.endswith("bias") else p.uniform_(0.5, 1.5)
+            else:
+                if not p.any():
+                    p.normal_(0, 0.02)
+                p.mul_(3.0)
+            if tiny_qk and "c_attn" in name:
+                p.mul_(0.005)
+    return model.eval()
+
+
+def write_checkpoint(path, model, tokenizer=None, **extra):
+    """A checkpoint of `model` as train.py writes one (tokenizer: export_chars() unless given)."""
+    import dataclasses
+
+    from checkpoint import save_checkpoint
+
+    tokenizer = tokenizer or export_chars()
+    state = {"model": model.state_dict(), "model_config": dataclasses.asdict(model.config),
+             "tokenizer": tokenizer.to_dict(), "step": 0, "val_loss": None, "config": {"data": {"name": "unit"}},
+             **extra}
+    return save_checkpoint(Path(path), state)
+
+
+def run_export(ckpt, out, *overrides):
+    """tools/export.py's export() through its Hydra config (configs/export.yaml and its schema)."""
+    from tools import export
+
+    return export.export(compose_cfg("export", [f"ckpt={ckpt}", f"out={out}", *overrides]))
+
+
+def load_export(path, code=None):
+    """An export loaded as a user would, fp32; stock classes with eager attention, custom code
+    (config.json's auto_map; or code=True) with trust_remote_code."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    code = "auto_map" in json.loads((Path(path) / "config.json").read_text()) if code is None else code
+    how = {"trust_remote_code": True} if code else {"attn_implementation": "eager"}
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **how).eval()
+
+
+def client(name: str):
+    """A package of requirements-eval.txt (lm_eval, transformer_lens), imported. Without it a user's
+    machine skips the test; CI (CI set) fails instead: a test that always skips checks nothing."""
+    import importlib
+
+    if os.environ.get("CI"):
+        return importlib.import_module(name)
+    return pytest.importorskip(name, reason=f"{name} is not installed: pip install -r requirements-eval.txt")
+
+
 TIMING = ("tokens_per_sec", "ms_per_iter", "mfu")  # wall-clock figures differ between any two runs
 # the whole-val-split loss is logged where a run ends (train.max_iters): a run stopped at 30 and resumed to
 # 60 has it at step 30 too, one that went straight to 60 does not; every other key must match

@@ -2,7 +2,6 @@
 continuations and the same tokenization (issue 19). CPU, offline, fp32, eager attention. The
 reference is always attnlab itself (model.py's forward, sample.generate, tokenizer.py), never the
 export's own code."""
-import dataclasses
 import json
 from pathlib import Path
 
@@ -13,17 +12,18 @@ import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tools import export  # registers its config schema
-from checkpoint import model_from_checkpoint, save_checkpoint
+from checkpoint import model_from_checkpoint
 from common import UserError
-from helpers import SHAKESPEARE, TIKTOKEN_CACHE, compose_cfg, requires_shared
+from helpers import (SHAKESPEARE, TIKTOKEN_CACHE, compose_cfg, export_chars, export_model, load_export,
+                     requires_shared, run_export, write_checkpoint)
 from data.prepare import prepare
 from attention import apply_rope, rope_freqs
 from model import GPT, GPTConfig
 from sample import generate
-from data.tokenizer import EOT, CharTokenizer, tokenizer_from_dict
+from data.tokenizer import EOT, tokenizer_from_dict
 from train import train
 
-CHARS = CharTokenizer("".join(sorted(set("abcdefghijklmnopqrstuvwxyz ABCDEFGHIJ.,:;!?'\n0123456789"))))
+CHARS = export_chars()
 BLOCK = 64  # a 5-token prompt and 50 new tokens fit: both sides then see the same context
 LLAMA = dict(norm="rmsnorm", mlp="swiglu")
 
@@ -59,38 +59,6 @@ def offline(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
 
 
-def random_model(seed=0, tiny_qk=False, **kw) -> GPT:
-    """A tiny model with trained-looking random weights: norm weights and biases away from 1 and 0,
-    projections larger than at init (so the attention is far from uniform)."""
-    torch.manual_seed(seed)
-    model = GPT(GPTConfig(vocab_size=CHARS.vocab_size, block_size=BLOCK, n_layer=2, n_head=4, n_embd=32, **kw))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() == 1:
-                p.uniform_(-0.5, 0.5) if name.endswith("bias") else p.uniform_(0.5, 1.5)
-            else:
-                p.mul_(3.0)
-            if tiny_qk and "c_attn" in name:
-                p.mul_(0.005)
-    return model.eval()
-
-
-def write_checkpoint(path: Path, model: GPT, tokenizer=CHARS, **extra) -> Path:
-    state = {"model": model.state_dict(), "model_config": dataclasses.asdict(model.config),
-             "tokenizer": tokenizer.to_dict(), "step": 0, "val_loss": None, "config": {"data": {"name": "unit"}},
-             **extra}
-    return save_checkpoint(path, state)
-
-
-def run_export(ckpt, out, *overrides):
-    """export.export through the Hydra config (configs/export.yaml and its schema)."""
-    return export.export(compose_cfg("export", [f"ckpt={ckpt}", f"out={out}", *overrides]))
-
-
-def load_hf(path):
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
-
-
 def assert_close(got, want, what, tol=1e-4):
     d = (got - want).abs()
     assert d.max() < tol, f"{what}: max diff {d.max():.2e}, mean {d.mean():.2e}"
@@ -120,20 +88,20 @@ def check_greedy(model: GPT, hf, prompt, what):
 @pytest.mark.parametrize("name", list(VARIANTS))
 def test_random_weights_give_equal_logits(name, tmp_path):
     kw, cls = VARIANTS[name]
-    model = random_model(**kw)
+    model = export_model(**kw)
     out = run_export(write_checkpoint(tmp_path / "ckpt.pt", model), tmp_path / "hf")
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == [cls]
-    check_logits(model, load_hf(out), name)
+    check_logits(model, load_export(out), name)
 
 
-@pytest.mark.parametrize("name", [*MAIN, "gpt2_learned"])
+@pytest.mark.parametrize("name", list(VARIANTS))
 def test_greedy_generation_equals_sample_py(name, tmp_path):
     kw, _ = VARIANTS[name]
-    model = random_model(seed=3, **kw)
+    model = export_model(seed=3, **kw)
     out = run_export(write_checkpoint(tmp_path / "ckpt.pt", model), tmp_path / "hf")
     prompt = torch.tensor([CHARS.encode("the c").tolist()])
-    check_greedy(model, load_hf(out), prompt, name)
+    check_greedy(model, load_export(out), prompt, name)
 
 
 TRAINED = {
@@ -142,6 +110,9 @@ TRAINED = {
                   "model.tie_embeddings=false"],
     "qk_norm": ["model.norm=rmsnorm", "model.mlp=swiglu", "model.n_head=4", "model.n_kv_head=2",
                 "model.attn.qk_norm=true", "model.attn.scale=0.5"],
+    # no stock class: format=auto writes custom code
+    "post_norm_layer_qk_norm": ["model.norm_position=post", "model.attn.qk_norm=true",
+                                "model.attn.qk_norm_type=layer", "model.attn.qk_norm_gain=head"],
 }
 
 
@@ -155,10 +126,13 @@ def test_trained_model_exports_exactly(name, train_cfg, text_file, tmp_path):
     out = run_export(result["out_dir"], tmp_path / "hf")
     state = torch.load(Path(result["ckpt"]).parent / "best.pt", weights_only=True)
     model = model_from_checkpoint(state).eval()
-    hf = load_hf(out)
+    hf = load_export(out)
     check_logits(model, hf, name)
     tok = tokenizer_from_dict(state["tokenizer"])
     check_greedy(model, hf, torch.tensor([tok.encode("line 1").tolist()]), name)
+    stock = not name.startswith("post_norm")
+    cls = export.TARGET_CLASSES[export.pick_target(model.config)] if stock else "AttnlabForCausalLM"
+    assert json.loads((out / "config.json").read_text())["architectures"] == [cls]
     card = (out / "README.md").read_text()
     assert "| training data | text (tokenizer: char" in card
     assert f"| steps | {state['step']} |" in card and f"| val loss | {state['val_loss']:.4f} |" in card
@@ -180,6 +154,117 @@ def test_rope_permutation_turns_pairs_into_halves():
     theirs, _ = apply_rotary_pos_emb(halves(x)[None, None], halves(x)[None, None], cos, sin)
     assert_close(theirs[0, 0], halves(ours), "RoPE")
     assert halves(x)[:, :4].tolist() == x[:, [0, 2, 4, 6]].tolist()  # pairs (2j, 2j+1) -> (j, j + hs/2)
+
+
+# ----------------------------------------------------------------------------- custom code (format=code)
+
+# Every option attnlab has, each value at least once (test_code_variants_cover_every_option keeps it so):
+# the custom-code route is attnlab's own model files, so each must export exactly by construction.
+CODE_VARIANTS = {
+    "default": {},
+    "post_norm_rmsnorm_gelu": dict(norm_position="post", norm="rmsnorm"),
+    "layernorm_swiglu_gqa_bias_softcap_dropout": dict(mlp="swiglu", n_kv_head=2, bias=True, logit_softcap=5.0,
+                                                      dropout=0.1),
+    "learned_value_embed_untied_relu2_dff": dict(pos="learned", value_embed=True, tie_embeddings=False, mlp="relu2",
+                                                 d_ff=48),
+    "sinusoidal_mqa_qk_layer_head_gain": dict(pos="sinusoidal", n_kv_head=1,
+                                              attn={"qk_norm": True, "qk_norm_type": "layer", "qk_norm_gain": "head"}),
+    "nope_qk_l2_channel_gain_scale": dict(pos="none", attn={"qk_norm": True, "qk_norm_type": "l2",
+                                                            "qk_norm_gain": "channel", "scale": "4.0"}),
+    "qk_rms_reference_zero_init_rope_base": dict(rope_base=500.0, zero_init_proj=True,
+                                                 attn={"qk_norm": True, "impl": "reference", "scale": "dk"}),
+    "tiled_window_local_global": dict(attn={"impl": "tiled", "block": 16, "window": 8, "window_pattern": "LG"}),
+    "rmsnorm_swiglu_window_scale_none": dict(norm="rmsnorm", mlp="swiglu", attn={"window": 12, "scale": "none"}),
+    "linear_attention_gqa": dict(n_kv_head=2, attn={"kind": "linear"}),
+}
+SIZES = {"vocab_size", "block_size", "n_layer", "n_head", "n_embd"}  # shapes every variant sets
+
+
+def test_code_variants_cover_every_option():
+    """A new model option (a GPTConfig or AttnConfig field) fails here, by name, until a custom-code
+    variant sets it (every value of a choice): then test_code_export_equals_attnlab covers it."""
+    from attention import AttnConfig
+    from common import OneOf
+
+    seen = [export.flat_fields(GPTConfig(vocab_size=CHARS.vocab_size, block_size=BLOCK, n_layer=2, n_head=4, n_embd=32,
+                                         **kw)) for kw in CODE_VARIANTS.values()]
+    base = export.flat_fields(GPTConfig(vocab_size=CHARS.vocab_size, n_head=4, n_embd=32))
+    rules = {**GPTConfig.RULES, **{f"attn.{k}": rule for k, rule in AttnConfig.RULES.items()}}
+    missing = []
+    for key, default in base.items():
+        values = {cfg[key] for cfg in seen}
+        if isinstance(rules.get(key), OneOf):
+            missing += [f"{key}={v}" for v in rules[key].choices if v not in values]
+        elif key not in SIZES and values == {default}:
+            missing.append(key)
+    assert not missing, f"no CODE_VARIANTS entry sets {', '.join(missing)}: add one"
+
+
+@pytest.mark.parametrize("name", list(CODE_VARIANTS))
+def test_code_export_equals_attnlab(name, tmp_path):
+    """format=code: transformers' AutoModelForCausalLM (trust_remote_code) gives attnlab's logits
+    at full block_size and sample.py's greedy text (50 tokens), for every option."""
+    model = export_model(seed=3, **CODE_VARIANTS[name])
+    out = run_export(write_checkpoint(tmp_path / "ckpt.pt", model), tmp_path / "hf", "format=code")
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["AttnlabForCausalLM"] and config["auto_map"] == export.CODE_CLASSES
+    hf = load_export(out)
+    check_logits(model, hf, name)
+    check_greedy(model, hf, torch.tensor([CHARS.encode("the c").tolist()]), name)
+
+
+def test_code_export_loads_in_bfloat16(tmp_path):
+    """from_pretrained(dtype=bfloat16) gives attnlab's model after .to(bfloat16): the tables GPT
+    computes when built (not saved) follow its own rules, RoPE's in float32, a position table in
+    the model's dtype."""
+    model = export_model(**CODE_VARIANTS["sinusoidal_mqa_qk_layer_head_gain"])
+    out = run_export(write_checkpoint(tmp_path / "ckpt.pt", model), tmp_path / "hf")
+    hf = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True, dtype=torch.bfloat16).eval()
+    idx = torch.randint(CHARS.vocab_size, (2, BLOCK), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        assert torch.equal(hf(idx).logits, model.to(torch.bfloat16)(idx))
+
+
+@pytest.mark.parametrize("kw,chosen,why", [
+    ({}, "GPTNeoXForCausalLM", "a stock class that computes this model exactly"),
+    (dict(norm_position="post"), "AttnlabForCausalLM", "since model.norm_position=post has no exact counterpart"),
+    (dict(attn={"window": 8}), "AttnlabForCausalLM", "since model.attn.window=8 has no exact counterpart"),
+], ids=["stock", "post_norm", "window"])
+def test_auto_says_which_route_and_why_in_one_line(kw, chosen, why, tmp_path, caplog):
+    caplog.set_level("INFO", logger="attnlab")
+    out = run_export(write_checkpoint(tmp_path / "ckpt.pt", export_model(**kw)), tmp_path / "hf")
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("format=auto")]
+    assert len(lines) == 1 and "\n" not in lines[0], lines
+    assert lines[0].startswith(f"format=auto: {chosen}") and why in lines[0], lines[0]
+    assert json.loads((out / "config.json").read_text())["architectures"] == [chosen]
+
+
+def test_code_export_loads_alone(tmp_path, cli):
+    """A custom-code export loads from its directory alone: a fresh process elsewhere, attnlab not on
+    sys.path, omegaconf and hydra unimportable, offline; logits and greedy text as attnlab's."""
+    model = export_model(**CODE_VARIANTS["post_norm_rmsnorm_gelu"])
+    out = run_export(write_checkpoint(tmp_path / "ckpt.pt", model), tmp_path / "hf")
+    idx = torch.randint(CHARS.vocab_size, (2, BLOCK), generator=torch.Generator().manual_seed(2))
+    torch.save(idx, tmp_path / "idx.pt")
+    code = f"""
+import sys
+sys.modules["omegaconf"] = sys.modules["hydra"] = None  # attnlab's commands need them, its model must not
+import torch
+from transformers import AutoModelForCausalLM
+m = AutoModelForCausalLM.from_pretrained({str(out)!r}, trust_remote_code=True).eval()
+assert not {{"model", "attention", "common", "counting"}} & set(sys.modules), "attnlab's own modules were imported"
+with torch.no_grad():
+    logits = m(torch.load({str(tmp_path / 'idx.pt')!r})).logits
+    text = m.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=20, do_sample=False, top_k=None, temperature=None)
+torch.save((logits, text), {str(tmp_path / 'got.pt')!r})
+"""
+    away = tmp_path / "elsewhere"
+    away.mkdir()
+    cli("-c", code, cwd=away, env={"HF_HUB_OFFLINE": "1", "PYTHONPATH": ""}, check=True)
+    logits, text = torch.load(tmp_path / "got.pt")
+    with torch.no_grad():
+        assert_close(logits, model(idx), "fresh process")
+    assert text.tolist() == generate(model, torch.tensor([[5, 6, 7]]), 20, temperature=0).tolist()
 
 
 # ----------------------------------------------------------------------------- tokenizers
@@ -217,6 +302,19 @@ def check_val_split(data_dir: Path, tmp_path):
     if tok.eot is not None:
         assert fast.eos_token == EOT and fast.eos_token_id == tok.eot
     return len(want)
+
+
+def test_char_export_names_a_newline_its_bos(tmp_path):
+    """A char vocabulary has no special token; the export names a newline its BOS, so that
+    lm-evaluation-harness has a prefix token (and TransformerLens' prepend_bos a BOS). Encoding is
+    unchanged, and decoding keeps the newline unless special tokens are skipped."""
+    out = run_export(write_checkpoint(tmp_path / "ckpt.pt", export_model()), tmp_path / "hf")
+    fast = AutoTokenizer.from_pretrained(out)
+    text = "ab\ncd\n"
+    assert fast.bos_token == "\n" and fast.bos_token_id == CHARS.encode("\n")[0] and fast.eos_token is None
+    assert fast(text)["input_ids"] == CHARS.encode(text).tolist() and fast.decode(fast(text)["input_ids"]) == text
+    assert fast.decode(fast(text)["input_ids"], skip_special_tokens=True) == "abcd"  # what the docs warn of
+    assert json.loads((out / "generation_config.json").read_text())["bos_token_id"] == fast.bos_token_id
 
 
 def prepared(train_cfg, *overrides):
@@ -273,24 +371,27 @@ def test_char_tokenizer_matches_on_shakespeare_val_split(train_cfg, tmp_path):
     (dict(norm="rmsnorm"), "model.mlp=gelu with model.norm=rmsnorm"),
     (dict(LLAMA, bias=True, attn={"qk_norm": True}), "model.bias=true with model.attn.qk_norm"),
     (dict(norm="rmsnorm", mlp="relu2"), "model.mlp=relu2 with model.norm=rmsnorm"),
+    (dict(attn={"window": 8}), "model.attn.window=8"),
+    (dict(attn={"kind": "linear"}), "model.attn.kind=linear"),
 ], ids=lambda v: v if isinstance(v, str) else None)
 def test_option_without_counterpart_is_a_one_line_error(kw, option, tmp_path):
-    ckpt = write_checkpoint(tmp_path / "ckpt.pt", random_model(**kw))
+    """format=stock refuses what no stock class computes (format=auto writes custom code instead)."""
+    ckpt = write_checkpoint(tmp_path / "ckpt.pt", export_model(**kw))
     with pytest.raises(UserError) as e:
-        run_export(ckpt, tmp_path / "hf")
+        run_export(ckpt, tmp_path / "hf", "format=stock")
     assert option in str(e.value) and "\n" not in str(e.value)
     assert not (tmp_path / "hf").exists()
 
 
 def test_cli_refuses_with_one_line(tmp_path, cli):
-    ckpt = write_checkpoint(tmp_path / "ckpt.pt", random_model(norm_position="post"))
-    r = cli("tools/export.py", f"ckpt={ckpt}", f"out={tmp_path / 'hf'}", env={"HF_HUB_OFFLINE": "1"})
+    ckpt = write_checkpoint(tmp_path / "ckpt.pt", export_model(norm_position="post"))
+    r = cli("tools/export.py", f"ckpt={ckpt}", f"out={tmp_path / 'hf'}", "format=stock", env={"HF_HUB_OFFLINE": "1"})
     assert r.returncode == 1 and r.stderr.strip().count("\n") == 0, r.stderr
     assert r.stderr.startswith("error: model.norm_position=post has no exact counterpart")
 
 
 def test_non_finite_checkpoint_is_refused(tmp_path):
-    model = random_model()
+    model = export_model()
     with torch.no_grad():
         model.blocks[1].mlp.c_fc.weight[3, 4] = float("nan")
     ckpt = write_checkpoint(tmp_path / "ckpt.pt", model)
@@ -300,7 +401,7 @@ def test_non_finite_checkpoint_is_refused(tmp_path):
 
 
 def test_out_dir_is_never_clobbered_and_keeps_the_checkpoint_private(tmp_path):
-    ckpt = write_checkpoint(tmp_path / "ckpt.pt", random_model())
+    ckpt = write_checkpoint(tmp_path / "ckpt.pt", export_model())
     precious = tmp_path / "mine"
     precious.mkdir()
     (precious / "notes.txt").write_text("keep me")

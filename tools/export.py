@@ -2,12 +2,15 @@
 
     python tools/export.py ckpt=outputs/runs/X out=hf/X      # a run dir (its best.pt) or a checkpoint file
     python tools/export.py ckpt=best.pt out=hf/X overwrite=true
+    python tools/export.py ckpt=outputs/runs/X out=hf/X format=code
 
 The directory holds config.json, model.safetensors, generation_config.json, the tokenizer
 (tokenizer.json, tokenizer_config.json) and a README.md model card, and loads offline with
-`AutoModelForCausalLM.from_pretrained(DIR)` and `AutoTokenizer.from_pretrained(DIR)`: no custom
-code, no trust_remote_code. Each attnlab model maps onto one stock architecture that computes the
-same function (the opposite of nanoGPT's from_pretrained):
+`AutoModelForCausalLM.from_pretrained(DIR)` and `AutoTokenizer.from_pretrained(DIR)`. Two routes
+(`format=auto`, the default, takes the first that computes the model and says which in one line):
+
+- stock (`format=stock`): a stock architecture that computes the same function, no custom code (the
+  opposite of nanoGPT's from_pretrained):
 
     attnlab model (Pre-LN, no logit soft-cap)            transformers class
     layernorm, gelu|relu2, RoPE, MHA/GQA/MQA             GPTNeoXForCausalLM (sequential residual, rotary_pct 1)
@@ -15,6 +18,15 @@ same function (the opposite of nanoGPT's from_pretrained):
     rmsnorm, swiglu, RoPE, MHA/GQA/MQA                   LlamaForCausalLM
     rmsnorm, swiglu, RoPE, per-head RMS QK-Norm (no gain) Qwen3ForCausalLM
     (every row: bias or not, tied or untied head, any attn.scale, rope_base and d_ff)
+
+- code (`format=code`): the Hub's convention for a new architecture. The directory also holds
+  attnlab's own model files (model.py, attention.py, and what they import from common.py and
+  counting.py, trimmed to that; their imports made relative) and tools/export_code/'s wrapper
+  (configuration_attnlab.py, modeling_attnlab.py: a PreTrainedModel + GenerationMixin around
+  attnlab's GPT), registered for the Auto classes in config.json's auto_map and loaded with
+  `trust_remote_code=True`. Every model option, present or future, exports exactly by construction:
+  it is the same code. A model option the stock mappings do not know (STOCK_OPTIONS) is never
+  mapped to a stock class.
 
 How the weights move (all exact; the export reloads itself and compares logits before it keeps
 the directory):
@@ -30,23 +42,30 @@ the directory):
 - GPT-NeoX and GPT-2 have no grouped-query attention: K and V heads are repeated for each query
   head of their group (the function GQA computes). NeoX fuses query_key_value per head
   [q_h, k_h, v_h]; GPT-2's Conv1D weights are (in, out). Biases these always have (MLP, LayerNorm,
-  GPT-2's attention) are written as zeros where attnlab has none (model.bias=false).
+  GPT-2's attention) are written as zeros where attnlab has none (model.bias=false); so are NeoX's
+  attention biases, which TransformerLens' GPT-NeoX adapter requires.
 - Positions: GPT-2's wpe table holds the learned table, the sinusoidal one, or zeros (NoPE).
 Options no stock class computes (Post-LN, logit soft-cap, layer/l2 QK-Norm, per-head QK gains,
-SwiGLU with LayerNorm, ...) stop the export with one line naming the option.
+SwiGLU with LayerNorm, windows, linear attention, ...) go to custom code with format=auto, and stop
+format=stock with one line naming the option.
+Tokenizer: a char vocabulary has no special token, so a newline is named its BOS (char_bos): what
+lm-evaluation-harness predicts a text's first token after (and TransformerLens' prepend_bos adds).
 Past block_size attnlab's sampler slides a block_size window; transformers attends to the whole
 context, so generation agrees while prompt plus continuation fit in block_size tokens.
 """
+import ast
 import dataclasses
 import inspect
 import json
 import logging
 import math
 import os
+import re
 import shutil
 import sys
+import textwrap
 from pathlib import Path
-from typing import Optional
+from typing import ClassVar, Optional
 
 import hydra
 import torch
@@ -55,7 +74,7 @@ from hydra.core.config_store import ConfigStore
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as tools/X.py: the repo's modules
 
 from checkpoint import find_checkpoint, load_checkpoint, model_from_checkpoint
-from common import UserError, cli, dir_mode, private_mode, run_app, temp_suffix
+from common import OneOf, UserError, check_values, cli, dir_mode, private_mode, run_app, temp_suffix
 from attention import qk_normalize
 from model import GPT, NORM_EPS, GPTConfig
 from data.tokenizer import EOT, tokenizer_from_dict
@@ -63,6 +82,7 @@ from data.tokenizer import EOT, tokenizer_from_dict
 log = logging.getLogger("attnlab")
 QK_NORM_EPS = inspect.signature(qk_normalize).parameters["eps"].default  # attnlab's per-head norm eps
 LOGIT_TOL = 1e-4  # |exported - attnlab| logits allowed, times max(1, |logit|) for large models
+FORMATS = ("auto", "stock", "code")
 
 
 @dataclasses.dataclass
@@ -71,6 +91,9 @@ class ExportConfig:
     out: Optional[str] = None  # the directory to write (required)
     overwrite: bool = False  # replace `out` if it already holds an export
     verify: bool = True  # reload the export with transformers and compare its logits with attnlab's
+    format: str = "auto"  # auto (stock where one computes the model, else code) | stock | code (custom code)
+
+    RULES: ClassVar[dict] = {"format": OneOf(FORMATS)}
 
 
 ConfigStore.instance().store(name="base_export", node=ExportConfig)
@@ -79,15 +102,36 @@ ConfigStore.instance().store(name="base_export", node=ExportConfig)
 class NoCounterpart(UserError):
     """An attnlab option that no stock transformers architecture computes."""
 
+    def __init__(self, option: str, why: str):
+        self.option, self.why = option, why
+        super().__init__(f"{option} has no exact counterpart in transformers ({why}): cannot export this model "
+                         "as a stock class (format=code exports it as custom code)")
+
 
 def no_counterpart(option: str, why: str):
-    raise NoCounterpart(f"{option} has no exact counterpart in transformers ({why}): cannot export this model")
+    raise NoCounterpart(option, why)
 
 
 # ----------------------------------------------------------------------------- which architecture
 
+# The model options the stock mappings below read. Any other option (one that landed after these
+# mappings were written, too) set away from its default has no stock mapping: format=auto then
+# writes custom code, which computes every option by construction.
+STOCK_OPTIONS = {"vocab_size", "block_size", "n_layer", "n_head", "n_embd", "n_kv_head", "dropout", "bias", "norm",
+                 "norm_position", "mlp", "d_ff", "pos", "rope_base", "tie_embeddings", "logit_softcap",
+                 "zero_init_proj", "value_embed", "attn.scale", "attn.qk_norm", "attn.qk_norm_type",
+                 "attn.qk_norm_gain", "attn.impl", "attn.block"}
+UNMAPPED_WHY = {"attn.window": "the mapped classes attend to every earlier token",
+                "attn.window_pattern": "the mapped classes attend to every earlier token",
+                "attn.kind": "the mapped classes' attention is a softmax of q.k"}
+
+
 def pick_target(c: GPTConfig) -> str:
     """gpt2, gpt_neox, llama or qwen3: the stock architecture that computes the model `c` describes."""
+    ours, base = flat_fields(c), flat_fields(GPTConfig(vocab_size=c.vocab_size))
+    for key, value in ours.items():
+        if key not in STOCK_OPTIONS and value != base[key]:
+            no_counterpart(f"model.{key}={value}", UNMAPPED_WHY.get(key, "no stock mapping here computes it"))
     if c.norm_position != "pre":
         no_counterpart(f"model.norm_position={c.norm_position}", "GPT-2, GPT-NeoX, Llama and Qwen3 are Pre-LN")
     if c.logit_softcap:
@@ -128,7 +172,25 @@ def pick_target(c: GPTConfig) -> str:
     return "llama"
 
 
-def hf_config(c: GPTConfig, target: str, eot):
+TARGET_CLASSES = {"gpt2": "GPT2LMHeadModel", "gpt_neox": "GPTNeoXForCausalLM", "llama": "LlamaForCausalLM",
+                  "qwen3": "Qwen3ForCausalLM", "code": "AttnlabForCausalLM (custom code, trust_remote_code=True)"}
+
+
+def choose_format(fmt: str, c: GPTConfig):
+    """(target, why): the stock architecture that computes the model exactly, or "code" (attnlab's
+    own model files as custom code), and why, for the one line export prints."""
+    if fmt == "code":
+        return "code", "as asked (format=code)"
+    try:
+        target = pick_target(c)
+    except NoCounterpart as e:
+        if fmt == "stock":
+            raise
+        return "code", f"since {e.option} has no exact counterpart in transformers ({e.why})"
+    return target, "a stock class that computes this model exactly (no custom code)"
+
+
+def hf_config(c: GPTConfig, target: str, bos, eos):
     """The transformers config of the model `c` describes."""
     from transformers import GPT2Config, GPTNeoXConfig, LlamaConfig, Qwen3Config
 
@@ -136,16 +198,17 @@ def hf_config(c: GPTConfig, target: str, eot):
         return GPT2Config(vocab_size=c.vocab_size, n_positions=c.block_size, n_embd=c.n_embd, n_layer=c.n_layer,
                           n_head=c.n_head, n_inner=c.d_ff, activation_function=c.mlp, resid_pdrop=c.dropout,
                           embd_pdrop=c.dropout, attn_pdrop=c.dropout, layer_norm_epsilon=NORM_EPS,
-                          tie_word_embeddings=c.tie_embeddings, bos_token_id=eot, eos_token_id=eot,
+                          tie_word_embeddings=c.tie_embeddings, bos_token_id=bos, eos_token_id=eos,
                           pad_token_id=None, dtype="float32")
 
     common = dict(vocab_size=c.vocab_size, hidden_size=c.n_embd, num_hidden_layers=c.n_layer,
                   num_attention_heads=c.n_head, intermediate_size=c.d_ff, max_position_embeddings=c.block_size,
-                  tie_word_embeddings=c.tie_embeddings, attention_dropout=c.dropout, bos_token_id=eot,
-                  eos_token_id=eot, pad_token_id=None, attention_bias=c.bias, dtype="float32",
+                  tie_word_embeddings=c.tie_embeddings, attention_dropout=c.dropout, bos_token_id=bos,
+                  eos_token_id=eos, pad_token_id=None, attention_bias=c.bias, dtype="float32",
                   rope_parameters={"rope_type": "default", "rope_theta": c.rope_base})
     if target == "gpt_neox":
         common["rope_parameters"]["partial_rotary_factor"] = 1.0  # its default rotates only a quarter
+        common["attention_bias"] = True  # zeros without model.bias: TransformerLens' NeoX adapter needs them
         return GPTNeoXConfig(**common, hidden_act=c.mlp, layer_norm_eps=NORM_EPS, hidden_dropout=c.dropout,
                              use_parallel_residual=False)  # its default adds attn and MLP of one input
     gqa = dict(num_key_value_heads=c.n_kv_head, head_dim=c.head_dim, hidden_act="silu", rms_norm_eps=NORM_EPS)
@@ -229,10 +292,9 @@ def neox_weights(sd: dict, c: GPTConfig) -> dict:
             w[f"{h}.{theirs}.bias"] = sd.get(f"{p}.{ours}.bias", zeros)
         for kind in ("weight", "bias"):
             parts = mha_parts(sd, p, c, kind)
-            if parts is None:
-                continue
-            w[f"{h}.attention.query_key_value.{kind}"] = torch.stack(parts, dim=1).flatten(0, 2)  # per head [q|k|v]
-            w[f"{h}.attention.dense.{kind}"] = sd[f"{p}.attn.c_proj.{kind}"]
+            fused = torch.zeros(3 * c.n_embd) if parts is None else torch.stack(parts, dim=1).flatten(0, 2)
+            w[f"{h}.attention.query_key_value.{kind}"] = fused  # per head [q|k|v]
+            w[f"{h}.attention.dense.{kind}"] = sd.get(f"{p}.attn.c_proj.{kind}", zeros)
         w[f"{h}.mlp.dense_h_to_4h.weight"] = sd[f"{p}.mlp.c_fc.weight"]
         w[f"{h}.mlp.dense_h_to_4h.bias"] = sd.get(f"{p}.mlp.c_fc.bias", torch.zeros(c.d_ff))
         w[f"{h}.mlp.dense_4h_to_h.weight"] = sd[f"{p}.mlp.c_proj.weight"]
@@ -279,15 +341,132 @@ def hf_weights(model: GPT, target: str) -> dict:
     return {k: t.contiguous().clone() for k, t in w.items()}
 
 
-def hf_model(c: GPTConfig, model: GPT, target: str, eot):
+def hf_model(c: GPTConfig, model: GPT, target: str, bos, eos):
     """The transformers model, its weights loaded by name (strict: a missing or extra name fails)."""
     from transformers import AutoModelForCausalLM
 
-    config = hf_config(c, target, eot)
+    config = hf_config(c, target, bos, eos)
     out = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     out.load_state_dict(hf_weights(model, target), strict=True)
     if c.tie_embeddings:
         out.tie_weights()
+    return out.eval()
+
+
+# ----------------------------------------------------------------------------- custom code
+
+REPO = Path(__file__).resolve().parents[1]
+WRAPPER = Path(__file__).with_name("export_code")  # configuration_attnlab.py, modeling_attnlab.py
+WHOLE_MODULES = ("model", "attention")  # the model itself, copied whole; the helpers they import are trimmed
+CODE_CLASSES = {"AutoConfig": "configuration_attnlab.AttnlabConfig",
+                "AutoModelForCausalLM": "modeling_attnlab.AttnlabForCausalLM"}
+
+
+def repo_imports(nodes, module: str) -> dict:
+    """{attnlab root module: names} that the statements `nodes` of `module` import from attnlab."""
+    found = {}
+    for node in (n for stmt in nodes for n in ast.walk(stmt)):
+        if isinstance(node, ast.Import) and any((REPO / f"{a.name.split('.')[0]}.py").is_file() for a in node.names):
+            raise UserError(f"{module}.py imports an attnlab module with `import X`: the custom-code export "
+                            "rewrites `from X import ...` only; please report this")
+        if not (isinstance(node, ast.ImportFrom) and node.level == 0 and node.module):
+            continue
+        top = node.module.split(".")[0]
+        if (REPO / f"{node.module}.py").is_file():
+            found.setdefault(node.module, set()).update(a.name for a in node.names)
+        elif (REPO / top).is_dir() and any((REPO / top).glob("*.py")):
+            raise UserError(f"{module}.py imports {node.module} from the package {top}/: the custom-code export "
+                            "copies attnlab's root modules only; please report this")
+    return found
+
+
+def defined_names(stmt) -> set:
+    """The names a top-level statement binds."""
+    if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        return {stmt.name}
+    if isinstance(stmt, (ast.Import, ast.ImportFrom)):
+        return {(a.asname or a.name).split(".")[0] for a in stmt.names}
+    targets = stmt.targets if isinstance(stmt, ast.Assign) else [getattr(stmt, "target", None)]
+    return {n.id for t in targets if t is not None for n in ast.walk(t) if isinstance(n, ast.Name)}
+
+
+def needed_statements(tree, names: set, module: str) -> list:
+    """The top-level statements of `tree` that define `names`, and those that these use, in order."""
+    definers = {}
+    for stmt in tree.body:
+        for name in defined_names(stmt):
+            definers.setdefault(name, []).append(stmt)
+    missing = sorted(names - definers.keys())
+    if missing:
+        raise UserError(f"{module}.py does not define {', '.join(missing)}; please report this")
+    keep, todo = set(), list(names)
+    while todo:
+        for stmt in definers.get(todo.pop(), ()):
+            if id(stmt) not in keep:
+                keep.add(id(stmt))
+                todo += [n.id for n in ast.walk(stmt) if isinstance(n, ast.Name)]
+    return [s for s in tree.body if id(s) in keep or (isinstance(s, ast.ImportFrom) and s.module == "__future__")]
+
+
+def code_modules() -> dict:
+    """{file name: source} of attnlab's model as importable files of one directory: model.py and,
+    transitively, the attnlab modules it imports, their imports of each other made relative
+    (`from .attention import ...`), which is how transformers' remote-code loader finds and copies
+    them. model.py and attention.py are copied whole; any other module (common.py, counting.py) is
+    cut down to the definitions imported from it and what they use (common.py's signals, locks and
+    distributed setup are not the model's, and its fcntl would not import on Windows)."""
+    wanted, trees = {"model": None}, {}  # module -> the names needed from it (None: all of it)
+    while True:
+        grown = False
+        for module, names in list(wanted.items()):
+            tree = trees.setdefault(module, ast.parse((REPO / f"{module}.py").read_text(encoding="utf-8")))
+            body = tree.body if names is None else needed_statements(tree, names, module)
+            for dep, dep_names in repo_imports(body, module).items():
+                new = None if dep in WHOLE_MODULES else (wanted.get(dep) or set()) | dep_names
+                if dep not in wanted or new != wanted[dep]:
+                    wanted[dep], grown = new, True
+        if not grown:
+            break
+    return {f"{module}.py": module_source(module, trees[module], names) for module, names in wanted.items()}
+
+
+def module_source(module: str, tree, names) -> str:
+    lines = (REPO / f"{module}.py").read_text(encoding="utf-8").splitlines()
+    body = tree.body if names is None else needed_statements(tree, names, module)
+    for dep in repo_imports(body, module):  # `from common import` -> `from .common import`, in place
+        pattern = re.compile(rf"^(\s*from\s+){re.escape(dep)}(\s+import\b)")
+        lines = [pattern.sub(rf"\1.{dep}\2", line) for line in lines]
+    if names is None:
+        head = f"# attnlab's {module}.py, copied by tools/export.py (format=code); imports of attnlab made relative\n"
+        return head + "\n".join(lines) + "\n"
+    out = [f'"""What attnlab\'s model files import from its {module}.py ({", ".join(sorted(names))}), and what\n'
+           f'that uses: written by tools/export.py (format=code)."""']
+    after_block = True
+    for stmt in body:
+        start = min([stmt.lineno, *(d.lineno for d in getattr(stmt, "decorator_list", ()))]) - 1
+        while start > 0 and lines[start - 1].lstrip().startswith("#"):  # the comment above it
+            start -= 1
+        block = isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+        out += ["\n\n\n" if block or after_block else "\n", "\n".join(lines[start:stmt.end_lineno])]
+        after_block = block
+    return "".join(out) + "\n"
+
+
+def code_model(c: GPTConfig, model: GPT, bos, eos, tmp: Path):
+    """attnlab's model wrapped as custom code: the model files and the wrapper written to `tmp`,
+    loaded from there as transformers will load them, attnlab's weights under `model.`."""
+    from transformers.dynamic_module_utils import get_class_from_dynamic_module
+
+    for name, text in code_modules().items():
+        (tmp / name).write_text(text, encoding="utf-8")
+    for f in sorted(WRAPPER.glob("*.py")):
+        shutil.copyfile(f, tmp / f.name)
+    config_cls = get_class_from_dynamic_module(CODE_CLASSES["AutoConfig"], str(tmp))
+    model_cls = get_class_from_dynamic_module(CODE_CLASSES["AutoModelForCausalLM"], str(tmp))
+    config = config_cls(attnlab=dataclasses.asdict(c), bos_token_id=bos, eos_token_id=eos, pad_token_id=None,
+                        dtype="float32", auto_map=dict(CODE_CLASSES), architectures=[model_cls.__name__])
+    out = model_cls(config)
+    out.model.load_state_dict({k: v.detach().float().cpu() for k, v in model.state_dict().items()}, strict=True)
     return out.eval()
 
 
@@ -335,13 +514,23 @@ def char_tokenizer(chars: str):
     return tk
 
 
+def char_bos(chars: str) -> str:
+    """The character a char vocabulary names its BOS: a newline (where a text, or a paragraph,
+    starts), else its first character. Tools need one: lm-evaluation-harness predicts a text's first
+    token after a BOS (or EOS) token, and TransformerLens' to_tokens(prepend_bos=True) adds the BOS.
+    Adding a new token instead would add a logit no attnlab model has. transformers then counts
+    the character as special: decode with skip_special_tokens=False (the pipeline's default is True)
+    to keep it in the text."""
+    return "\n" if "\n" in chars else chars[0]
+
+
 def hf_tokenizer(tok_dict: dict, block_size: int):
     """attnlab's tokenizer as a transformers fast tokenizer (PreTrainedTokenizerFast)."""
     from transformers import PreTrainedTokenizerFast
 
     tok = tokenizer_from_dict(tok_dict)
-    if tok.kind == "char":
-        tk, special = char_tokenizer(tok.chars), {}
+    if tok.kind == "char":  # no special token: one of its characters is named BOS (char_bos)
+        tk, special = char_tokenizer(tok.chars), {"bos_token": char_bos(tok.chars)}
     else:  # a named tiktoken encoding or our trained BPE: both are tiktoken Encodings, whose ranks,
         enc = tok.enc  # pattern and special tokens tiktoken keeps in attributes without a public getter
         tk = bpe_tokenizer(enc._mergeable_ranks, enc._pat_str, enc._special_tokens)
@@ -379,7 +568,7 @@ def make_portable(out: Path, c: GPTConfig, target: str):
     """Also loadable by transformers 4.x: it reads RoPE settings from rope_theta (and GPT-NeoX's
     from rotary_pct, default 0.25, and rotary_emb_base), not from 5.x's rope_parameters, and knows
     the fast tokenizer as PreTrainedTokenizerFast (5.x: TokenizersBackend, an alias of it)."""
-    if target != "gpt2":
+    if target not in ("gpt2", "code"):
         legacy = {"rotary_pct": 1.0, "rotary_emb_base": c.rope_base} if target == "gpt_neox" else {}
         update_json(out / "config.json", rope_theta=c.rope_base, **legacy)
     update_json(out / "tokenizer_config.json", tokenizer_class="PreTrainedTokenizerFast")
@@ -391,7 +580,7 @@ def flat_fields(c: GPTConfig) -> dict:
     return {**fields, **{f"attn.{k}": v for k, v in attn.items()}}
 
 
-def model_card(state: dict, model: GPT, target_cls: str, ckpt: Path, tok) -> str:
+def model_card(state: dict, model: GPT, target_cls: str, ckpt: Path, tok, code: bool) -> str:
     c, run = model.config, state.get("config") or {}
     data = run.get("data") or {}
     val = state.get("val_loss")
@@ -408,6 +597,29 @@ def model_card(state: dict, model: GPT, target_cls: str, ckpt: Path, tok) -> str
             ("steps", str(state.get("step", "unknown"))),
             ("val loss", f"{val:.4f}" if isinstance(val, (int, float)) else "unknown")]
     table = "\n".join(f"| {k} | {v} |" for k, v in rows)
+    if code:
+        how = ("as custom code: this directory holds attnlab's own model files (model.py, attention.py and what "
+               "they import) and a transformers wrapper (modeling_attnlab.py), so load it with "
+               "`trust_remote_code=True`;")
+        past = (f"this wrapper recomputes the context each step, its last {c.block_size} tokens once longer "
+                "(sample.py with kv_cache=false)")
+    else:
+        how, past = "to a stock transformers architecture:", "transformers attends to the whole context"
+    intro = (f"A GPT trained with attnlab (checkpoint `{ckpt.name}`) and exported by its `export.py` {how} its "
+             f"logits equal attnlab's (fp32) within the trained context of {c.block_size} tokens.")
+    outro = ("Generation defaults (generation_config.json) are attnlab's sampler's: temperature 0.8, top-k 200. "
+             f"The model was trained on {c.block_size}-token contexts: past that, attnlab's sampler slides a "
+             f"{c.block_size}-token window while {past}, so the two agree on prompt plus continuation up to "
+             f"{c.block_size} tokens.")
+    if tok.kind == "char":
+        outro += ("\n\nA character vocabulary has no special token, so the tokenizer names a newline (or its first "
+                  "character) its BOS: the token lm-evaluation-harness puts before a text (and TransformerLens' "
+                  "prepend_bos adds). transformers then drops that character when decoding with skip_special_tokens=True "
+                  "(the pipeline's default), hence skip_special_tokens=False above.")
+    fill = lambda text: "\n\n".join(textwrap.fill(p, 100) for p in text.split("\n\n"))  # noqa: E731
+    remote = ", trust_remote_code=True" if code else ""
+    keep_bos = ", skip_special_tokens=False" if tok.kind == "char" else ""
+    prompt = "ROMEO:" if tok.kind == "char" else "Once upon a time"
     return f"""---
 library_name: transformers
 pipeline_tag: text-generation
@@ -415,9 +627,7 @@ tags: [attnlab]
 ---
 # {ckpt.parent.name}
 
-A GPT trained with attnlab (checkpoint `{ckpt.name}`) and exported by its `export.py` to a stock
-transformers architecture: its logits equal attnlab's (fp32) within the trained context of
-{c.block_size} tokens.
+{fill(intro)}
 
 | | |
 | --- | --- |
@@ -425,14 +635,11 @@ transformers architecture: its logits equal attnlab's (fp32) within the trained 
 
 ```python
 from transformers import pipeline
-generate = pipeline("text-generation", model="PATH/TO/THIS/DIR")
-print(generate("{'ROMEO:' if tok.kind == 'char' else 'Once upon a time'}", max_new_tokens=100)[0]["generated_text"])
+generate = pipeline("text-generation", model="PATH/TO/THIS/DIR"{remote})
+print(generate("{prompt}", max_new_tokens=100{keep_bos})[0]["generated_text"])
 ```
 
-Generation defaults (generation_config.json) are attnlab's sampler's: temperature 0.8, top-k 200.
-The model was trained on {c.block_size}-token contexts: past that, attnlab's sampler slides a
-{c.block_size}-token window while transformers attends to the whole context, so the two agree on
-prompt plus continuation up to {c.block_size} tokens.
+{fill(outro)}
 """
 
 
@@ -453,12 +660,14 @@ def prepare_out(out: Optional[str], overwrite: bool) -> Path:
 def export(cfg) -> Path:
     """Write the checkpoint cfg.ckpt names as a transformers model directory cfg.out; return it.
     It is written under a temporary name, checked, then renamed: `out` is whole or absent."""
+    check_values(cfg)
     out = prepare_out(cfg.out, cfg.overwrite)
     ckpt = find_checkpoint(cfg.ckpt)
     state = load_checkpoint(ckpt)  # refuses non-finite weights
     model = model_from_checkpoint(state).eval()
     c = model.config
-    target = pick_target(c)
+    target, why = choose_format(cfg.format, c)
+    log.info("format=%s: %s, %s", cfg.format, TARGET_CLASSES[target], why)
     try:
         from transformers import GenerationConfig
         from transformers.utils import logging as hf_logging
@@ -468,20 +677,23 @@ def export(cfg) -> Path:
     tok, fast = hf_tokenizer(state["tokenizer"], c.block_size)
     check_tokenizer(tok, fast)
     eot = tok.eot if tok.eot is not None and tok.eot < c.vocab_size else None
-    hf = hf_model(c, model, target, eot)
-    gen = GenerationConfig(do_sample=True, temperature=0.8, top_k=200, bos_token_id=eot, eos_token_id=eot,
+    bos = fast.bos_token_id if fast.bos_token_id is not None and fast.bos_token_id < c.vocab_size else None
+    gen = GenerationConfig(do_sample=True, temperature=0.8, top_k=200, bos_token_id=bos, eos_token_id=eot,
                            pad_token_id=eot)  # sample.py's defaults
     mode = private_mode([ckpt])  # an export is no more readable than the checkpoint it came from
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}{temp_suffix()}"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
+        tmp.mkdir()
+        code = target == "code"
+        hf = code_model(c, model, bos, eot, tmp) if code else hf_model(c, model, target, bos, eot)
         hf.save_pretrained(tmp, safe_serialization=True)
         gen.save_pretrained(tmp)
         fast.save_pretrained(tmp)
         make_portable(tmp, c, target)
-        (tmp / "README.md").write_text(model_card(state, model, type(hf).__name__, ckpt, tok), encoding="utf-8")
-        diff = verify(model, tmp) if cfg.verify else None
+        (tmp / "README.md").write_text(model_card(state, model, type(hf).__name__, ckpt, tok, code), encoding="utf-8")
+        diff = verify(model, tmp, code) if cfg.verify else None
         for f in tmp.iterdir():
             os.chmod(f, mode)
         os.chmod(tmp, dir_mode(mode))
@@ -496,12 +708,14 @@ def export(cfg) -> Path:
 
 
 @torch.no_grad()
-def verify(model: GPT, path: Path) -> float:
-    """Reload the export from disk (fp32, eager attention) and compare its logits with attnlab's on
-    random tokens at full block_size; refuse it if they differ. Returns the largest difference."""
+def verify(model: GPT, path: Path, code: bool = False) -> float:
+    """Reload the export from disk (fp32, eager attention or its custom code) and compare its logits
+    with attnlab's on random tokens at full block_size; refuse it if they differ. Returns the largest
+    difference."""
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+    how = {"trust_remote_code": True} if code else {"attn_implementation": "eager"}
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **how).eval()
     idx = torch.randint(model.config.vocab_size, (2, model.config.block_size),
                         generator=torch.Generator().manual_seed(0))
     want, got = model(idx), hf(idx).logits
