@@ -10,7 +10,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from common import UserError
 from config import model_config
-from counting import count_params, crossovers, flops_per_token, macs_per_token, memory_breakdown
+from counting import attention_variants, count_params, crossovers, flops_per_token, macs_per_token, memory_breakdown
 from tools.cost import cost, round_half_up
 from helpers import REPO, compose_cfg
 from model import GPT, GPTConfig
@@ -102,7 +102,10 @@ def test_json_output_has_the_issue_keys_and_the_hand_numbers(capsys, tmp_path):
                    "format=json", tmp_path=tmp_path)
     result = cost(cfg)
     printed = json.loads(capsys.readouterr().out)  # one JSON object, nothing else on stdout
-    assert printed == result == {
+    assert printed == result
+    variants = attention_variants(GPTConfig(**GQA_SWIGLU), 32, 2, 2)
+    assert result.pop("attention_variants") == json.loads(json.dumps(variants))
+    assert result == {
         "params": 177680,
         "macs_per_token": {"proj": 19200, "attn": 5120, "mlp": 61440, "lm_head": 8000},
         "crossover": {"attn_vs_proj": 120, "attn_vs_mlp": 384, "attn_vs_proj_mlp": 504},
