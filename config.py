@@ -18,6 +18,7 @@ from omegaconf import MISSING, OmegaConf
 from common import DTYPES, FRACTION, NON_NEGATIVE, POSITIVE, SEED, OneOf, Range, UserError, check_values
 from model import GPTConfig
 from optim import LR_SCHEDULES, MUON_ADJUST_LR, MUON_NS_DTYPES, OPTIMIZERS
+from parallel import PARALLEL
 from tracking import WANDB_MODES, check_wandb_mode
 
 DTYPE_NAMES = ("auto", *DTYPES)
@@ -88,6 +89,8 @@ class TrainConfig:
     peak_flops: Optional[float] = None  # FLOP/s that MFU is measured against; default: the GPU's table entry
     data_seed: Optional[int] = None  # seed of the batch order, the eval windows and the probe batch; unset: seed
     final_eval_tokens: int = 1000000  # at the last step, val loss over the whole val split up to this many tokens; 0 = off
+    parallel: str = "ddp"  # ddp | fsdp: how torchrun's processes share the model (parallel.py); one process: neither
+    activation_checkpointing: bool = False  # recompute each block's forward in the backward: less memory, more compute
 
     RULES: ClassVar[dict] = {
         "batch_size": POSITIVE, "grad_accum": POSITIVE, "max_iters": NON_NEGATIVE,
@@ -105,6 +108,7 @@ class TrainConfig:
         "log_attn_interval": Range(0, why="0 turns the probe off"), "probe_batch_size": POSITIVE,
         "ckpt_interval": POSITIVE, "keep_ckpts": POSITIVE, "skip_nonfinite": NON_NEGATIVE,
         "peak_flops": Range(0, lo_open=True), "data_seed": SEED, "final_eval_tokens": NON_NEGATIVE,
+        "parallel": OneOf(PARALLEL),
     }
 
 
@@ -182,6 +186,10 @@ def check_train_config(cfg):
     if t.min_lr > t.lr:
         raise UserError(f"train.min_lr={t.min_lr} is above train.lr={t.lr}: the cosine \"decay\" would raise the "
                         "learning rate; set min_lr <= lr (e.g. lr/10)")
+    if t.optimizer == "muon" and t.parallel == "fsdp":
+        raise UserError("train.optimizer=muon with train.parallel=fsdp is not supported: Muon's Newton-Schulz step "
+                        "orthogonalises each whole matrix, and FSDP leaves each process only some of its rows; use "
+                        "train.parallel=ddp (Muon under DDP is tested) or train.optimizer=adamw")
     if t.lr * t.weight_decay >= 1:
         raise UserError(f"train.weight_decay={t.weight_decay} times train.lr={t.lr} is >= 1: AdamW would zero or "
                         "flip every weight each step; use weight_decay < 1/lr")

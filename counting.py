@@ -187,14 +187,15 @@ def memory_breakdown(c, seq_len: int, batch: int, dtype_bytes: int) -> dict:
     }
 
 
-def training_bytes(c, batch: int) -> int:
-    """A lower bound on a training step's memory: fp32 weights, gradients and AdamW's two moments,
-    and per token and layer the main fp32 activations a backward pass keeps (the residual stream
-    and norms, q, k, v, the attention output, the MLP's hidden width), plus the logits."""
+def training_bytes(c, batch: int, shards: int = 1) -> int:
+    """A lower bound on a training step's memory: fp32 weights, gradients and AdamW's two moments
+    (each process's 1/shards of them under FSDP), and per token and layer the main fp32 activations a
+    backward pass keeps (the residual stream and norms, q, k, v, the attention output, the MLP's
+    hidden width), plus the logits."""
     d, L, T = c.n_embd, c.n_layer, c.block_size
     hidden = (mlp_matrices(c) - 1) * c.d_ff  # the MLP's activations: d_ff wide (two for SwiGLU's gate, up)
     per_token = (4 * d + 2 * c.n_kv_head * c.head_dim + hidden) * L + 2 * c.vocab_size
-    return TRAIN_BYTES_PER_PARAM * count_params(c)["total"] + 4 * batch * T * per_token
+    return TRAIN_BYTES_PER_PARAM * math.ceil(count_params(c)["total"] / shards) + 4 * batch * T * per_token
 
 
 def generation_bytes(c, batch: int, length: int, kv_bytes: int = 4, int8: bool = False) -> int:
@@ -263,3 +264,80 @@ def cache_table(c, lengths=(8192, 131072), batch: int = 1) -> list:
             rows.append({"kind": name, "dtype": dtype, "per_token": per_token,
                          **{str(n): per_token * n * batch for n in lengths}})
     return rows
+
+
+# ----------------------------------------------------------------------------- training memory per GPU
+
+def activation_numbers(c) -> dict:
+    """Numbers per token that autograd keeps for the backward, as torch 2.13 saves them for softmax
+    attention through the fused kernel (SDPA) with dropout 0: `layer` per block, `outside` for the
+    rest (the final norm and the head's input; the fp32 log-softmax and the int64 ids are apart, in
+    activation_bytes). Per block:
+    - each of the two norms, its input (d) and statistics (LayerNorm: mean and 1/std; RMSNorm: 1/rms
+      and the normalised input its weight multiplies, d + 1); Post-LN normalises the sums, as many;
+    - the input of the q|k|v projection and of the MLP (d each: the norms' outputs);
+    - RoPE: q and k before the rotation (d + d_kv); none with other positions;
+    - attention: q, k, v (d + 2*d_kv), its output (d: also the output projection's input) and one
+      log-sum-exp per head and token;
+    - the MLP: GELU and ReLU² their input and output (2*d_ff); SwiGLU gate|up (2*d_ff), silu(gate) and
+      the product (d_ff each).
+    QK-Norm, value embeddings, a logit soft-cap, dropout, windows, linear attention and the reference
+    path keep more (tests hold the count equal to what autograd saves for the variants above)."""
+    d, kv, f = c.n_embd, c.n_kv_head * c.head_dim, c.d_ff
+    norm = d + (2 if c.norm == "layernorm" else d + 1)
+    rope = d + kv if c.pos == "rope" else 0
+    mlp = {"gelu": 2 * f, "relu2": 2 * f, "swiglu": 4 * f}[c.mlp]
+    layer = 2 * norm + 2 * d + rope + (d + 2 * kv) + d + c.n_head + mlp
+    outside = (norm if c.norm_position == "pre" else 0) + d  # ln_f; the head's input
+    return {"layer": layer, "outside": outside}
+
+
+def activation_bytes(c, batch: int, seq_len: int, dtype_bytes: int = 4, checkpointing: bool = False) -> dict:
+    """Activation memory of one micro-batch of `batch` sequences of seq_len tokens: `kept`, what the
+    forward leaves for the backward (activation_numbers x dtype_bytes, the fp32 log-softmax of the
+    logits, the int64 token ids and targets), and `peak`, the most held during the backward. With
+    checkpointing each block keeps only its input (d numbers per token) and its other activations
+    come back, one block at a time, when the backward recomputes it: peak = kept + one block's.
+    Under bf16 autocast the activations are mostly 16-bit (norms keep fp32): dtype_bytes=2 estimates."""
+    n, tokens = activation_numbers(c), batch * seq_len
+    outside = tokens * (n["outside"] * dtype_bytes + 4 * c.vocab_size + 2 * 8)
+    outside += 4 + (8 * seq_len if c.pos == "learned" else 0)  # the loss's fp32 total weight; the table's indices
+    layer = tokens * n["layer"] * dtype_bytes
+    if not checkpointing:
+        kept = c.n_layer * layer + outside
+        return {"kept": kept, "peak": kept}
+    kept = c.n_layer * tokens * c.n_embd * dtype_bytes + outside
+    return {"kept": kept, "peak": kept + layer}
+
+
+def per_gpu_bytes(c, batch: int, seq_len: int, world: int = 1, parallel: str = "ddp", dtype_bytes: int = 2,
+                  checkpointing: bool = False) -> dict:
+    """Training memory on each of `world` GPUs (parallel.py says what each way holds), `batch`
+    sequences of seq_len tokens per GPU, fp32 weights, gradients and AdamW moments with activations
+    in dtype_bytes:
+    - weights, gradients, adamw_state: the whole under DDP; under FSDP each GPU's 1/world of them
+      (rounded up: FSDP pads each tensor's rows to a multiple of world);
+    - buffers: DDP's all-reduce buckets, a flat fp32 copy of the gradients (torch's default,
+      gradient_as_bucket_view=False); FSDP's working set, an estimate from its schedule: the root
+      group (embeddings, final norm, head) stays gathered from its forward to the end of the backward
+      and two blocks are gathered at a time (the one computing, the next prefetched), their
+      parameters and their gradients before the reduce-scatter, in the compute dtype (bf16 through the
+      mixed-precision policy when dtype_bytes is 2, else fp32);
+    - activations: activation_bytes' peak, with or without activation checkpointing.
+    Left out: the CUDA context and kernels' workspaces (~0.5-1 GiB), the allocator's fragmentation,
+    and the gradients of the activations during the backward."""
+    P = count_params(c)["total"]
+    sharded = parallel == "fsdp" and world > 1
+    local = math.ceil(P / world) if sharded else P
+    out = {"weights": 4 * local, "gradients": 4 * local, "adamw_state": ADAMW_BYTES_PER_PARAM * local}
+    if sharded:
+        lp = layer_params(c)
+        block = lp["attn_matrices"] + lp["attn_other"] + lp["mlp_matrices"] + lp["mlp_other"] + 2 * lp["norm"]
+        root = P - c.n_layer * block
+        param_bytes = dtype_bytes if dtype_bytes == 2 else 4
+        out["buffers"] = (root + 2 * block) * param_bytes + (root + block) * param_bytes
+    else:
+        out["buffers"] = 4 * P if world > 1 else 0
+    out["activations"] = activation_bytes(c, batch, seq_len, dtype_bytes, checkpointing)["peak"]
+    out["total"] = sum(out.values())
+    return out

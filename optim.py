@@ -228,9 +228,10 @@ def set_lr(optimizer, lr: float):
 
 def train_step(model, optimizer, batches, grad_accum, grad_clip, runtime, scaler, world=1):
     """One optimizer step over this process's micro-batches (x, y), each weighted 1/grad_accum so
-    the step sees their mean (DDP then averages over processes). Returns (loss of the last
-    micro-batch, grad norm, finite): a step whose loss or gradients are not finite on any rank
-    is skipped on every rank, the weights untouched."""
+    the step sees their mean (DDP, or FSDP's reduce-scatter, then averages over processes; FSDP
+    reduces every micro-batch, DDP the last). Returns (loss of the last micro-batch, global grad norm,
+    finite): a step whose loss or gradients are not finite on any rank is skipped on every rank, the
+    weights untouched."""
     batches = list(batches)
     device = runtime.device
     for i, (x, y) in enumerate(batches):
@@ -241,6 +242,8 @@ def train_step(model, optimizer, batches, grad_accum, grad_clip, runtime, scaler
         scaler.scale(loss / grad_accum).backward()
     scaler.unscale_(optimizer)
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip if grad_clip > 0 else float("inf"))
+    if hasattr(grad_norm, "full_tensor"):  # FSDP: a DTensor, the norm over every rank's shards, replicated
+        grad_norm = grad_norm.full_tensor()
     # fp16's GradScaler skips steps with inf gradients by design (and lowers its scale); only the loss counts there
     finite = torch.isfinite(loss) & (torch.isfinite(grad_norm) | torch.tensor(scaler.is_enabled(), device=loss.device))
     # one host sync per step: never step on (or save) NaN weights; every rank takes the same decision

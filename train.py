@@ -28,13 +28,12 @@ import hydra
 import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 from attnstats import AttentionProbe
 from checkpoint import (BEST_NAME, check_resumable, context_extension, last_good_checkpoint, latest_checkpoint,
-                        load_checkpoint, load_weights, prune_checkpoints, resume_source, rng_state, save_checkpoint,
-                        set_rng_state, step_name)
-from common import (Dist, Runtime, StopRequest, UserError, check_memory, cli, compile_wanted,
+                        load_checkpoint, prune_checkpoints, resume_source, rng_state, save_checkpoint, set_rng_state,
+                        step_name)
+from common import (Dist, Runtime, StopRequest, UserError, all_ranks_agree, check_memory, cli, compile_wanted,
                     dir_mode, first_line, init_distributed, is_oom, lock_run_dir, peak_flops, remove_stale_temps,
                     run_app, run_info, setup_runtime)
 from config import check_train_config, model_config
@@ -43,6 +42,7 @@ from data.loader import TokenData
 from data.prepare import prepare
 from model import GPT, GPTConfig
 from optim import build_optimizer, lr_at, set_lr, train_step
+from parallel import checkpoint_blocks, parallelism
 from tracking import Tracker, truncate_metrics
 
 log = logging.getLogger("attnlab")
@@ -57,8 +57,8 @@ class Run:
     rt: Runtime
     data: TokenData
     mcfg: GPTConfig
-    model: GPT  # the plain model: its weights are what checkpoints hold
-    fwd_model: torch.nn.Module  # what steps run through: the model, compiled and/or wrapped in DDP
+    model: GPT  # the model itself (sharded in place under FSDP); its state is read and written through `parallel`
+    fwd_model: torch.nn.Module  # what steps run through: the model, wrapped in DDP and/or compiled
     optimizer: torch.optim.Optimizer
     scaler: torch.amp.GradScaler
     sampler: torch.Generator  # the training batches' own random stream, the same on every rank
@@ -79,6 +79,7 @@ class Run:
     updates: int = 0  # optimizer steps taken by this process (skipped ones not counted)
     wandb_id: Optional[str] = None  # a resumed run's W&B run, continued
     extensions: list = field(default_factory=list)  # context extensions: (step, block_size and RoPE scaling changes)
+    parallel: object = None  # parallel.Replicated (one process, DDP) or FullyShard (FSDP), chosen once in build()
 
 
 # ----------------------------------------------------------------------------- the run
@@ -124,8 +125,7 @@ def train(cfg, run_name=None, run_group=None, overrides=None) -> dict:
             path = run.out_dir / step_name(run.step)
             print(f"stopped by {stop.signal} at step {run.step}; checkpoint {path}\nresume with: "
                   f"python train.py hydra.run.dir={run.out_dir} resume=true (and the same overrides)", file=sys.stderr)
-        if master:
-            write_plots(run)
+        write_plots(run)
     except RuntimeError as e:
         if is_oom(e):
             raise oom_error(e, run) from None
@@ -199,25 +199,26 @@ def build(cfg, out_dir, dist_, grad_accum, lock) -> Run:
     if dist_.master and file_mode is not None:
         os.chmod(out_dir, out_dir.stat().st_mode & dir_mode(file_mode))
     batch, key = max((tcfg.batch_size, "train.batch_size"), (tcfg.probe_batch_size, "train.probe_batch_size"))
-    check_memory(training_bytes(mcfg, batch), rt.device, "the model and batch",
+    par = parallelism(tcfg, dist_, rt)
+    check_memory(training_bytes(mcfg, batch, par.shards), rt.device, "the model and batch",
                  f"model.n_layer={mcfg.n_layer}, model.n_embd={mcfg.n_embd}, model.d_ff={mcfg.d_ff}, "
                  f"model.vocab_size={mcfg.vocab_size}, model.block_size={mcfg.block_size}, {key}={batch}")
     model = GPT(mcfg).to(rt.device)
     log.info("model: %.2fM parameters, %d layers x %d heads x %d head dim, block %d, vocab %d, scale %s%s",
              model.num_params() / 1e6, mcfg.n_layer, mcfg.n_head, mcfg.head_dim, mcfg.block_size,
              mcfg.vocab_size, mcfg.attn.scale, f", qk_norm={mcfg.attn.qk_norm_type}" if mcfg.attn.qk_norm else "")
-    optimizer = build_optimizer(model, tcfg, rt.device)
+    if tcfg.activation_checkpointing:
+        checkpoint_blocks(model)
+    fwd_model = par.wrap(model)  # DDP or FSDP first, then compile: the compiled graph overlaps their communication
+    optimizer = build_optimizer(model, tcfg, rt.device)  # after wrapping: FSDP replaced the parameters by shards
     scaler = torch.amp.GradScaler(rt.device.type, enabled=rt.dtype == torch.float16)
     compiled = compile_wanted(cfg.compile, rt.device)
-    fwd_model = model
-    if dist_.world > 1:  # DDP first, then compile: the compiled graph overlaps all-reduce with backward
-        fwd_model = DDP(model, device_ids=[rt.device.index] if rt.device.type == "cuda" else None)
     if compiled:
         torch._dynamo.reset()  # a fresh compile per run: a sweep never hits the recompile limit
         fwd_model = torch.compile(fwd_model)
     return Run(cfg, out_dir, dist_, rt, data, mcfg, model, fwd_model, optimizer, scaler,
                sampler=torch.Generator().manual_seed(data_seed(cfg)), grad_accum=grad_accum, compiled=compiled,
-               lock=lock, file_mode=file_mode)
+               lock=lock, file_mode=file_mode, parallel=par)
 
 
 def restore(run: Run, state: dict, source: Path, extension=None):
@@ -231,9 +232,9 @@ def restore(run: Run, state: dict, source: Path, extension=None):
     if state["step"] > run.cfg.train.max_iters:
         raise UserError(f"the checkpoint is at step {state['step']}, past train.max_iters={run.cfg.train.max_iters}: "
                         f"pass train.max_iters > {state['step']} to train on (nothing was changed)")
-    load_weights(run.model, state["model"])
+    run.parallel.load_model(run.model, state["model"])
     try:
-        run.optimizer.load_state_dict(state["optimizer"])
+        run.parallel.load_optimizer(run.model, run.optimizer, state["optimizer"])
         if run.scaler.is_enabled() and state.get("scaler"):
             run.scaler.load_state_dict(state["scaler"])
         run.sampler.set_state(state["sampler"])
@@ -266,7 +267,9 @@ def record(run: Run, run_name=None, run_group=None, overrides=None):
         truncate_metrics(out_dir / "metrics.jsonl", run.step if run.resuming else -1)
     run.tracker = Tracker(out_dir, cfg, name=run_name or out_dir.name, group=run_group, enabled=run.dist.master,
                           run_id=run.wandb_id)
-    if run.dist.master and probe_every(cfg.train) > 0:  # a fixed val batch, drawn once: curves compare across runs
+    # a fixed val batch, drawn once: curves compare across runs. Rank 0 logs it; under FSDP every rank runs
+    # its forward (each block's all-gather needs them all)
+    if (run.dist.master or run.parallel.collective_forward) and probe_every(cfg.train) > 0:
         px, _ = run.data.get_batch("val", cfg.train.probe_batch_size, run.mcfg.block_size,
                                    torch.Generator().manual_seed(data_seed(cfg) + 7))
         run.probe = AttentionProbe(px.to(run.rt.device))
@@ -280,15 +283,16 @@ def probe_every(tcfg) -> int:
 
 def checkpoint_contents(run: Run, full: bool = True) -> dict:
     """A checkpoint: weights, model config, tokenizer, step and config; with `full`, also what an
-    exact resume needs (optimizer, scaler, sampler and RNG states, W&B run id)."""
-    state = {"model": run.model.state_dict(), "model_config": dataclasses.asdict(run.mcfg),
+    exact resume needs (optimizer, scaler, sampler and RNG states, W&B run id). Every rank calls it (under
+    FSDP the full state is gathered from all of them, to rank 0 alone)."""
+    state = {"model": run.parallel.model_state(run.model), "model_config": dataclasses.asdict(run.mcfg),
              "tokenizer": run.data.tokenizer.to_dict(), "step": run.step, "val_loss": run.evals.get("val"),
              "best_val_loss": run.best_val, "config": run.resolved,
              # whether a sample may start from <|endoftext|>: only if the model saw documents begin after one
              "eot_in_train": run.data.meta.get("eot_in_train"),
              "context_extensions": run.extensions}
     if full:
-        state.update(optimizer=run.optimizer.state_dict(), scaler=run.scaler.state_dict(),
+        state.update(optimizer=run.parallel.optimizer_state(run.model, run.optimizer), scaler=run.scaler.state_dict(),
                      sampler=run.sampler.get_state(), rng=rng_state(run.rt.device, run.dist.world),
                      wandb_id=run.tracker.run.id if run.tracker.run is not None else None)
     bad = [n for n, t in state["model"].items() if t.is_floating_point() and not torch.isfinite(t).all()]
@@ -340,18 +344,24 @@ def estimate_loss(run: Run) -> dict:
 def full_val_loss(run: Run):
     """Mean loss over the whole val split (up to train.final_eval_tokens tokens), in consecutive
     windows of block_size: the run's final figure, free of the sampling noise of eval_iters random
-    windows (what runs of an ablation are compared by). Shared across ranks; returns (loss, tokens)."""
+    windows (what runs of an ablation are compared by). Shared across ranks; returns (loss, tokens).
+    Every rank runs the same number of forwards (FSDP's all-gathers need them all): one with fewer
+    windows ends with a spare forward that counts nothing."""
     T, B = run.mcfg.block_size, run.cfg.train.batch_size
     n = min(len(run.data.splits["val"]) - 1, run.cfg.train.final_eval_tokens) // T
     starts = torch.arange(n) * T
     total = torch.zeros(2, dtype=torch.float64, device=run.rt.device)  # summed loss, tokens
+    mine = starts[run.dist.rank::run.dist.world].split(B)
+    rounds = math.ceil(math.ceil(n / run.dist.world) / B)  # rank 0's, the most
     run.model.eval()
-    for chunk in starts[run.dist.rank::run.dist.world].split(B):
-        x, y = run.data.batch("val", chunk, T)
+    for i in range(rounds):
+        spare = i >= len(mine)
+        x, y = run.data.batch("val", starts[:1] if spare else mine[i], T)
         with run.rt.autocast():
             _, loss = run.model(x.to(run.rt.device), y.to(run.rt.device))
-        total[0] += loss.double() * y.numel()
-        total[1] += y.numel()
+        if not spare:
+            total[0] += loss.double() * y.numel()
+            total[1] += y.numel()
     run.model.train()
     if run.dist.world > 1:
         dist.all_reduce(total)
@@ -372,9 +382,12 @@ def evaluate(run: Run, last: bool = False):
         log.info("step %d: val loss %.4f over the whole val split (%d tokens)", run.step, full, tokens)
     run.tracker.log(line, run.step)
     log.info("eval step %d: train loss %.4f, val loss %.4f", run.step, run.evals["train"], run.evals["val"])
-    if run.evals["val"] < run.best_val and run.dist.master:
+    # every rank takes the same decision: under FSDP the weights are gathered from all of them
+    if all_ranks_agree(run.evals["val"] < run.best_val, run.rt.device, run.dist.world):
         run.best_val = run.evals["val"]
-        save_checkpoint(run.out_dir / BEST_NAME, checkpoint_contents(run, full=False), run.file_mode)
+        contents = checkpoint_contents(run, full=False)
+        if run.dist.master:
+            save_checkpoint(run.out_dir / BEST_NAME, contents, run.file_mode)
 
 
 def probe_attention(run: Run) -> float:
@@ -481,18 +494,25 @@ def oom_error(e: BaseException, run_or_cfg) -> UserError:
 
 
 def write_plots(run: Run):
-    try:
-        from plots import plot_run
-        for png in plot_run(run.out_dir):
-            run.tracker.log_image(f"plots/{png.stem}", png, run.step)
-    except Exception as e:  # a plot must never cost the run
-        log.warning("plots skipped: %s", e)
-    if run.probe is None:  # the attention probe is off (train.log_attn_interval=0)
+    """The run's figures and the attention maps of the probe text, written by rank 0. Every rank calls
+    it: under FSDP the maps' forward needs every rank (its all-gathers), so the others run it too."""
+    if run.dist.master:
+        try:
+            from plots import plot_run
+            for png in plot_run(run.out_dir):
+                run.tracker.log_image(f"plots/{png.stem}", png, run.step)
+        except Exception as e:  # a plot must never cost the run
+            log.warning("plots skipped: %s", e)
+    if run.probe is None:  # the attention probe is off (train.log_attn_interval=0), or a DDP rank > 0
         return
     try:  # the maps of the probe text (its first row, at most 256 tokens: the HTML stays a few MB)
+        from attnstats import attention_maps
         from plots import write_views
         m = run.mcfg
         with run.rt.autocast():  # as the probe: the flash kernel has no fp32
+            if not run.dist.master:  # FSDP: this rank's part of rank 0's forward
+                attention_maps(run.model, run.probe.idx[:1, :256])
+                return
             views = write_views(run.model, run.probe.idx[:1, :256], run.data.tokenizer, run.out_dir,
                                 title=f"attention on the probe text at step {run.step}",
                                 meta=f"{run.out_dir.name} · {m.n_layer} layers × {m.n_head} heads · block {m.block_size}")

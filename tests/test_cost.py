@@ -10,7 +10,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from common import UserError
 from config import model_config
-from counting import count_params, crossovers, flops_per_token, macs_per_token, memory_breakdown
+from counting import (activation_bytes, attention_variants, count_params, crossovers, flops_per_token,
+                      macs_per_token, memory_breakdown, per_gpu_bytes)
 from tools.cost import cost, round_half_up
 from helpers import REPO, compose_cfg
 from model import GPT, GPTConfig
@@ -88,6 +89,40 @@ def test_gqa_swiglu_by_hand():
         "attn_weights_all_layers": 32768, "kv_cache_per_token": 320, "kv_cache": 20480, "kv_cache_mha": 40960}
 
 
+def test_memory_per_gpu_by_hand():
+    """MHA_GELU (105,024 parameters, test_mha_gelu_by_hand) at N=32, batch 2 per GPU, float32."""
+    c = GPTConfig(**MHA_GELU)
+    # activations, numbers per token (d=64, d_kv=64, 4 heads, d_ff=256), per layer:
+    #   ln_1 and ln_2: input 64 + mean and 1/std 2 = 66 each           132
+    #   inputs of q|k|v and of the MLP (the norms' outputs): 64 each     128
+    #   RoPE: q and k before the rotation, 64 + 64                       128
+    #   attention: q, k, v 64 + 64 + 64, output 64, a log-sum-exp per head 4  260
+    #   MLP (GELU): its input and output, 256 each                       512 -> 1,160
+    # outside: ln_f 66 + the head's input 64 = 130 numbers, then the fp32 log-softmax (100 x 4 B) and the
+    # int64 ids and targets (16 B): 130*4 + 400 + 16 = 936 B per token, and the loss's 4 B total weight
+    tokens = 2 * 32
+    layer, outside = tokens * 1160 * 4, tokens * 936 + 4  # 296,960 and 59,908
+    assert activation_bytes(c, 2, 32, 4) == {"kept": 2 * layer + outside, "peak": 653828}
+    # checkpointed: each block keeps its input (64 numbers per token), and one block's activations come
+    # back in the backward: kept 2*64*64*4 + 59,908 = 92,676, peak 92,676 + 296,960 = 389,636
+    assert activation_bytes(c, 2, 32, 4, checkpointing=True) == {"kept": 92676, "peak": 389636}
+    # one GPU: fp32 weights and gradients 105,024*4 = 420,096 each, AdamW 105,024*8 = 840,192
+    one = per_gpu_bytes(c, 2, 32, 1, "ddp", 4)
+    assert one == {"weights": 420096, "gradients": 420096, "adamw_state": 840192, "buffers": 0,
+                   "activations": 653828, "total": 2334212}
+    # DDP over 2: the same, and its buckets, a flat copy of the gradients, 420,096
+    assert per_gpu_bytes(c, 2, 32, 2, "ddp", 4) == {**one, "buffers": 420096, "total": 2334212 + 420096}
+    # FSDP over 2: half of each, 52,512 parameters a GPU; gathered: the root (wte 6,400 + ln_f 64) and
+    # two blocks of 16,384 + 32,768 + 2*64 = 49,280 (here the whole model), and the gradients of the root
+    # and one block, in fp32: (6,464 + 98,560)*4 + (6,464 + 49,280)*4 = 420,096 + 222,976 = 643,072
+    fsdp = per_gpu_bytes(c, 2, 32, 2, "fsdp", 4, checkpointing=True)
+    assert fsdp == {"weights": 210048, "gradients": 210048, "adamw_state": 420096, "buffers": 643072,
+                    "activations": 389636, "total": 210048 * 2 + 420096 + 643072 + 389636}
+    # in bf16 (2 B) the gathered groups halve; FSDP over 3 rounds each GPU's share up: 35,008 parameters
+    assert per_gpu_bytes(c, 2, 32, 2, "fsdp", 2)["buffers"] == 643072 // 2
+    assert per_gpu_bytes(c, 2, 32, 3, "fsdp", 4)["weights"] == 35008 * 4
+
+
 def cost_cfg(*overrides, tmp_path=None):
     plot = f"plot={tmp_path / 'cost.png'}" if tmp_path else "plot=null"
     return compose_cfg("cost", [plot, *overrides])
@@ -102,7 +137,13 @@ def test_json_output_has_the_issue_keys_and_the_hand_numbers(capsys, tmp_path):
                    "format=json", tmp_path=tmp_path)
     result = cost(cfg)
     printed = json.loads(capsys.readouterr().out)  # one JSON object, nothing else on stdout
-    assert printed == result == {
+    assert printed == result
+    variants = attention_variants(GPTConfig(**GQA_SWIGLU), 32, 2, 2)
+    assert result.pop("attention_variants") == json.loads(json.dumps(variants))
+    per_gpu = result.pop("memory_per_gpu")  # counting.per_gpu_bytes, checked by hand below
+    assert list(per_gpu) == ["one_gpu", "ddp", "fsdp"] and list(per_gpu["ddp"]) == ["plain", "checkpointed"]
+    assert per_gpu["fsdp"]["plain"] == per_gpu_bytes(GPTConfig(**GQA_SWIGLU), 2, 32, 8, "fsdp", 2)
+    assert result == {
         "params": 177680,
         "macs_per_token": {"proj": 19200, "attn": 5120, "mlp": 61440, "lm_head": 8000},
         "crossover": {"attn_vs_proj": 120, "attn_vs_mlp": 384, "attn_vs_proj_mlp": 504},
@@ -118,7 +159,8 @@ def test_text_report_names_units_and_conventions(capsys):
     for phrase in ("1 MAC = 2 FLOPs", "113,216 MACs = 226,432 FLOPs per token", "679,296 FLOPs per token",
                    "GPT.flops_per_token(32)", "full N x N table", "about half", "N = d + d_kv", "128 tokens",
                    "256 tokens", "384 tokens", "float32 (4 bytes per number)", "(420,096 B)", "105,024",
-                   "KV cache with MHA"):
+                   "KV cache with MHA", "training memory per GPU", "DDP x 8", "FSDP x 8",
+                   "total with activation checkpointing"):
         assert phrase in out, phrase
     assert "GQA:" not in out  # MHA: no saving to report
 
@@ -259,6 +301,7 @@ def test_crossovers_round_to_the_nearest_integer(capsys):
     ("batch_size=0", "batch_size=0 must be an integer >= 1"),
     ("dtype=fp8", "dtype='fp8' is unknown"),
     ("format=yaml", "format='yaml' is unknown"),
+    ("world_size=0", "world_size=0 must be"),
     ("model.n_kv_head=3", "model.n_kv_head=3 must divide model.n_head=2"),
     ("model.n_embd=33", "model.n_embd=33 is not divisible"),
 ])

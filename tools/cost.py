@@ -3,6 +3,7 @@
     python tools/cost.py model=llama3_8b_shape seq_len=8192              # a Llama-3-8B-like shape at 8k
     python tools/cost.py model=gpt2_124m model.vocab_size=50304 seq_len=1024 batch_size=8 dtype=float32
     python tools/cost.py model=default model.n_kv_head=1 seq_len=4096 format=json
+    python tools/cost.py model=gpt2_124m model.vocab_size=50304 batch_size=8 world_size=8   # DDP or FSDP?
 
 Everything is counted from the config by counting.py (its docstring gives the convention); no
 model is built, so any shape runs on a laptop.
@@ -23,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as tools/X.p
 
 from common import DTYPES, POSITIVE, OneOf, Range, check_values, cli, run_app
 from counting import (ADAMW_BYTES_PER_PARAM, attention_variants, cache_table, count_params, crossovers,
-                      macs_per_token, memory_breakdown, mlp_matrices)
+                      macs_per_token, memory_breakdown, mlp_matrices, per_gpu_bytes)
 from config import model_config
 from model import GPTConfig
 
@@ -41,11 +42,14 @@ class CostConfig:
     train_tokens: Optional[float] = None  # tokens one training run sees (steps x batch x block): its FLOPs and time
     peak_flops: float = 989e12  # the GPU's peak FLOP/s for that estimate (H100 SXM, bf16 dense)
     mfu: float = 0.2  # the fraction of peak a run reaches (small models reach less than large ones)
+    world_size: int = 8  # GPUs training together: the per-GPU memory of DDP and FSDP across them (batch_size per GPU)
+
 
     RULES: ClassVar[dict] = {"seq_len": POSITIVE, "batch_size": POSITIVE, "vocab_size": POSITIVE,
                              "dtype": OneOf(tuple(DTYPES)), "format": OneOf(("text", "json")),
                              "train_tokens": Range(1), "peak_flops": Range(0, lo_open=True),
-                             "mfu": Range(0, 1, lo_open=True)}
+                             "mfu": Range(0, 1, lo_open=True),
+                             "world_size": Range(1, 1_000_000, why="GPUs training together")}
 
 
 ConfigStore.instance().store(name="base_cost", node=CostConfig)
@@ -74,6 +78,7 @@ def cost(cfg) -> dict:
         "memory_bytes": mem,
         "attention_variants": attention_variants(c, N, cfg.batch_size, nbytes),
         "kv_cache_table": cache_table(c, (8192, 131072), cfg.batch_size),
+        "memory_per_gpu": memory_per_gpu(c, N, cfg.batch_size, nbytes, cfg.world_size),
     }
     if cfg.train_tokens:  # a training run's FLOPs, and its time at the stated peak and MFU
         flops = 6 * m["forward"] * cfg.train_tokens
@@ -87,6 +92,7 @@ def cost(cfg) -> dict:
         print(report(c, N, cfg.batch_size, cfg.dtype, p, m, x, mem))
         print(variants_report(result["attention_variants"], c, N, cfg.batch_size, cfg.dtype))
         print(cache_report(result["kv_cache_table"], cfg.batch_size))
+        print(per_gpu_report(result["memory_per_gpu"], N, cfg.batch_size, cfg.dtype, cfg.world_size))
         if cfg.train_tokens:
             r = result["training_run"]
             print(f"\na training run of {short(r['tokens'])} tokens at N={N:,}: {r['flops']:.3g} FLOPs (6 x forward "
@@ -224,6 +230,34 @@ def variants_report(rows, c, N, B, dtype) -> str:
         out.append(f"  {r['name']:<26}{r['macs']:>16,}{size(r['memory']):>18}  {r['memory_order']:<10}{beats:>40}")
     out.append("  tiled computes every dot product the reference does (FlashAttention lowers memory, not FLOPs);"
                " a window and linear attention change what is computed")
+    return "\n".join(out)
+
+
+def memory_per_gpu(c, N, B, nbytes, world) -> dict:
+    """counting.per_gpu_bytes for one GPU, and DDP and FSDP over `world` GPUs, with and without
+    activation checkpointing: {"one_gpu" | "ddp" | "fsdp": {"plain" | "checkpointed": bytes by part}}."""
+    arms = {"one_gpu": (1, "ddp"), "ddp": (world, "ddp"), "fsdp": (world, "fsdp")}
+    return {name: {arm: per_gpu_bytes(c, B, N, w, par, nbytes, checkpointing=arm == "checkpointed")
+                   for arm in ("plain", "checkpointed")} for name, (w, par) in arms.items()}
+
+
+def per_gpu_report(mem, N, B, dtype, world) -> str:
+    """The table of memory_per_gpu: which parallelism a model needs."""
+    heads = ["1 GPU", f"DDP x {world}", f"FSDP x {world}"]
+    out = ["", f"training memory per GPU: batch {B} x N={N:,} tokens per GPU, fp32 weights, gradients and AdamW "
+               f"moments, {dtype} activations (counting.per_gpu_bytes)",
+           f"  {'':<44}" + "".join(f"{h:>14}" for h in heads)]
+    rows = [("weights (fp32)", "plain", "weights"), ("gradients (fp32)", "plain", "gradients"),
+            (f"AdamW state ({ADAMW_BYTES_PER_PARAM} B/param)", "plain", "adamw_state"),
+            ("DDP buckets / FSDP gathered groups", "plain", "buffers"),
+            ("activations", "plain", "activations"), ("total", "plain", "total"),
+            ("activations, checkpointed (recomputed)", "checkpointed", "activations"),
+            ("total with activation checkpointing", "checkpointed", "total")]
+    for label, arm, key in rows:
+        out.append(f"  {label:<44}" + "".join(f"{size(mem[name][arm][key]):>14}" for name in mem))
+    out.append("  DDP keeps everything on every GPU (its buckets add a copy of the gradients); FSDP splits weights,")
+    out.append(f"  gradients and AdamW state {world} ways and gathers a few groups at a time. Not counted: the CUDA")
+    out.append("  context and workspaces (~0.5-1 GiB), fragmentation. Commands: docs/gpu.md")
     return "\n".join(out)
 
 
