@@ -140,6 +140,13 @@ def test_json_output_has_the_issue_keys_and_the_hand_numbers(capsys, tmp_path):
     assert printed == result
     variants = attention_variants(GPTConfig(**GQA_SWIGLU), 32, 2, 2)
     assert result.pop("attention_variants") == json.loads(json.dumps(variants))
+    table = {(r["kind"].split()[0], r["dtype"]): r for r in result.pop("kv_cache_table")}
+    # GQA_SWIGLU: 2 layers, 4 heads of 20, 2 K/V heads: per token 2 (k, v) x 2 layers x heads x 20 numbers
+    assert table[("MHA", "bfloat16")]["per_token"] == 2 * 2 * 4 * 20 * 2
+    assert table[("GQA", "float32")]["per_token"] == 2 * 2 * 2 * 20 * 4
+    assert table[("MQA", "int8")]["per_token"] == 2 * 2 * 1 * (20 + 4)  # a byte a number, an fp32 scale per head
+    assert table[("MLA", "bfloat16")]["per_token"] == 2 * (4 * 20 + 20 // 2) * 2  # latent 4 hs + RoPE key hs/2
+    assert table[("GQA", "bfloat16")]["131072"] == 131072 * 2 * 2 * 2 * 20 * 2 * 2  # x tokens x batch 2
     per_gpu = result.pop("memory_per_gpu")  # counting.per_gpu_bytes, checked by hand below
     assert list(per_gpu) == ["one_gpu", "ddp", "fsdp"] and list(per_gpu["ddp"]) == ["plain", "checkpointed"]
     assert per_gpu["fsdp"]["plain"] == per_gpu_bytes(GPTConfig(**GQA_SWIGLU), 2, 32, 8, "fsdp", 2)

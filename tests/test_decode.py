@@ -168,8 +168,8 @@ def test_sample_kv_dtype(run_dir, sample_cfg, monkeypatch):
     hot = [*args[:3], "temperature=1.0", "num_samples=3"]
     auto = sample(sample_cfg(*hot, "kv_dtype=auto"))
     assert dtypes() == {torch.bfloat16} and auto == sample(sample_cfg(*hot, "kv_dtype=bfloat16"))
-    with pytest.raises(UserError, match=r"^kv_dtype='int8' is unknown: use one of auto, float32, bfloat16, float16$"):
-        sample(sample_cfg(*args, "kv_dtype=int8"))
+    with pytest.raises(UserError, match=r"^kv_dtype='int4' is unknown: use one of auto, float32, bfloat16, float16, int8$"):
+        sample(sample_cfg(*args, "kv_dtype=int4"))
 
 
 def test_column_major_weights_decode_the_same_tokens():

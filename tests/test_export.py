@@ -171,11 +171,17 @@ CODE_VARIANTS = {
                                               attn={"qk_norm": True, "qk_norm_type": "layer", "qk_norm_gain": "head"}),
     "nope_qk_l2_channel_gain_scale": dict(pos="none", attn={"qk_norm": True, "qk_norm_type": "l2",
                                                             "qk_norm_gain": "channel", "scale": "4.0"}),
-    "qk_rms_reference_zero_init_rope_base": dict(rope_base=500.0, zero_init_proj=True,
-                                                 attn={"qk_norm": True, "impl": "reference", "scale": "dk"}),
-    "tiled_window_local_global": dict(attn={"impl": "tiled", "block": 16, "window": 8, "window_pattern": "LG"}),
-    "rmsnorm_swiglu_window_scale_none": dict(norm="rmsnorm", mlp="swiglu", attn={"window": 12, "scale": "none"}),
+    "qk_rms_reference_zero_init_rope_base_yarn": dict(rope_base=500.0, zero_init_proj=True, rope_scaling="yarn",
+                                                      rope_scaling_factor=2.0, rope_original_length=8,
+                                                      attn={"qk_norm": True, "impl": "reference", "scale": "dk"}),
+    "tiled_window_local_global_ntk": dict(rope_scaling="ntk", rope_scaling_factor=4.0,
+                                          attn={"impl": "tiled", "block": 16, "window": 8, "window_pattern": "LG"}),
+    "rmsnorm_swiglu_window_scale_none_pi": dict(norm="rmsnorm", mlp="swiglu", rope_scaling="linear",
+                                                rope_scaling_factor=2.0, attn={"window": 12, "scale": "none"}),
     "linear_attention_gqa": dict(n_kv_head=2, attn={"kind": "linear"}),
+    "mla_query_latent_head_gate_learned_sink": dict(attn={"kind": "mla", "q_lora_rank": 16, "kv_lora_rank": 12,
+                                                          "rope_head_dim": 4, "gate": "head", "sink": "learned"}),
+    "alibi_channel_gate_zero_sink": dict(pos="alibi", attn={"gate": "channel", "sink": "zero"}),
 }
 SIZES = {"vocab_size", "block_size", "n_layer", "n_head", "n_embd"}  # shapes every variant sets
 

@@ -120,8 +120,12 @@ def no_counterpart(option: str, why: str):
 STOCK_OPTIONS = {"vocab_size", "block_size", "n_layer", "n_head", "n_embd", "n_kv_head", "dropout", "bias", "norm",
                  "norm_position", "mlp", "d_ff", "pos", "rope_base", "tie_embeddings", "logit_softcap",
                  "zero_init_proj", "value_embed", "attn.scale", "attn.qk_norm", "attn.qk_norm_type",
-                 "attn.qk_norm_gain", "attn.impl", "attn.block"}
+                 "attn.qk_norm_gain", "attn.impl", "attn.block", "rope_original_length"}
 UNMAPPED_WHY = {"attn.window": "the mapped classes attend to every earlier token",
+                "rope_scaling": "the stock mappings here carry RoPE unscaled",
+                "rope_scaling_factor": "the stock mappings here carry RoPE unscaled",
+                "attn.gate": "the mapped classes do not gate attention",
+                "attn.sink": "the mapped classes' softmax has no sink",
                 "attn.window_pattern": "the mapped classes attend to every earlier token",
                 "attn.kind": "the mapped classes' attention is a softmax of q.k"}
 
@@ -138,6 +142,8 @@ def pick_target(c: GPTConfig) -> str:
         no_counterpart(f"model.logit_softcap={c.logit_softcap}", "GPT-2, GPT-NeoX, Llama and Qwen3 do not cap logits")
     if c.value_embed:
         no_counterpart("model.value_embed=true", "GPT-2, GPT-NeoX, Llama and Qwen3 have no value embeddings")
+    if c.pos == "alibi":
+        no_counterpart("model.pos=alibi", "the stock mappings here have no ALiBi bias")
     if c.pos != "rope":  # a table added to the embeddings: GPT-2's wpe holds any (zeros for none)
         if c.attn.qk_norm:
             no_counterpart(f"model.attn.qk_norm=true with model.pos={c.pos}",

@@ -50,7 +50,8 @@ class AttnlabForCausalLM(PreTrainedModel, GenerationMixin):
         for name, sub in module.named_modules():
             for buf in sub._non_persistent_buffers_set:
                 value = fresh.get_buffer(f"{name}.{buf}" if name else buf)
-                sub._buffers[buf] = value.to(sub._buffers[buf].device)
+                if value is not None:  # an option the model does not use registers None (no ALiBi, no sink)
+                    sub._buffers[buf] = value.to(sub._buffers[buf].device)
 
     def get_input_embeddings(self):
         return self.model.wte
