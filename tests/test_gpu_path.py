@@ -264,6 +264,9 @@ def test_compiled_decode_step_mutates_only_static_inputs_so_cuda_graphs_can_capt
         static = {**dict(zip(names, args)), **kwargs}.get("static_input_idxs") or ()
         seen.append((sorted(self.mutated_input_idxs), sorted(static)))
     monkeypatch.setattr(output_code.CompiledFxGraph, "__init__", spy)
+    # an earlier compile of the same graph would be a cache hit, which builds no CompiledFxGraph
+    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)
+    monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", False)
     torch._dynamo.reset()
     model = variant_model(block_size=32)
     generate(model, torch.zeros(1, 3, dtype=torch.long), 40, temperature=0, compile=True)  # past block_size too
