@@ -41,7 +41,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from common import OneOf, Range, Rule, UserError
+from common import Needs, OneOf, Range, Rule, UserError
 
 QK_NORM_TYPES = ("rms", "layer", "l2")
 QK_NORM_GAINS = ("none", "head", "channel")
@@ -79,20 +79,22 @@ class AttnConfig:
         "window_pattern": Rule(lambda v: bool(v) and set(str(v)) <= {"L", "G"}, "a string of L (local) and G (global)"),
         "kind": OneOf(KINDS),
     }
+    # each option must change what the model computes
+    SOFTMAX: ClassVar[Needs] = Needs(lambda a: a.kind == "softmax", "{p}kind=softmax (linear attention has no "
+                                     "softmax, no logits, no N x N table)")
+    QK_NORM: ClassVar[Needs] = Needs(lambda a: a.qk_norm, "{p}qk_norm=true")
+    NEEDS: ClassVar[dict] = {
+        "impl": SOFTMAX, "scale": SOFTMAX, "window": SOFTMAX, "qk_norm_type": QK_NORM, "qk_norm_gain": QK_NORM,
+        "block": Needs(lambda a: a.impl == "tiled", "{p}impl=tiled"),
+        "window_pattern": Needs(lambda a: a.window is not None, "{p}window=W"),
+    }
 
 
 def check_attention_options(attn: AttnConfig, dropout: float):
-    """The attention options that only fail together: each must change what the model computes."""
-    if attn.kind == "linear":
-        for key, default in (("impl", "sdpa"), ("scale", "sqrt_dk"), ("window", None)):
-            if getattr(attn, key) != default:
-                raise UserError(f"model.attn.{key}={getattr(attn, key)} has no effect with model.attn.kind=linear "
-                                "(no softmax, no logits, no N x N table): leave it unset")
+    """The attention options that only fail with a model option."""
     if attn.impl == "tiled" and dropout > 0:
         raise UserError(f"model.attn.impl=tiled does not drop attention weights: set model.dropout=0 (now {dropout}) "
                         "or use impl=sdpa")
-    if attn.window is None and attn.window_pattern != "L":
-        raise UserError(f"model.attn.window_pattern={attn.window_pattern} has no effect without model.attn.window=W")
 
 
 def resolve_scale(scale, head_dim: int) -> float:

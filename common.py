@@ -165,32 +165,60 @@ FRACTION = Range(0, 1, hi_open=True)  # [0, 1)
 SEED = Range(0, why="seeds are non-negative")
 
 
-def check_values(node, prefix: str = ""):
-    """Every value of a config node in its schema's table, nested schemas included: a one-line
-    UserError for the first that breaks its rule, naming the key as `prefix.key`.
+@dataclass(frozen=True)
+class Needs:
+    """A key that acts only when other keys of its schema say so: `test(node)` is True then. Set to
+    anything but its default while it cannot act, it is refused: the user asked for an effect the
+    run would not have. `what` names the condition, {p} standing for the schema's prefix."""
+    test: object
+    what: str
 
-    Each schema (a dataclass: a config group, a tool's settings, GPTConfig) declares its table as
-    the class attribute RULES, {field: Range | OneOf | Rule}; `node` may be the dataclass itself or
-    the DictConfig Hydra composed from it. None (unset) is legal wherever the schema allows it."""
+
+def schema_nodes(node, prefix: str = ""):
+    """(node, schema, prefix) of a config node and of every schema nested in it, parents first."""
     from omegaconf import OmegaConf
 
     is_cfg = OmegaConf.is_config(node)
     schema = OmegaConf.get_type(node) if is_cfg else type(node)
-    rules = getattr(schema, "RULES", {})
+    yield node, schema, prefix
     for f in dataclasses.fields(schema):
         value = getattr(node, f.name)
-        name = f"{prefix}.{f.name}" if prefix else f.name
         if dataclasses.is_dataclass(value) or (is_cfg and OmegaConf.is_dict(value)):
-            check_values(value, name)
-            continue
-        rule = rules.get(f.name)
-        if rule is None or value is None:
-            continue
-        listed = isinstance(value, (list, tuple)) or (is_cfg and OmegaConf.is_list(value))
-        for v in (value if listed else [value]):  # a list's rule applies to each element
-            if not rule.contains(v):
-                optional = not listed and (node._get_node(f.name)._is_optional() if is_cfg else f.default is None)
-                raise UserError(rule.error(name, v, optional))
+            yield from schema_nodes(value, f"{prefix}.{f.name}" if prefix else f.name)
+
+
+def check_values(node, prefix: str = ""):
+    """Every value of a config node in its schema's table, nested schemas included: a one-line
+    UserError for the first that breaks its rule, naming the key as `prefix.key`; then every key
+    that cannot act in this config (its schema's NEEDS table) yet was set.
+
+    Each schema (a dataclass: a config group, a tool's settings, GPTConfig) declares its table as
+    the class attribute RULES, {field: Range | OneOf | Rule}, and NEEDS, {field: Needs}; `node` may
+    be the dataclass itself or the DictConfig Hydra composed from it. None (unset) is legal wherever
+    the schema allows it."""
+    from omegaconf import OmegaConf
+
+    nodes = list(schema_nodes(node, prefix))
+    for node, schema, prefix in nodes:
+        is_cfg, rules = OmegaConf.is_config(node), getattr(schema, "RULES", {})
+        for f in dataclasses.fields(schema):
+            value, rule = getattr(node, f.name), rules.get(f.name)
+            if rule is None or value is None:
+                continue
+            name = f"{prefix}.{f.name}" if prefix else f.name
+            listed = isinstance(value, (list, tuple)) or (is_cfg and OmegaConf.is_list(value))
+            for v in (value if listed else [value]):  # a list's rule applies to each element
+                if not rule.contains(v):
+                    optional = not listed and (node._get_node(f.name)._is_optional() if is_cfg else f.default is None)
+                    raise UserError(rule.error(name, v, optional))
+    for node, schema, prefix in nodes:
+        defaults = {f.name: f.default for f in dataclasses.fields(schema)}
+        for key, need in getattr(schema, "NEEDS", {}).items():
+            value = getattr(node, key)
+            if value != defaults[key] and not need.test(node):
+                dot = f"{prefix}." if prefix else ""
+                raise UserError(f"{dot}{key}={value!r} has no effect unless {need.what.format(p=dot)}: drop it (its "
+                                f"default is {defaults[key]!r}) or change that")
 
 
 def check_value(name: str, value, rule):

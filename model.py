@@ -31,7 +31,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from attention import ATTENTION_KINDS, AttnConfig, check_attention_options, resolve_scale, rope_freqs
-from common import FRACTION, POSITIVE, OneOf, Range, UserError, check_values
+from common import FRACTION, POSITIVE, Needs, OneOf, Range, UserError, check_values
 from counting import flops_per_token
 
 NORMS = ("layernorm", "rmsnorm")
@@ -76,6 +76,7 @@ class GPTConfig:
         "rope_base": Range(1, lo_open=True, why="the RoPE frequency base"),
         "logit_softcap": Range(0, why="0 turns the soft-cap off"),
     }
+    NEEDS: ClassVar[dict] = {"rope_base": Needs(lambda c: c.pos == "rope", "{p}pos=rope")}
 
     def __post_init__(self):
         if isinstance(self.attn, dict):

@@ -20,8 +20,8 @@ from omegaconf.errors import OmegaConfBaseException
 import checkpoint as ck
 import model as model_module
 import train as train_module
-from common import OneOf, UserError, hydra_error_line
-from helpers import REPO, TINY, compose_cfg, interruptible
+from common import OneOf, UserError, check_values, hydra_error_line, schema_nodes
+from helpers import REPO, TINY, assert_one_line_error, compose_cfg, corpus_text, interruptible, one_line
 from data.loader import TokenData
 from data.prepare import cache_key, prepare
 from tools.report import report
@@ -31,10 +31,6 @@ from train import train
 
 
 # ----------------------------------------------------------------------------- helpers
-
-def corpus_text(n=200):
-    return "".join(f"line {i}: the quick brown fox jumps over the lazy dog {i * 7 % 13}.\n" for i in range(n))
-
 
 @pytest.fixture(scope="module")
 def shared(tmp_path_factory):
@@ -58,20 +54,6 @@ def tiny_run(shared):
     run = shared["root"] / "tiny"
     train(make_cfg(shared["root"] / "unused", shared, f"out_dir={run}", "train.max_iters=10", "train.eval_interval=5"))
     return run
-
-
-def one_line(e) -> str:
-    msg = str(e.value if hasattr(e, "value") else e)
-    assert "\n" not in msg, msg
-    return msg
-
-
-def assert_one_line_error(r, needle=""):
-    """Exit status 1, no traceback, and exactly one `error:` line, the last one, holding `needle`."""
-    lines = r.stderr.strip().splitlines()
-    errors = [line for line in lines if line.startswith("error:")]
-    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr[-3000:]
-    assert len(errors) == 1 and lines[-1] == errors[0] and needle in errors[0], r.stderr[-3000:]
 
 
 def snapshot(run: Path) -> dict:
@@ -602,7 +584,8 @@ HUGE_MUST_FAIL = {"train.batch_size", "train.probe_batch_size", "train.grad_accu
 # every command's config (configs/NAME.yaml) and the function its entry point calls first
 ENTRY_POINTS = {"config": "train:train", "sample": "sample:sample", "bench": "tools.bench:bench",
                 "cost": "tools.cost:cost", "bench_sample": "tools.bench_sample:bench_sample",
-                "visualize": "tools.visualize:visualize", "export": "tools.export:export"}
+                "visualize": "tools.visualize:visualize", "export": "tools.export:export",
+                "bench_attention": "tools.bench_attention:bench_attention"}
 
 
 def entry(name):
@@ -693,13 +676,14 @@ def test_every_config_key_refuses_its_bad_values_in_one_line(name, key, typ, kin
     base = {"config": TINY + short + [f"out_dir={tmp / 'run'}", f"data.cache_dir={shared['cache']}",
                                        f"data.path={shared['corpus']}"],
             "sample": ["device=cpu", f"ckpt={enum_dirs['ckpt']}", "max_new_tokens=2"],
-            "bench": ["model=debug", "device=cpu", "bench.iters=1", "bench.warmup=0", "bench.rounds=1"],
+            "bench": ["model=debug", "device=cpu", "bench.iters=1", "bench.warmup=0"],
             "cost": ["model=debug", "plot=null", "format=json"],
             "bench_sample": ["model=debug", "tokens=2", "repeats=1", "batch_sizes=[1]", "compile=[false]",
                              "recompute=false"],
             "visualize": [f"ckpt={enum_dirs['ckpt']}", "prompt=line", f"out={tmp / 'maps'}"],
-            "export": [f"ckpt={enum_dirs['ckpt']}", f"out={tmp / 'hf'}"]}[name]
-    listed = key in ("batch_sizes", "layouts", "kv_dtypes")  # a list: one bad element
+            "export": [f"ckpt={enum_dirs['ckpt']}", f"out={tmp / 'hf'}"],
+            "bench_attention": ["lengths=[8]", "paths=[sdpa]", "repeats=1", "out=null"]}[name]
+    listed = key in ("batch_sizes", "layouts", "kv_dtypes", "lengths", "paths")  # a list: one bad element
     if kind == "schema":
         with pytest.raises((HydraException, OmegaConfBaseException)) as e:
             compose_cfg(name, base + [override(key, value, listed)])
@@ -729,3 +713,79 @@ def test_bad_values_through_the_real_cli_are_one_line(tmp_path, script, args, ne
     r = cli(script, *args, f"hydra.run.dir={tmp_path / 'run'}")
     assert_one_line_error(r, needle)
     assert not (tmp_path / "run").exists() or not [p for p in (tmp_path / "run").iterdir() if p.name != "train.log"]
+
+
+# ----------------------------------------------------------------------------- third pass
+
+def test_lr_decay_that_ends_before_the_warmup_is_refused(tmp_path, shared):
+    """Was: accepted, and the lr jumped from its peak to min_lr when the warmup ended."""
+    with pytest.raises(UserError, match=r"train.lr_decay_iters=50 is not past train.warmup_iters=100") as e:
+        train(make_cfg(tmp_path, shared, "train.warmup_iters=100", "train.lr_decay_iters=50"))
+    one_line(e)
+    assert not (tmp_path / "run").exists()
+
+
+def test_muon_settings_under_adamw_are_refused_before_anything_is_written(tmp_path, shared):
+    """Was: train.muon_* were silently ignored under train.optimizer=adamw."""
+    with pytest.raises(UserError, match=r"train.muon_lr=0.01 has no effect unless train.optimizer=muon") as e:
+        train(make_cfg(tmp_path, shared, "train.muon_lr=0.01"))
+    one_line(e)
+    assert not (tmp_path / "run").exists()
+
+
+NO_EFFECT = [  # (command, overrides that idle the key, the key set anyway): one for each NEEDS entry
+    *[("config", [], f"train.{k}") for k in ("muon_lr=0.01", "muon_weight_decay=0", "muon_momentum=0.9",
+                                              "muon_momentum_warmup=10", "muon_adjust_lr=original", "muon_ns_steps=3",
+                                              "muon_split_qkv=true", "muon_ns_dtype=float32")],
+    ("config", ["train.optimizer=muon"], "train.muon_momentum_start=0.5"),
+    ("config", [], "train.cooldown_frac=0.2"),
+    ("config", ["train.log_attn_interval=0"], "train.probe_batch_size=8"),
+    ("config", ["model.pos=learned"], "model.rope_base=500"),
+    ("config", [], "model.attn.qk_norm_type=l2"),
+    ("config", [], "model.attn.qk_norm_gain=head"),
+    ("config", [], "model.attn.block=64"),
+    ("config", [], "model.attn.window_pattern=LG"),
+    ("config", ["model.attn.kind=linear"], "model.attn.impl=reference"),
+    ("config", ["model.attn.kind=linear"], "model.attn.scale=none"),
+    ("config", ["model.attn.kind=linear"], "model.attn.window=8"),
+    ("config", [], "data.vocab_size=512"),
+    ("config", [], "data.hub_config=sample-10BT"),
+    ("config", ["data.max_tokens=1000"], "data.streaming=true"),
+    ("sample", ["temperature=0"], "top_k=5"),
+    ("sample", ["temperature=0"], "top_p=0.5"),
+    ("sample", ["temperature=0"], "seed=7"),
+    ("sample", ["kv_cache=false"], "kv_dtype=bfloat16"),
+    ("sample", ["kv_cache=false"], "compile=true"),
+    ("sample", ["prompt_file=p.txt"], "prompt=hi"),
+    ("visualize", ["prompt_file=p.txt"], "prompt=hi"),
+    ("cost", ["model=debug", "model.vocab_size=100"], "vocab_size=50"),
+    ("bench_sample", ["model=debug", "model.vocab_size=100"], "vocab_size=50"),
+    ("bench", ["model=debug"], "bench.rounds=3"),
+    ("bench_attention", ["paths=[sdpa]"], "window=64"),
+    ("bench_attention", ["paths=[sdpa]"], "block=64"),
+]
+
+
+@pytest.mark.parametrize("name,idle,setting", NO_EFFECT, ids=[f"{n}:{s}" for n, _, s in NO_EFFECT])
+def test_a_setting_without_effect_is_refused_in_one_line(name, idle, setting):
+    """Every option is used or refused: set where it cannot act (muon_* under AdamW, top_k when
+    greedy, a prompt beside prompt_file, ...), it is one line naming it and what would make it act."""
+    entry(name)  # registers the command's schema
+    key = setting.split("=")[0]
+    check_values(compose_cfg(name, idle))  # idle alone is fine
+    with pytest.raises(UserError, match=rf"^{key}=\S+ has no effect unless ") as e:
+        check_values(compose_cfg(name, [*idle, setting]))
+    one_line(e)
+
+
+def test_every_key_that_can_be_idle_has_a_case():
+    """A key added to any schema's NEEDS table must get a row in NO_EFFECT."""
+    declared = set()
+    for name in ENTRY_POINTS:
+        entry(name)
+        cfg = compose_cfg(name, ["model=debug"] if name in ("bench", "cost", "bench_sample") else [])
+        for _, schema, prefix in schema_nodes(cfg):
+            declared |= {f"{prefix}.{k}" if prefix else k for k in getattr(schema, "NEEDS", {})}
+    assert declared == {setting.split("=")[0] for _, _, setting in NO_EFFECT}
+
+

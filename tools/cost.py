@@ -21,7 +21,7 @@ from omegaconf import MISSING
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as tools/X.py: the repo's modules
 
-from common import DTYPES, POSITIVE, OneOf, check_values, cli, run_app
+from common import DTYPES, POSITIVE, Needs, OneOf, check_values, cli, run_app
 from counting import (ADAMW_BYTES_PER_PARAM, attention_variants, count_params, crossovers, macs_per_token,
                       memory_breakdown, mlp_matrices)
 from config import model_config
@@ -41,6 +41,7 @@ class CostConfig:
 
     RULES: ClassVar[dict] = {"seq_len": POSITIVE, "batch_size": POSITIVE, "vocab_size": POSITIVE,
                              "dtype": OneOf(tuple(DTYPES)), "format": OneOf(("text", "json"))}
+    NEEDS: ClassVar[dict] = {"vocab_size": Needs(lambda c: c.model.vocab_size is None, "model.vocab_size is unset")}
 
 
 ConfigStore.instance().store(name="base_cost", node=CostConfig)
