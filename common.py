@@ -229,6 +229,20 @@ def check_value(name: str, value, rule):
 
 # ----------------------------------------------------------------------------- files
 
+def file_digest(file) -> str:
+    """sha256 of a file's bytes (hex), read in pieces; an unreadable file is one line."""
+    import hashlib
+
+    h = hashlib.sha256()
+    try:
+        with open(file, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
+    except OSError as e:
+        raise UserError(f"cannot read {file}: {e.strerror or e} (check its permissions)") from None
+    return h.hexdigest()
+
+
 def umask() -> int:
     """The process's umask, read without changing it (os.umask can only set it, and setting it
     even briefly races with other threads creating files)."""

@@ -211,6 +211,15 @@ def check_train_config(cfg):
                         "flip every weight each step; use weight_decay < 1/lr")
 
 
+def data_seed(cfg) -> int:
+    """The seed of everything about the data a run sees: the order of its training batches, the
+    windows its evaluations read and the probe batch. Unset, the run's seed; set apart from it, arms
+    of an ablation can share data and differ only in their initialisation (or the reverse). `cfg`: a
+    training config, or one as a checkpoint stores it (a dict)."""
+    seed = cfg["train"].get("data_seed")
+    return cfg["seed"] if seed is None else seed
+
+
 def model_config(model_cfg, vocab_size=None) -> GPTConfig:
     """The GPTConfig of a `model` config group; an unset vocab_size comes from the tokenizer."""
     fields = OmegaConf.to_container(model_cfg, resolve=True) if OmegaConf.is_config(model_cfg) else dict(model_cfg)

@@ -37,7 +37,7 @@ from checkpoint import (BEST_NAME, check_resumable, last_good_checkpoint, latest
 from common import (Dist, Runtime, StopRequest, UserError, check_memory, cli, compile_wanted,
                     dir_mode, first_line, init_distributed, is_oom, lock_run_dir, peak_flops, remove_stale_temps,
                     run_app, run_info, setup_runtime)
-from config import check_train_config, model_config
+from config import check_train_config, data_seed, model_config
 from counting import training_bytes
 from data.loader import TokenData
 from data.prepare import prepare
@@ -224,7 +224,7 @@ def restore(run: Run, source: Path):
     if missing:
         raise UserError(f"cannot resume from {source}: it has no {', '.join(missing)} (weights only?); resume "
                         "from a ckpt_*.pt file train.py wrote, or start a new run")
-    check_resumable(state, run.cfg, run.data.tokenizer)
+    check_resumable(state, run.cfg, run.data)
     if state["step"] > run.cfg.train.max_iters:
         raise UserError(f"the checkpoint is at step {state['step']}, past train.max_iters={run.cfg.train.max_iters}: "
                         f"pass train.max_iters > {state['step']} to train on (nothing was changed)")
@@ -277,7 +277,8 @@ def checkpoint_contents(run: Run, full: bool = True) -> dict:
              "tokenizer": run.data.tokenizer.to_dict(), "step": run.step, "val_loss": run.evals.get("val"),
              "best_val_loss": run.best_val, "config": run.resolved,
              # whether a sample may start from <|endoftext|>: only if the model saw documents begin after one
-             "eot_in_train": run.data.meta.get("eot_in_train")}
+             "eot_in_train": run.data.meta.get("eot_in_train"),
+             "data_sha256": run.data.meta.get("sha256")}  # what resuming must find again (check_resumable)
     if full:
         state.update(optimizer=run.optimizer.state_dict(), scaler=run.scaler.state_dict(),
                      sampler=run.sampler.get_state(), rng=rng_state(run.rt.device, run.dist.world),
@@ -298,14 +299,6 @@ def save(run: Run) -> Path:
         prune_checkpoints(run.out_dir, run.cfg.train.keep_ckpts)
     run.saved_at = run.step
     return path
-
-
-@torch.no_grad()
-def data_seed(cfg) -> int:
-    """The seed of everything about the data a run sees: the order of its training batches, the
-    windows its evaluations read and the probe batch. Unset, the run's seed; set apart from it, arms
-    of an ablation can share data and differ only in their initialisation (or the reverse)."""
-    return cfg.seed if cfg.train.data_seed is None else cfg.train.data_seed
 
 
 def estimate_loss(run: Run) -> dict:

@@ -10,6 +10,7 @@ import signal
 import stat
 import time
 import typing
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -459,17 +460,49 @@ def test_resume_from_a_checkpoint_of_another_layout_is_one_line(tmp_path, shared
     one_line(e)
 
 
-@pytest.mark.parametrize("damage", ["meta.json", "train.bin"])
-def test_damaged_prepared_data_is_one_line(tmp_path, damage):
-    cfg = compose_cfg("config", ["data=text", f"data.path={tmp_path / 'c.txt'}", f"data.cache_dir={tmp_path}/cache"])
+def cut_short(path: Path):
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 4])
+
+
+def change_a_byte(path: Path):
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+DAMAGE = {  # what a kill, a full disk or a hand can leave of a prepared dataset
+    "train.bin cut short": lambda d: cut_short(d / "train.bin"),
+    "a byte of val.bin changed": lambda d: change_a_byte(d / "val.bin"),
+    "train.bin deleted": lambda d: (d / "train.bin").unlink(),
+    "meta.json cut short": lambda d: (d / "meta.json").write_text('{"tokenizer": {"kind": "char", "ch'),
+    "meta.json deleted": lambda d: (d / "meta.json").unlink(),
+}
+
+
+@pytest.mark.parametrize("damage", DAMAGE)
+def test_damaged_prepared_data_is_found_and_prepared_again(tmp_path, damage, caplog):
+    """Was: a train.bin cut short (meta.json: 180,000 tokens, 50,000 left) or with changed bytes was
+    used as it was, and a cache dir without its meta.json ended in an OSError traceback."""
     (tmp_path / "c.txt").write_text(corpus_text())
+    cfg = compose_cfg("config", ["data=text", f"data.path={tmp_path / 'c.txt'}", f"data.cache_dir={tmp_path}/cache"])
     out = prepare(cfg.data)
-    if damage == "meta.json":
-        (out / "meta.json").write_text('{"tokenizer": {"kind": "char", "ch')  # edited by hand, cut short
-    else:
-        (out / "train.bin").unlink()
-    with pytest.raises(UserError, match="is damaged .*delete that directory") as e:
-        TokenData(prepare(cfg.data))
+    whole = {f: (out / f).read_bytes() for f in ("train.bin", "val.bin")}
+    DAMAGE[damage](out)
+    assert prepare(cfg.data) == out
+    [line] = [r.getMessage() for r in caplog.records if "damaged" in r.getMessage()]
+    assert "\n" not in line and line.endswith("preparing it again") and str(out) in line, line
+    assert {f: (out / f).read_bytes() for f in whole} == whole
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == [out.name]  # the damaged copy is gone
+
+
+def test_a_token_file_cut_short_is_one_line_when_opened(tmp_path):
+    """TokenData checks the lengths too (what data/prepare.py checked can be cut afterwards)."""
+    (tmp_path / "c.txt").write_text(corpus_text())
+    out = prepare(compose_cfg("config", ["data=text", f"data.path={tmp_path / 'c.txt'}",
+                                         f"data.cache_dir={tmp_path}/cache"]).data)
+    cut_short(out / "train.bin")
+    with pytest.raises(UserError, match=r"is damaged \(train.bin holds [\d,]+ tokens, meta.json says [\d,]+\)") as e:
+        TokenData(out)
     one_line(e)
 
 
@@ -716,6 +749,68 @@ def test_bad_values_through_the_real_cli_are_one_line(tmp_path, script, args, ne
 
 
 # ----------------------------------------------------------------------------- third pass
+
+def test_resume_with_another_text_of_the_same_characters_is_refused(tmp_path, shared):
+    """Was: trained on the other text without a word (the tokenizer alone was compared)."""
+    a, b = tmp_path / "a.txt", tmp_path / "b.txt"
+    a.write_text(corpus_text())
+    b.write_text("".join(reversed(corpus_text().splitlines(keepends=True))))  # the same characters
+    train(make_cfg(tmp_path, shared, f"data.path={a}", "train.max_iters=10"))
+    before = snapshot(tmp_path / "run")
+    with pytest.raises(UserError, match="holds other tokens than the checkpoint was trained on") as e:
+        train(make_cfg(tmp_path, shared, f"data.path={b}", "train.max_iters=20", "resume=true"))
+    one_line(e)
+    assert snapshot(tmp_path / "run") == before
+    moved = tmp_path / "moved" / "a.txt"  # the same text elsewhere is the same data
+    moved.parent.mkdir()
+    shutil.copy(a, moved)
+    assert train(make_cfg(tmp_path, shared, f"data.path={moved}", "train.max_iters=20", "resume=true"))["steps"] == 20
+
+
+def test_resume_with_another_split_seed_or_data_seed_is_refused(tmp_path, shared):
+    """Was: a multi-file run resumed with another data.split_seed (documents moved between train
+    and val) or another train.data_seed (other evaluation windows) went on without a word."""
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    for i in range(12):
+        (docs / f"{i:02d}.txt").write_text(corpus_text(20 + i))
+    data = [f"data.path={docs}/*.txt", "data.val_fraction=0.25"]
+    train(make_cfg(tmp_path, shared, *data, "train.max_iters=10"))
+    before = snapshot(tmp_path / "run")
+    with pytest.raises(UserError, match=r"holds other tokens .*data.split_seed") as e:
+        train(make_cfg(tmp_path, shared, *data, "data.split_seed=7", "train.max_iters=20", "resume=true"))
+    one_line(e)
+    with pytest.raises(UserError, match=r"the data seed \(train.data_seed, else seed\) is 5 here but 1337") as e:
+        train(make_cfg(tmp_path, shared, *data, "train.data_seed=5", "train.max_iters=20", "resume=true"))
+    one_line(e)
+    assert snapshot(tmp_path / "run") == before
+
+
+def record_bytes(path: Path, name_end: str) -> tuple:
+    """(offset, length) of the stored bytes of a zip record whose name ends with name_end."""
+    with zipfile.ZipFile(path) as z:
+        info = next(i for i in z.infolist() if i.filename.endswith(name_end))
+    with open(path, "rb") as f:
+        f.seek(info.header_offset + 26)
+        name_len, extra_len = int.from_bytes(f.read(2), "little"), int.from_bytes(f.read(2), "little")
+    return info.header_offset + 30 + name_len + extra_len, info.file_size
+
+
+def test_a_checkpoint_with_changed_bytes_is_refused(tmp_path, tiny_run, sample_cfg):
+    """Was: 64 corrupted bytes inside a weight loaded, and sampling printed other text."""
+    good = tiny_run / "best.pt"
+    with zipfile.ZipFile(good) as z:  # the largest tensor record
+        largest = max((i for i in z.infolist() if "/data/" in i.filename), key=lambda i: i.file_size).filename
+    start, size = record_bytes(good, largest)
+    data = bytearray(good.read_bytes())
+    data[start + size // 2:start + size // 2 + 64] = bytes(b ^ 0x5A for b in data[start + size // 2:start + size // 2 + 64])
+    bad = tmp_path / "best.pt"
+    bad.write_bytes(bytes(data))
+    with pytest.raises(UserError, match=rf"checkpoint {bad} is damaged: its record \S+ does not match its checksum") as e:
+        sample(sample_cfg(f"ckpt={bad}", "max_new_tokens=3"))
+    one_line(e)
+    assert ck.load_checkpoint(good)["step"] == 10  # the untouched one loads
+
 
 def test_lr_decay_that_ends_before_the_warmup_is_refused(tmp_path, shared):
     """Was: accepted, and the lr jumped from its peak to min_lr when the warmup ended."""
