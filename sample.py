@@ -37,7 +37,10 @@ def next_tokens(logits, temperature, top_k, top_p, generators):
     temperature-scaled, top-k and top-p filtered distribution, row b with generators[b]."""
     if temperature == 0:
         return logits.argmax(dim=-1, keepdim=True)  # (B, 1)
-    logits = logits.float() / temperature
+    logits = logits.float()
+    # the best logit moved to 0 first (softmax is the same): near temperature 0 the others then go to
+    # -inf, where dividing them as they are overflows to +-inf and the softmax to NaN
+    logits = (logits - logits.amax(dim=-1, keepdim=True)) / temperature
     if top_k is not None and top_k < logits.size(-1):
         kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]  # (B, 1)
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -45,6 +48,7 @@ def next_tokens(logits, temperature, top_k, top_p, generators):
     if top_p < 1.0:  # keep the smallest set of most likely tokens whose mass reaches top_p
         sorted_p, order = probs.sort(dim=-1, descending=True)
         outside = sorted_p.cumsum(-1) - sorted_p >= top_p  # mass before this token already enough
+        outside[:, 0] = False  # the likeliest always stays (a top_p below float32's range would drop it too)
         probs = probs.scatter(-1, order, sorted_p.masked_fill(outside, 0.0))
     # each row has its own generator, so sample b of a batch equals a lone sample with that seed
     return torch.stack([torch.multinomial(probs[b], 1, generator=g) for b, g in enumerate(generators)])

@@ -820,6 +820,24 @@ def test_lr_decay_that_ends_before_the_warmup_is_refused(tmp_path, shared):
     assert not (tmp_path / "run").exists()
 
 
+def test_sampling_at_extreme_temperatures_and_top_p(tiny_run, sample_cfg):
+    """Was: temperature=1e-40: `RuntimeError: probability tensor contains inf/nan`; top_p=1e-300 (0 in
+    float32): `invalid multinomial distribution`. Near those limits sampling is greedy decoding."""
+    base = [f"ckpt={tiny_run}", "prompt=line", "max_new_tokens=20"]
+    greedy = sample(sample_cfg(*base, "temperature=0"))
+    assert sample(sample_cfg(*base, "temperature=1e-40")) == greedy
+    assert sample(sample_cfg(*base, "top_p=1e-300")) == greedy
+    assert len(sample(sample_cfg(*base, "temperature=1e300"))[0]) > len("line")  # uniform, still text
+
+
+def test_bench_without_warm_up_times_its_steps():
+    """Was: bench.warmup=0 ended in ZeroDivisionError."""
+    from tools.bench import bench
+    r = bench(compose_cfg("bench", ["model=debug", "device=cpu", "bench.warmup=0", "bench.iters=1",
+                                    "train.batch_size=2"]))
+    assert r["attnlab"]["ms_per_iter"] > 0
+
+
 def test_muon_settings_under_adamw_are_refused_before_anything_is_written(tmp_path, shared):
     """Was: train.muon_* were silently ignored under train.optimizer=adamw."""
     with pytest.raises(UserError, match=r"train.muon_lr=0.01 has no effect unless train.optimizer=muon") as e:
@@ -882,5 +900,14 @@ def test_every_key_that_can_be_idle_has_a_case():
         for _, schema, prefix in schema_nodes(cfg):
             declared |= {f"{prefix}.{k}" if prefix else k for k in getattr(schema, "NEEDS", {})}
     assert declared == {setting.split("=")[0] for _, _, setting in NO_EFFECT}
+
+
+def test_cost_at_extreme_lengths_gives_a_result_and_a_plot(tmp_path):
+    """Was: the plot failed at any length (a float N met a Fraction) and, past int64, in matplotlib."""
+    from tools.cost import cost
+    r = cost(compose_cfg("cost", ["model=debug", "seq_len=1000000000000", "batch_size=1000000", "format=json",
+                                  f"plot={tmp_path / 'cost.png'}"]))
+    assert r["memory_bytes"]["attn_weights_per_layer"] == 10**6 * 2 * 10**24 * 2  # B * heads * N^2 * 2 bytes
+    assert (tmp_path / "cost.png").stat().st_size > 10_000
 
 

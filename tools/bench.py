@@ -69,13 +69,13 @@ def load_nanogpt(path):
 
 
 def time_steps(model, optimizer, cfg, rt, n, batch):
-    """Seconds per training step, mean of n steps (GPU work included)."""
+    """Seconds per training step, mean of n steps (GPU work included); None for no steps (no warm-up)."""
     scaler = torch.amp.GradScaler(rt.device.type, enabled=rt.dtype == torch.float16)
     accum = cfg.train.grad_accum or 1
     with Timer(rt.device) as t:
         for _ in range(n):
             train_step(model, optimizer, [batch] * accum, accum, cfg.train.grad_clip, rt, scaler)
-    return t.seconds / n
+    return t.seconds / n if n else None
 
 
 def bench(cfg) -> dict:

@@ -96,7 +96,7 @@ def size(nbytes) -> str:
     """Bytes in binary units (KiB = 2^10 B, MiB = 2^20 B, GiB = 2^30 B, TiB = 2^40 B)."""
     for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if nbytes >= scale:
-            return f"{nbytes / scale:.2f} {unit}"
+            return f"{nbytes / scale:{'.2f' if nbytes < 1e6 * scale else '.3g'}} {unit}"  # 1e+30 TiB, not 31 digits
     return f"{nbytes} B"
 
 
@@ -241,13 +241,13 @@ def plot_cost(c, N, B, dtype, x, mem, path):
             (f"KV cache ({heads_word(c.n_kv_head)})", mem["kv_cache"]),
             (f"KV cache, MHA ({c.n_head})", mem["kv_cache_mha"])]
     labels, values = zip(*bars)
-    bx.barh(range(len(bars)), values, color=["C0", "C0", "C3", "C3", "C2", "C7"])
+    bx.barh(range(len(bars)), [float(v) for v in values], color=["C0", "C0", "C3", "C3", "C2", "C7"])  # past int64 too
     for i, v in enumerate(values):
-        bx.text(v, i, f" {size(v)}", va="center", fontsize=8)
+        bx.text(float(v), i, f" {size(v)}", va="center", fontsize=8)
     bx.set_yticks(range(len(bars)), labels)
     bx.invert_yaxis()
     bx.set(xscale="log", xlabel="bytes (log)", title=f"memory at N={N:,}, batch {B}, {dtype}")
-    bx.set_xlim(right=max(values) * 8)  # room for the labels
+    bx.set_xlim(right=float(max(values)) * 8)  # room for the labels
     return save_figure(fig, path)
 
 
