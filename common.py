@@ -29,19 +29,52 @@ class UserError(Exception):
     """Bad input (config value, data file, checkpoint, prompt); the message says how to fix it."""
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (`kill`, `timeout`, a scheduler stopping a job), raised where Ctrl-C raises
+    KeyboardInterrupt: a command stops the same way, keeping what it made so far."""
+
+
+def raise_terminated(signum, frame):
+    raise Terminated()
+
+
+def redeliver_lost_interrupt(unraisable):
+    """sys.unraisablehook: Python prints and drops an exception raised while it runs a clean-up
+    callback (a weakref's, an import lock's), so a Ctrl-C or SIGTERM that lands there would be lost
+    (seen while `datasets` tokenizes). Raise it again 50 ms later, from wherever the command is then."""
+    if not isinstance(unraisable.exc_value, KeyboardInterrupt):
+        return sys.__unraisablehook__(unraisable)
+    lost = unraisable.exc_value
+
+    def again(signum, frame):
+        raise lost
+    signal.signal(signal.SIGALRM, again)
+    signal.setitimer(signal.ITIMER_REAL, 0.05)
+
+
+def interruption(e: KeyboardInterrupt):
+    """(what stopped a command, its exit status): Ctrl-C 130, SIGTERM 143 (128 + the signal)."""
+    return ("SIGTERM", 143) if isinstance(e, Terminated) else ("Ctrl-C", 130)
+
+
 def cli(main):
     """Wrap an entry point: a UserError ends it with one line `error: ...` and exit status 1,
-    running out of memory likewise, Ctrl-C with one line and status 130, never a traceback."""
+    running out of memory likewise, Ctrl-C or SIGTERM with one line and status 130 or 143, never a
+    traceback."""
     @functools.wraps(main)
     def wrapper(*args, **kwargs):
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, raise_terminated)
+            sys.unraisablehook = redeliver_lost_interrupt
         try:
             return main(*args, **kwargs)
         except UserError as e:
             print(f"error: {e}", file=sys.stderr)
             sys.exit(1)
-        except KeyboardInterrupt:
-            print("interrupted (Ctrl-C)", file=sys.stderr)
-            sys.exit(130)
+        except KeyboardInterrupt as e:
+            name, status = interruption(e)
+            print(f"interrupted ({name})", file=sys.stderr)
+            sys.exit(status)
         except BrokenPipeError:  # `... | head`: the reader left; what it wanted was printed
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             sys.exit(0)

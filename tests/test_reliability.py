@@ -546,8 +546,9 @@ def test_nan_from_a_bad_model_value_is_not_blamed_on_the_learning_rate(tmp_path,
         train(make_cfg(tmp_path / "b", shared))
 
 
-@pytest.mark.parametrize("script", ["data/prepare.py", "train.py"])
-def test_ctrl_c_during_data_preparation_is_one_line_and_leaves_nothing(tmp_path, script, cli):
+@pytest.mark.parametrize("script,sig", [("data/prepare.py", "SIGINT"), ("train.py", "SIGINT"), ("data/prepare.py", "SIGTERM")])
+def test_ctrl_c_during_data_preparation_is_one_line_and_leaves_nothing(tmp_path, script, sig, cli):
+    """SIGTERM likewise (was: the process died at once, its temporary dirs left in the cache)."""
     # one tokenizing process: with data.num_proc > 1 a Ctrl-C can leave datasets' worker pool
     # waiting for killed workers (README, Reliability: not guaranteed)
     big = tmp_path / "big.txt"
@@ -558,10 +559,10 @@ def test_ctrl_c_during_data_preparation_is_one_line_and_leaves_nothing(tmp_path,
                      start_new_session=True, preexec_fn=interruptible)
     wait_for(lambda: cache.is_dir() and any(cache.iterdir()), proc)
     time.sleep(1.5)
-    os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does: the whole process group
+    os.killpg(proc.pid, getattr(signal, sig))  # SIGINT: what Ctrl-C in a terminal does, to the whole process group
     _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 130 and "Traceback" not in err, err[-3000:]
-    assert err.strip().splitlines()[-1] == "interrupted (Ctrl-C)"
+    assert proc.returncode == {"SIGINT": 130, "SIGTERM": 143}[sig] and "Traceback" not in err, err[-3000:]
+    assert err.strip().splitlines()[-1] == f"interrupted ({'Ctrl-C' if sig == 'SIGINT' else 'SIGTERM'})"
     assert list(cache.iterdir()) == []  # no half-written dataset, no temporary dir
 
 
@@ -750,6 +751,22 @@ def test_bad_values_through_the_real_cli_are_one_line(tmp_path, script, args, ne
 
 # ----------------------------------------------------------------------------- third pass
 
+def test_sigterm_while_sampling_prints_what_was_generated(tiny_run, tmp_path, cli):
+    """Was: `timeout 6 python sample.py max_new_tokens=3000000 > out.txt` left 0 bytes and no message."""
+    with open(tmp_path / "out.txt", "w") as out:
+        proc = cli.popen("sample.py", f"ckpt={tiny_run}", "prompt=line", "max_new_tokens=3000000", "device=cpu",
+                         stdout=out)
+        first = proc.stderr.readline()  # the log line just before generation starts
+        assert "sampling from" in first, first + proc.communicate()[1][-3000:]
+        time.sleep(3)
+        proc.send_signal(signal.SIGTERM)  # what `timeout`, `kill` and job schedulers send
+        _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143 and "Traceback" not in err, err[-3000:]
+    assert err.strip().splitlines()[-1] == "interrupted (SIGTERM): the text above is what was generated until then"
+    text = (tmp_path / "out.txt").read_text()
+    assert text.startswith("line") and text.endswith("---------------\n") and len(text) > 100, text[:200]
+
+
 def test_resume_with_another_text_of_the_same_characters_is_refused(tmp_path, shared):
     """Was: trained on the other text without a word (the tokenizer alone was compared)."""
     a, b = tmp_path / "a.txt", tmp_path / "b.txt"
@@ -911,3 +928,26 @@ def test_cost_at_extreme_lengths_gives_a_result_and_a_plot(tmp_path):
     assert (tmp_path / "cost.png").stat().st_size > 10_000
 
 
+def test_an_interrupt_lost_in_a_clean_up_callback_is_raised_again(monkeypatch):
+    """Was: a Ctrl-C or SIGTERM that landed while Python ran a weakref's callback (often, while
+    `datasets` tokenizes) was printed as "Exception ignored" and the command went on to the end."""
+    import sys
+    import weakref
+    from common import redeliver_lost_interrupt
+    monkeypatch.setattr(sys, "unraisablehook", redeliver_lost_interrupt)
+    previous = signal.getsignal(signal.SIGALRM)
+
+    def interrupted_callback(ref):
+        raise KeyboardInterrupt  # what a signal handler raises when it runs inside the callback
+
+    class Thing:
+        pass
+    thing = Thing()
+    ref = weakref.ref(thing, interrupted_callback)  # noqa: F841 (the callback needs the ref alive)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            del thing  # the callback's exception is dropped by Python, then raised again
+            time.sleep(5)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
