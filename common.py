@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 log = logging.getLogger("attnlab")
+STARTED = time.time()  # this process's start, as near as an import gets: what it created is newer
 
 
 class UserError(Exception):
@@ -57,21 +58,28 @@ def interruption(e: KeyboardInterrupt):
     return ("SIGTERM", 143) if isinstance(e, Terminated) else ("Ctrl-C", 130)
 
 
+entered = False  # set once Hydra has handed a command its config: errors before that are Hydra's
+
+
 def cli(main):
     """Wrap an entry point: a UserError ends it with one line `error: ...` and exit status 1,
     running out of memory likewise, Ctrl-C or SIGTERM with one line and status 130 or 143, never a
     traceback."""
     @functools.wraps(main)
     def wrapper(*args, **kwargs):
+        global entered
+        entered = True
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, raise_terminated)
             sys.unraisablehook = redeliver_lost_interrupt
         try:
             return main(*args, **kwargs)
         except UserError as e:
+            forget_hydra_run_dir()
             print(f"error: {e}", file=sys.stderr)
             sys.exit(1)
         except KeyboardInterrupt as e:
+            forget_hydra_run_dir()
             name, status = interruption(e)
             print(f"interrupted ({name})", file=sys.stderr)
             sys.exit(status)
@@ -128,6 +136,14 @@ def run_app(app):
         return app()
     except (HydraException, OmegaConfBaseException) as e:
         print(f"error: {hydra_error_line(e)} (--help lists every key and its type)", file=sys.stderr)
+        sys.exit(1)
+    except OSError as e:
+        if entered:  # the command's own: not Hydra's
+            raise
+        # before the command runs Hydra creates its run dir (and nothing else here): a file, a link to
+        # nothing, a read-only place or /proc there fails in its mkdir
+        print(f"error: cannot make the run dir {e.filename}: {e.strerror} (hydra.run.dir, or hydra.sweep.dir "
+              "with -m, must be a directory you can write)", file=sys.stderr)
         sys.exit(1)
     finally:
         del os.environ["HYDRA_FULL_ERROR"]
@@ -261,6 +277,48 @@ def check_value(name: str, value, rule):
 
 
 # ----------------------------------------------------------------------------- files
+
+def check_output_dir(path, key: str) -> Path:
+    """A directory a command will write into (made if absent), checked before any work: one line if
+    it is a file or a link to nothing, or if nothing can be made where it is or would be (read-only,
+    another user's, /proc)."""
+    p = Path(path).expanduser()
+    if p.is_symlink() and not p.exists():
+        raise UserError(f"{key}={path} is a symbolic link to nothing: name a directory")
+    if p.exists() and not p.is_dir():
+        raise UserError(f"{key}={path} is a file: name a directory")
+    check_can_write(p, key, path)
+    return p
+
+
+def check_output_file(path, key: str) -> Path:
+    """A file a command will write (or replace), checked before any work: one line if it is a
+    directory, a symbolic link (writing would change whatever it points to) or in a place where
+    nothing can be written."""
+    p = Path(path).expanduser()
+    if p.is_symlink():
+        raise UserError(f"{key}={path} is a symbolic link: writing it would change the file it points to; "
+                        "name the file itself")
+    if p.is_dir():
+        raise UserError(f"{key}={path} is a directory: name a file")
+    check_can_write(p.parent, key, path)
+    return p
+
+
+def check_can_write(p: Path, key: str, given):
+    """Try it: make and remove an empty directory in `p`, or in its nearest existing ancestor. Read-only
+    places, another user's directory and /proc (where os.access says yes to root) all fail here."""
+    import tempfile
+
+    place = next(a for a in (p, *p.parents) if a.exists() or a.is_symlink())
+    if not place.is_dir():
+        raise UserError(f"{key}={given}: {place} is a file, not a directory")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".attnlab-write-test-", dir=place))
+    except OSError as e:
+        raise UserError(f"{key}={given}: nothing can be written in {place} ({e.strerror}): name a directory "
+                        "you can write") from None
+
 
 def file_digest(file) -> str:
     """sha256 of a file's bytes (hex), read in pieces; an unreadable file is one line."""
@@ -607,3 +665,42 @@ def lock_run_dir(out_dir: Path):
     f.write(f"pid {os.getpid()} on {platform.node()}\n")
     f.flush()
     return f
+
+
+def forget_hydra_run_dir():
+    """A refused or interrupted command leaves no empty run dir behind: Hydra made it (hydra.run.dir)
+    before the command ran."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if HydraConfig.initialized():
+        out_dir = Path(HydraConfig.get().runtime.output_dir)
+        if new_run_dir(out_dir):
+            remove_new_run_dir(out_dir)
+
+
+def new_run_dir(out_dir: Path) -> bool:
+    """True if the run dir is absent, or empty and made since this process started (Hydra makes a
+    command's run dir before the command runs): a refused run may then remove it again."""
+    try:
+        return not any(out_dir.iterdir()) and out_dir.stat().st_mtime >= STARTED
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
+
+
+def remove_new_run_dir(out_dir: Path, locked: bool = False):
+    """Undo a refused run's new dir: its lock file if this process holds the lock (`locked`; another
+    process's lock stays, and so then does the dir), the dir, then each parent below the working
+    directory that is left empty (Hydra's outputs/runs/ of a first run). Never the working directory
+    or one above it."""
+    run_dir, here = out_dir.resolve(), Path.cwd().resolve()
+    if run_dir == here or run_dir in here.parents:
+        return
+    if locked:
+        (out_dir / ".lock").unlink(missing_ok=True)
+    for d in [run_dir] + [p for p in run_dir.parents if here in p.parents]:
+        try:
+            d.rmdir()  # only ever an empty one
+        except OSError:
+            break

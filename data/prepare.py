@@ -31,8 +31,8 @@ import numpy as np
 if __name__ == "__main__":  # run as a script: make the repo's modules importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common import (UserError, check_values, cli, dir_mode, file_digest, private_mode, remove_stale_temps,
-                    run_app, temp_suffix)
+from common import (UserError, check_output_dir, check_values, cli, dir_mode, file_digest, private_mode,
+                    remove_stale_temps, run_app, temp_suffix)
 from data.loader import SPLITS, token_files_damage
 from data.tokenizer import cached_tokenizer, train_tokenizer
 
@@ -396,7 +396,7 @@ def prepare(data_cfg) -> Path:
         raise UserError("data.streaming=true needs a token budget: set data.max_tokens (e.g. 1e9)")
     kind, location = source_of(data_cfg)
     files = local_files(location) if kind == "file" else []
-    cache_root = Path(data_cfg.cache_dir) if data_cfg.cache_dir else REPO / "data" / "cache"
+    cache_root = Path(data_cfg.cache_dir or REPO / "data" / "cache").expanduser()
     final = cache_root / f"{data_cfg.name}-{data_cfg.tokenizer}-{cache_key(data_cfg, kind, location, files)}"
     if cache_root.is_dir():
         remove_stale_temps(cache_root)  # what killed preparations left (not those still running)
@@ -407,6 +407,7 @@ def prepare(data_cfg) -> Path:
         if warning:
             log.warning(warning)
         return final
+    check_output_dir(cache_root, "data.cache_dir")  # about to write there: one line now, not after tokenizing
     if final.exists():
         log.warning("the prepared data in %s is damaged (%s): preparing it again", final, damage or "not a directory")
         discard(final)

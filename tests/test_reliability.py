@@ -743,10 +743,10 @@ TRAINING = ["device=cpu", "logger.wandb.mode=disabled"]
 ])
 def test_bad_values_through_the_real_cli_are_one_line(tmp_path, script, args, needle, cli):
     """A few of the cases above end to end: `error: ...` as the one last line, status 1, no traceback,
-    and for train.py nothing written into the run dir."""
+    and nothing written: no run dir (was: train.py left the run dir Hydra made, with its train.log)."""
     r = cli(script, *args, f"hydra.run.dir={tmp_path / 'run'}")
     assert_one_line_error(r, needle)
-    assert not (tmp_path / "run").exists() or not [p for p in (tmp_path / "run").iterdir() if p.name != "train.log"]
+    assert not (tmp_path / "run").exists()
 
 
 # ----------------------------------------------------------------------------- third pass
@@ -917,6 +917,17 @@ def test_every_key_that_can_be_idle_has_a_case():
         for _, schema, prefix in schema_nodes(cfg):
             declared |= {f"{prefix}.{k}" if prefix else k for k in getattr(schema, "NEEDS", {})}
     assert declared == {setting.split("=")[0] for _, _, setting in NO_EFFECT}
+
+
+@pytest.mark.parametrize("args", [["train.lr=nan"], ["data.path=no-such-file.txt"], ["model.block_size=100000"]],
+                         ids=["bad value", "missing data", "refused after the data"])
+def test_a_refused_training_writes_nothing(tmp_path, shared, args, cli):
+    """Was: a refused train.py left outputs/runs/<time>/train.log (Hydra made the dir and opened the
+    log before any check)."""
+    r = cli("train.py", "model=debug", "device=cpu", "logger.wandb.mode=disabled", "data=text",
+            f"data.path={shared['corpus']}", f"data.cache_dir={shared['cache']}", *args, cwd=tmp_path)
+    assert_one_line_error(r, args[0].split("=")[0])
+    assert list(tmp_path.iterdir()) == []  # no outputs/, no run dir, no train.log
 
 
 def test_cost_at_extreme_lengths_gives_a_result_and_a_plot(tmp_path):

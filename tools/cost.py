@@ -21,7 +21,7 @@ from omegaconf import MISSING
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as tools/X.py: the repo's modules
 
-from common import DTYPES, POSITIVE, Needs, OneOf, check_values, cli, run_app
+from common import DTYPES, POSITIVE, Needs, OneOf, check_output_file, check_values, cli, run_app
 from counting import (ADAMW_BYTES_PER_PARAM, attention_variants, count_params, crossovers, macs_per_token,
                       memory_breakdown, mlp_matrices)
 from config import model_config
@@ -57,6 +57,8 @@ def cost(cfg) -> dict:
     """The JSON object of `format=json` (integers: counts, MACs, bytes); prints it, or the text
     report, and writes the plot."""
     check_values(cfg)
+    if cfg.plot:
+        check_output_file(cfg.plot, "plot")
     fallback = cfg.model.vocab_size is None  # no data is loaded: any vocabulary may be asked about
     c = model_config(cfg.model, cfg.vocab_size if fallback else None)
     N = c.block_size if cfg.seq_len is None else cfg.seq_len

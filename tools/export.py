@@ -55,7 +55,7 @@ from hydra.core.config_store import ConfigStore
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as tools/X.py: the repo's modules
 
 from checkpoint import find_checkpoint, load_checkpoint, model_from_checkpoint
-from common import UserError, cli, dir_mode, private_mode, run_app, temp_suffix
+from common import UserError, check_output_dir, cli, dir_mode, private_mode, run_app, temp_suffix
 from attention import qk_normalize
 from model import GPT, NORM_EPS, GPTConfig
 from data.tokenizer import EOT, tokenizer_from_dict
@@ -440,8 +440,7 @@ def prepare_out(out: Optional[str], overwrite: bool) -> Path:
     if not out:
         raise UserError("out=DIR is required: the directory to write the transformers model to")
     path = Path(out).expanduser()
-    if path.exists() and not path.is_dir():
-        raise UserError(f"out={out} is a file: pass a directory")
+    check_output_dir(path, "out")
     if path.is_dir() and any(path.iterdir()):
         if not overwrite:
             raise UserError(f"out={out} is not empty: pass overwrite=true to replace an earlier export, or another dir")
