@@ -1,6 +1,7 @@
-"""Nothing lost, nothing silently wrong (issue 12): one test per hostile case of the second
-reliability pass, each reproducing the original failure, and one test that walks every numeric
-config key through its bad values (0, negative, huge, nan, inf, wrong type)."""
+"""Nothing lost, nothing silently wrong: one test per hostile case of the reliability passes, each
+reproducing the original failure ("Was: ..."), one test that walks every numeric config key through
+its bad values (0, negative, huge, nan, inf, wrong type), and one that sets every key where it has
+no effect. Output paths are tests/test_output_paths.py's, exports' overwrite tests/test_export.py's."""
 import dataclasses
 import json
 import math
