@@ -81,6 +81,11 @@ class Run:
     wandb_id: Optional[str] = None  # a resumed run's W&B run, continued
     log_file: Optional[logging.Handler] = None  # train.log in the run dir (rank 0), from record() on
 
+    @property
+    def finished(self) -> bool:
+        """Resumed at train.max_iters: there is nothing left to do."""
+        return self.resuming and self.step >= self.cfg.train.max_iters
+
 
 # ----------------------------------------------------------------------------- the run
 
@@ -99,6 +104,8 @@ def train(cfg, run_name=None, run_group=None, overrides=None) -> dict:
         raise
     finally:
         logging.getLogger().removeHandler(early)
+    if run.finished:
+        return already_finished(run)
     tcfg, master = cfg.train, run.dist.master
     meter = Throughput(tcfg.batch_size * run.grad_accum * run.mcfg.block_size)
     peak = peak_flops(run.rt, tcfg.peak_flops)
@@ -154,6 +161,16 @@ def summary(run: Run, tokens_per_sec=None, stopped=None, wall_s=0.0, train_s=0.0
             "train_s": train_s, "probe_s": probe_s, "attn": run.attn_history}
 
 
+def already_finished(run: Run) -> dict:
+    """A run resumed at its train.max_iters: say so and change nothing (its record, metrics, plots
+    and W&B run stay as they are)."""
+    log.warning("nothing to do: the run in %s is already at step %d = train.max_iters (val loss %s, best %.4f); "
+                "pass train.max_iters > %d to train on", run.out_dir, run.step,
+                "unknown" if run.evals["val"] is None else f"{run.evals['val']:.4f}", run.best_val, run.step)
+    close(run)
+    return summary(run)
+
+
 def close(run: Run):
     """Release what the run holds: W&B and metrics, train.log, the run-dir lock, the process group."""
     if run.tracker is not None:
@@ -203,7 +220,8 @@ def setup(cfg, run_name=None, run_group=None, overrides=None, early_log=()) -> R
         run = build(cfg, out_dir, dist_, grad_accum, lock)
         if source is not None:
             restore(run, source)
-        record(run, run_name, run_group, overrides, early_log)
+        if not run.finished:
+            record(run, run_name, run_group, overrides, early_log)
         return run
     except BaseException:
         if made and (dist_ is None or dist_.master):
@@ -270,7 +288,7 @@ def restore(run: Run, source: Path):
         raise UserError(f"cannot resume from {source}: its optimizer or random state does not fit this run "
                         f"({type(e).__name__}: {first_line(e, 120)}); resume with the run's own config") from None
     run.step, run.best_val, run.wandb_id = state["step"], state["best_val_loss"], state.get("wandb_id")
-    run.resuming, run.saved_at = True, run.step
+    run.resuming, run.saved_at, run.evals = True, run.step, {"val": state.get("val_loss")}
     log.info("resuming from %s at step %d", source, run.step)
 
 

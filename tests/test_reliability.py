@@ -856,6 +856,16 @@ def test_bench_without_warm_up_times_its_steps():
     assert r["attnlab"]["ms_per_iter"] > 0
 
 
+def test_resuming_a_finished_run_says_so_and_changes_nothing(tmp_path, shared, caplog):
+    """Was: `done: val loss nan`, after rewriting the run's record and plots."""
+    first = train(make_cfg(tmp_path, shared, "train.max_iters=10"))
+    before = snapshot(tmp_path / "run")
+    again = train(make_cfg(tmp_path, shared, "train.max_iters=10", "resume=true"))
+    assert again["steps"] == 10 and again["val_loss"] == first["val_loss"] is not None
+    assert "nothing to do: the run in" in caplog.text and "pass train.max_iters > 10 to train on" in caplog.text
+    assert snapshot(tmp_path / "run") == before
+
+
 def test_muon_settings_under_adamw_are_refused_before_anything_is_written(tmp_path, shared):
     """Was: train.muon_* were silently ignored under train.optimizer=adamw."""
     with pytest.raises(UserError, match=r"train.muon_lr=0.01 has no effect unless train.optimizer=muon") as e:
