@@ -41,7 +41,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from common import OneOf, Range, Rule, UserError
+from common import Needs, OneOf, Range, Rule, UserError
 
 QK_NORM_TYPES = ("rms", "layer", "l2")
 QK_NORM_GAINS = ("none", "head", "channel")
@@ -91,11 +91,22 @@ class AttnConfig:
         "q_lora_rank": Range(1),
         "rope_head_dim": Range(2, why="RoPE rotates pairs of channels"),
     }
+    # each option must change what the model computes
+    SOFTMAX: ClassVar[Needs] = Needs(lambda a: a.kind != "linear", "{p}kind is softmax or mla (linear attention "
+                                     "has no softmax, no logits, no N x N table)")
+    QK_NORM: ClassVar[Needs] = Needs(lambda a: a.qk_norm, "{p}qk_norm=true")
+    MLA: ClassVar[Needs] = Needs(lambda a: a.kind == "mla", "{p}kind=mla")
+    NEEDS: ClassVar[dict] = {
+        "impl": SOFTMAX, "scale": SOFTMAX, "window": SOFTMAX, "sink": SOFTMAX,
+        "qk_norm_type": QK_NORM, "qk_norm_gain": QK_NORM,
+        "kv_lora_rank": MLA, "q_lora_rank": MLA, "rope_head_dim": MLA,
+        "block": Needs(lambda a: a.impl == "tiled", "{p}impl=tiled"),
+        "window_pattern": Needs(lambda a: a.window is not None, "{p}window=W"),
+    }
 
 
 def check_attention_options(config):
-    """The attention options (of a GPTConfig) that only fail together: each must change what the
-    model computes, or is refused in one line."""
+    """The attention options (of a GPTConfig) that only fail with a model option, in one line."""
     attn, dropout = config.attn, config.dropout
     if attn.kind == "mla":
         if config.n_kv_head != config.n_head:
@@ -107,22 +118,11 @@ def check_attention_options(config):
         if attn.qk_norm:
             raise UserError("model.attn.qk_norm=true with model.attn.kind=mla is not implemented: its keys are "
                             "up-projected from the latent; use kind=softmax for QK-Norm")
-    if attn.kind != "mla":
-        for key in ("kv_lora_rank", "q_lora_rank", "rope_head_dim"):
-            if getattr(attn, key) is not None:
-                raise UserError(f"model.attn.{key}={getattr(attn, key)} has no effect without model.attn.kind=mla")
     if attn.rope_head_dim is not None and attn.rope_head_dim % 2:
         raise UserError(f"model.attn.rope_head_dim={attn.rope_head_dim} is odd, but RoPE rotates pairs of channels")
-    if attn.kind == "linear":
-        for key, default in (("impl", "sdpa"), ("scale", "sqrt_dk"), ("window", None), ("sink", "none")):
-            if getattr(attn, key) != default:
-                raise UserError(f"model.attn.{key}={getattr(attn, key)} has no effect with model.attn.kind=linear "
-                                "(no softmax, no logits, no N x N table): leave it unset")
     if attn.impl == "tiled" and dropout > 0:
         raise UserError(f"model.attn.impl=tiled does not drop attention weights: set model.dropout=0 (now {dropout}) "
                         "or use impl=sdpa")
-    if attn.window is None and attn.window_pattern != "L":
-        raise UserError(f"model.attn.window_pattern={attn.window_pattern} has no effect without model.attn.window=W")
 
 
 def resolve_scale(scale, head_dim: int) -> float:

@@ -23,25 +23,66 @@ import torch
 import torch.distributed as dist
 
 log = logging.getLogger("attnlab")
+STARTED = time.time()  # this process's start, as near as an import gets: what it created is newer
 
 
 class UserError(Exception):
     """Bad input (config value, data file, checkpoint, prompt); the message says how to fix it."""
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (`kill`, `timeout`, a scheduler stopping a job), raised where Ctrl-C raises
+    KeyboardInterrupt: a command stops the same way, keeping what it made so far."""
+
+
+def raise_terminated(signum, frame):
+    raise Terminated()
+
+
+def redeliver_lost_interrupt(unraisable):
+    """sys.unraisablehook: Python prints and drops an exception raised while it runs a clean-up
+    callback (a weakref's, an import lock's), so a Ctrl-C or SIGTERM that lands there would be lost
+    (seen while `datasets` tokenizes). Raise it again 50 ms later, from wherever the command is then."""
+    if not isinstance(unraisable.exc_value, KeyboardInterrupt):
+        return sys.__unraisablehook__(unraisable)
+    lost = unraisable.exc_value
+
+    def again(signum, frame):
+        raise lost
+    signal.signal(signal.SIGALRM, again)
+    signal.setitimer(signal.ITIMER_REAL, 0.05)
+
+
+def interruption(e: KeyboardInterrupt):
+    """(what stopped a command, its exit status): Ctrl-C 130, SIGTERM 143 (128 + the signal)."""
+    return ("SIGTERM", 143) if isinstance(e, Terminated) else ("Ctrl-C", 130)
+
+
+entered = False  # set once Hydra has handed a command its config: errors before that are Hydra's
+
+
 def cli(main):
     """Wrap an entry point: a UserError ends it with one line `error: ...` and exit status 1,
-    running out of memory likewise, Ctrl-C with one line and status 130, never a traceback."""
+    running out of memory likewise, Ctrl-C or SIGTERM with one line and status 130 or 143, never a
+    traceback."""
     @functools.wraps(main)
     def wrapper(*args, **kwargs):
+        global entered
+        entered = True
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, raise_terminated)
+            sys.unraisablehook = redeliver_lost_interrupt
         try:
             return main(*args, **kwargs)
         except UserError as e:
+            forget_hydra_run_dir()
             print(f"error: {e}", file=sys.stderr)
             sys.exit(1)
-        except KeyboardInterrupt:
-            print("interrupted (Ctrl-C)", file=sys.stderr)
-            sys.exit(130)
+        except KeyboardInterrupt as e:
+            forget_hydra_run_dir()
+            name, status = interruption(e)
+            print(f"interrupted ({name})", file=sys.stderr)
+            sys.exit(status)
         except BrokenPipeError:  # `... | head`: the reader left; what it wanted was printed
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             sys.exit(0)
@@ -95,6 +136,14 @@ def run_app(app):
         return app()
     except (HydraException, OmegaConfBaseException) as e:
         print(f"error: {hydra_error_line(e)} (--help lists every key and its type)", file=sys.stderr)
+        sys.exit(1)
+    except OSError as e:
+        if entered:  # the command's own: not Hydra's
+            raise
+        # before the command runs Hydra creates its run dir (and nothing else here): a file, a link to
+        # nothing, a read-only place or /proc there fails in its mkdir
+        print(f"error: cannot make the run dir {e.filename}: {e.strerror} (hydra.run.dir, or hydra.sweep.dir "
+              "with -m, must be a directory you can write)", file=sys.stderr)
         sys.exit(1)
     finally:
         del os.environ["HYDRA_FULL_ERROR"]
@@ -165,32 +214,61 @@ FRACTION = Range(0, 1, hi_open=True)  # [0, 1)
 SEED = Range(0, why="seeds are non-negative")
 
 
-def check_values(node, prefix: str = ""):
-    """Every value of a config node in its schema's table, nested schemas included: a one-line
-    UserError for the first that breaks its rule, naming the key as `prefix.key`.
+@dataclass(frozen=True)
+class Needs:
+    """A key that acts only when other keys of its schema say so: `test(node)` is True then. Set to
+    anything but its default while it cannot act, it is refused: the user asked for an effect the
+    run would not have. `what` names the condition, {p} standing for the schema's prefix."""
+    test: object
+    what: str
 
-    Each schema (a dataclass: a config group, a tool's settings, GPTConfig) declares its table as
-    the class attribute RULES, {field: Range | OneOf | Rule}; `node` may be the dataclass itself or
-    the DictConfig Hydra composed from it. None (unset) is legal wherever the schema allows it."""
-    is_cfg = not dataclasses.is_dataclass(node)  # a DictConfig; a model's own config needs no omegaconf
+
+def schema_nodes(node, prefix: str = ""):
+    """(node, schema, prefix) of a config node and of every schema nested in it, parents first. A
+    dataclass (a model's own config) needs no omegaconf; a DictConfig is read through it."""
+    is_cfg = not dataclasses.is_dataclass(node)
     if is_cfg:
         from omegaconf import OmegaConf
     schema = OmegaConf.get_type(node) if is_cfg else type(node)
-    rules = getattr(schema, "RULES", {})
+    yield node, schema, prefix
     for f in dataclasses.fields(schema):
         value = getattr(node, f.name)
-        name = f"{prefix}.{f.name}" if prefix else f.name
         if dataclasses.is_dataclass(value) or (is_cfg and OmegaConf.is_dict(value)):
-            check_values(value, name)
-            continue
-        rule = rules.get(f.name)
-        if rule is None or value is None:
-            continue
-        listed = isinstance(value, (list, tuple)) or (is_cfg and OmegaConf.is_list(value))
-        for v in (value if listed else [value]):  # a list's rule applies to each element
-            if not rule.contains(v):
-                optional = not listed and (node._get_node(f.name)._is_optional() if is_cfg else f.default is None)
-                raise UserError(rule.error(name, v, optional))
+            yield from schema_nodes(value, f"{prefix}.{f.name}" if prefix else f.name)
+
+
+def check_values(node, prefix: str = ""):
+    """Every value of a config node in its schema's table, nested schemas included: a one-line
+    UserError for the first that breaks its rule, naming the key as `prefix.key`; then every key
+    that cannot act in this config (its schema's NEEDS table) yet was set.
+
+    Each schema (a dataclass: a config group, a tool's settings, GPTConfig) declares its table as
+    the class attribute RULES, {field: Range | OneOf | Rule}, and NEEDS, {field: Needs}; `node` may
+    be the dataclass itself or the DictConfig Hydra composed from it. None (unset) is legal wherever
+    the schema allows it."""
+    nodes = list(schema_nodes(node, prefix))
+    for node, schema, prefix in nodes:
+        is_cfg, rules = not dataclasses.is_dataclass(node), getattr(schema, "RULES", {})
+        if is_cfg:
+            from omegaconf import OmegaConf
+        for f in dataclasses.fields(schema):
+            value, rule = getattr(node, f.name), rules.get(f.name)
+            if rule is None or value is None:
+                continue
+            name = f"{prefix}.{f.name}" if prefix else f.name
+            listed = isinstance(value, (list, tuple)) or (is_cfg and OmegaConf.is_list(value))
+            for v in (value if listed else [value]):  # a list's rule applies to each element
+                if not rule.contains(v):
+                    optional = not listed and (node._get_node(f.name)._is_optional() if is_cfg else f.default is None)
+                    raise UserError(rule.error(name, v, optional))
+    for node, schema, prefix in nodes:
+        defaults = {f.name: f.default for f in dataclasses.fields(schema)}
+        for key, need in getattr(schema, "NEEDS", {}).items():
+            value = getattr(node, key)
+            if value != defaults[key] and not need.test(node):
+                dot = f"{prefix}." if prefix else ""
+                raise UserError(f"{dot}{key}={value!r} has no effect unless {need.what.format(p=dot)}: drop it (its "
+                                f"default is {defaults[key]!r}) or change that")
 
 
 def check_value(name: str, value, rule):
@@ -200,6 +278,62 @@ def check_value(name: str, value, rule):
 
 
 # ----------------------------------------------------------------------------- files
+
+def check_output_dir(path, key: str) -> Path:
+    """A directory a command will write into (made if absent), checked before any work: one line if
+    it is a file or a link to nothing, or if nothing can be made where it is or would be (read-only,
+    another user's, /proc)."""
+    p = Path(path).expanduser()
+    if p.is_symlink() and not p.exists():
+        raise UserError(f"{key}={path} is a symbolic link to nothing: name a directory")
+    if p.exists() and not p.is_dir():
+        raise UserError(f"{key}={path} is a file: name a directory")
+    check_can_write(p, key, path)
+    return p
+
+
+def check_output_file(path, key: str) -> Path:
+    """A file a command will write (or replace), checked before any work: one line if it is a
+    directory, a symbolic link (writing would change whatever it points to) or in a place where
+    nothing can be written."""
+    p = Path(path).expanduser()
+    if p.is_symlink():
+        raise UserError(f"{key}={path} is a symbolic link: writing it would change the file it points to; "
+                        "name the file itself")
+    if p.is_dir():
+        raise UserError(f"{key}={path} is a directory: name a file")
+    check_can_write(p.parent, key, path)
+    return p
+
+
+def check_can_write(p: Path, key: str, given):
+    """Try it: make and remove an empty directory in `p`, or in its nearest existing ancestor. Read-only
+    places, another user's directory and /proc (where os.access says yes to root) all fail here."""
+    import tempfile
+
+    place = next(a for a in (p, *p.parents) if a.exists() or a.is_symlink())
+    if not place.is_dir():
+        raise UserError(f"{key}={given}: {place} is a file, not a directory")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".attnlab-write-test-", dir=place))
+    except OSError as e:
+        raise UserError(f"{key}={given}: nothing can be written in {place} ({e.strerror}): name a directory "
+                        "you can write") from None
+
+
+def file_digest(file) -> str:
+    """sha256 of a file's bytes (hex), read in pieces; an unreadable file is one line."""
+    import hashlib
+
+    h = hashlib.sha256()
+    try:
+        with open(file, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
+    except OSError as e:
+        raise UserError(f"cannot read {file}: {e.strerror or e} (check its permissions)") from None
+    return h.hexdigest()
+
 
 def umask() -> int:
     """The process's umask, read without changing it (os.umask can only set it, and setting it
@@ -532,3 +666,42 @@ def lock_run_dir(out_dir: Path):
     f.write(f"pid {os.getpid()} on {platform.node()}\n")
     f.flush()
     return f
+
+
+def forget_hydra_run_dir():
+    """A refused or interrupted command leaves no empty run dir behind: Hydra made it (hydra.run.dir)
+    before the command ran."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if HydraConfig.initialized():
+        out_dir = Path(HydraConfig.get().runtime.output_dir)
+        if new_run_dir(out_dir):
+            remove_new_run_dir(out_dir)
+
+
+def new_run_dir(out_dir: Path) -> bool:
+    """True if the run dir is absent, or empty and made since this process started (Hydra makes a
+    command's run dir before the command runs): a refused run may then remove it again."""
+    try:
+        return not any(out_dir.iterdir()) and out_dir.stat().st_mtime >= STARTED
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
+
+
+def remove_new_run_dir(out_dir: Path, locked: bool = False):
+    """Undo a refused run's new dir: its lock file if this process holds the lock (`locked`; another
+    process's lock stays, and so then does the dir), the dir, then each parent below the working
+    directory that is left empty (Hydra's outputs/runs/ of a first run). Never the working directory
+    or one above it."""
+    run_dir, here = out_dir.resolve(), Path.cwd().resolve()
+    if run_dir == here or run_dir in here.parents:
+        return
+    if locked:
+        (out_dir / ".lock").unlink(missing_ok=True)
+    for d in [run_dir] + [p for p in run_dir.parents if here in p.parents]:
+        try:
+            d.rmdir()  # only ever an empty one
+        except OSError:
+            break

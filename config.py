@@ -15,7 +15,7 @@ from typing import ClassVar, List, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
 
-from common import DTYPES, FRACTION, NON_NEGATIVE, POSITIVE, SEED, OneOf, Range, UserError, check_values
+from common import DTYPES, FRACTION, NON_NEGATIVE, POSITIVE, SEED, Needs, OneOf, Range, UserError, check_values
 from model import GPTConfig
 from optim import LR_SCHEDULES, MUON_ADJUST_LR, MUON_NS_DTYPES, OPTIMIZERS
 from parallel import PARALLEL
@@ -48,6 +48,11 @@ class DataConfig:
         "vocab_size": Range(257, why="a byte-level BPE holds the 256 bytes and <|endoftext|>"),
         "max_tokens": Range(1, why="a cap on training tokens"),
         "num_proc": Range(1, 4096),
+    }
+    NEEDS: ClassVar[dict] = {
+        "vocab_size": Needs(lambda d: d.tokenizer == "bpe", "{p}tokenizer=bpe (the other tokenizers have their own)"),
+        "hub_config": Needs(lambda d: d.hub is not None, "{p}hub=NAME"),
+        "streaming": Needs(lambda d: d.hub is not None, "{p}hub=NAME (a file or URL is read whole)"),
     }
 
 
@@ -110,6 +115,16 @@ class TrainConfig:
         "peak_flops": Range(0, lo_open=True), "data_seed": SEED, "final_eval_tokens": NON_NEGATIVE,
         "parallel": OneOf(PARALLEL),
     }
+    MUON: ClassVar[Needs] = Needs(lambda t: t.optimizer == "muon", "{p}optimizer=muon")
+    NEEDS: ClassVar[dict] = {
+        **dict.fromkeys(("muon_lr", "muon_weight_decay", "muon_momentum", "muon_momentum_warmup", "muon_adjust_lr",
+                         "muon_ns_steps", "muon_split_qkv", "muon_ns_dtype"), MUON),
+        "muon_momentum_start": Needs(lambda t: t.optimizer == "muon" and t.muon_momentum_warmup > 0,
+                                     "{p}optimizer=muon and {p}muon_momentum_warmup > 0"),
+        "cooldown_frac": Needs(lambda t: t.lr_schedule == "wsd", "{p}lr_schedule=wsd"),
+        "probe_batch_size": Needs(lambda t: t.log_attn_interval != 0, "the attention probe runs "
+                                  "({p}log_attn_interval=0 turns it off)"),
+    }
 
 
 @dataclass
@@ -171,6 +186,13 @@ class SampleConfig:
         "top_k": POSITIVE, "top_p": Range(0, 1, lo_open=True), "seed": SEED, "threads": Range(1, 4096),
         "dtype": OneOf(DTYPE_NAMES), "kv_dtype": OneOf((*DTYPE_NAMES, "int8")), "kv_sinks": NON_NEGATIVE,
     }
+    SAMPLING: ClassVar[Needs] = Needs(lambda c: c.temperature > 0, "temperature > 0 (0 is greedy: the likeliest token)")
+    CACHE: ClassVar[Needs] = Needs(lambda c: c.kv_cache, "kv_cache=true")
+    NEEDS: ClassVar[dict] = {
+        "top_k": SAMPLING, "top_p": SAMPLING, "seed": SAMPLING,
+        "kv_dtype": CACHE, "compile": CACHE, "kv_sinks": CACHE,
+        "prompt": Needs(lambda c: c.prompt_file is None, "prompt_file is unset (the file's text is the prompt)"),
+    }
 
 
 # ----------------------------------------------------------------------------- checks
@@ -190,9 +212,22 @@ def check_train_config(cfg):
         raise UserError("train.optimizer=muon with train.parallel=fsdp is not supported: Muon's Newton-Schulz step "
                         "orthogonalises each whole matrix, and FSDP leaves each process only some of its rows; use "
                         "train.parallel=ddp (Muon under DDP is tested) or train.optimizer=adamw")
+    if t.lr_decay_iters is not None and t.lr_decay_iters <= t.warmup_iters:
+        raise UserError(f"train.lr_decay_iters={t.lr_decay_iters} is not past train.warmup_iters={t.warmup_iters}: the "
+                        "lr would drop from its peak straight to train.min_lr when the warmup ends; set "
+                        "lr_decay_iters > warmup_iters (or leave it unset: train.max_iters)")
     if t.lr * t.weight_decay >= 1:
         raise UserError(f"train.weight_decay={t.weight_decay} times train.lr={t.lr} is >= 1: AdamW would zero or "
                         "flip every weight each step; use weight_decay < 1/lr")
+
+
+def data_seed(cfg) -> int:
+    """The seed of everything about the data a run sees: the order of its training batches, the
+    windows its evaluations read and the probe batch. Unset, the run's seed; set apart from it, arms
+    of an ablation can share data and differ only in their initialisation (or the reverse). `cfg`: a
+    training config, or one as a checkpoint stores it (a dict)."""
+    seed = cfg["train"].get("data_seed")
+    return cfg["seed"] if seed is None else seed
 
 
 def model_config(model_cfg, vocab_size=None) -> GPTConfig:

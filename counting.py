@@ -123,7 +123,7 @@ def macs_per_token(c, seq_len) -> dict:
         "other_final": lp["norm"] if c.norm_position == "pre" else 0,  # ln_f
     }
     for key in ("scores", "weighted_sum"):  # whole numbers stay ints (N may be a Fraction: keep it exact)
-        if isinstance(m[key], Fraction) and m[key].denominator == 1:
+        if isinstance(m[key], Fraction) and m[key].denominator == 1:  # a float N (the plot's) stays a float
             m[key] = int(m[key])
     m["proj"] = m["q"] + m["k"] + m["v"] + m["o"]
     m["attn"] = m["scores"] + m["weighted_sum"]

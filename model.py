@@ -31,7 +31,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from attention import ATTENTION_KINDS, ROPE_SCALINGS, AttnConfig, check_attention_options, resolve_scale, rope_freqs
-from common import FRACTION, POSITIVE, OneOf, Range, UserError, check_values
+from common import FRACTION, POSITIVE, Needs, OneOf, Range, UserError, check_values
 from counting import flops_per_token
 
 NORMS = ("layernorm", "rmsnorm")
@@ -81,6 +81,9 @@ class GPTConfig:
         "rope_original_length": POSITIVE,
         "logit_softcap": Range(0, why="0 turns the soft-cap off"),
     }
+    ROPE: ClassVar[Needs] = Needs(lambda c: c.pos == "rope", "{p}pos=rope")
+    NEEDS: ClassVar[dict] = {"rope_base": ROPE, "rope_scaling": ROPE,
+                             "rope_scaling_factor": Needs(lambda c: c.rope_scaling != "none", "{p}rope_scaling is set")}
 
     def __post_init__(self):
         if isinstance(self.attn, dict):
@@ -105,8 +108,6 @@ class GPTConfig:
         self.attn_scale = resolve_scale(self.attn.scale, self.head_dim)
         # the channels RoPE rotates: a head's, or MLA's decoupled RoPE part (attention.LatentAttention)
         self.rope_dim = (self.attn.rope_head_dim or self.head_dim // 2) if self.attn.kind == "mla" else self.head_dim
-        if self.rope_scaling != "none" and self.pos != "rope":
-            raise ConfigError(f"model.rope_scaling={self.rope_scaling} has no effect with model.pos={self.pos}")
         if self.rope_original_length is None:
             self.rope_original_length = self.block_size
         if self.rope_dim % 2:

@@ -30,7 +30,6 @@ import logging
 import torch
 import torch.nn as nn
 
-from checkpoint import load_weights
 from common import UserError
 
 log = logging.getLogger("attnlab")
@@ -77,6 +76,7 @@ class Replicated:
         return optimizer.state_dict()
 
     def load_model(self, model, weights: dict):
+        from checkpoint import load_weights  # checkpoint imports config, which imports this module
         load_weights(model, weights)
 
     def load_optimizer(self, model, optimizer, state: dict):

@@ -16,8 +16,8 @@ import hydra
 import torch
 
 from checkpoint import find_checkpoint, load_checkpoint, model_from_checkpoint
-from common import (UserError, check_memory, check_value, check_values, cli, compile_wanted, first_line, is_oom,
-                    pick_dtype, read_prompt, run_app, setup_runtime)
+from common import (UserError, check_memory, check_value, check_values, cli, compile_wanted, first_line,
+                    interruption, is_oom, pick_dtype, read_prompt, run_app, setup_runtime)
 from config import SampleConfig  # also registers the config schema with Hydra
 from counting import generation_bytes
 from data.tokenizer import StreamDecoder, tokenizer_from_dict
@@ -37,7 +37,10 @@ def next_tokens(logits, temperature, top_k, top_p, generators):
     temperature-scaled, top-k and top-p filtered distribution, row b with generators[b]."""
     if temperature == 0:
         return logits.argmax(dim=-1, keepdim=True)  # (B, 1)
-    logits = logits.float() / temperature
+    logits = logits.float()
+    # the best logit moved to 0 first (softmax is the same): near temperature 0 the others then go to
+    # -inf, where dividing them as they are overflows to +-inf and the softmax to NaN
+    logits = (logits - logits.amax(dim=-1, keepdim=True)) / temperature
     if top_k is not None and top_k < logits.size(-1):
         kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]  # (B, 1)
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -45,6 +48,7 @@ def next_tokens(logits, temperature, top_k, top_p, generators):
     if top_p < 1.0:  # keep the smallest set of most likely tokens whose mass reaches top_p
         sorted_p, order = probs.sort(dim=-1, descending=True)
         outside = sorted_p.cumsum(-1) - sorted_p >= top_p  # mass before this token already enough
+        outside[:, 0] = False  # the likeliest always stays (a top_p below float32's range would drop it too)
         probs = probs.scatter(-1, order, sorted_p.masked_fill(outside, 0.0))
     # each row has its own generator, so sample b of a batch equals a lone sample with that seed
     return torch.stack([torch.multinomial(probs[b], 1, generator=g) for b, g in enumerate(generators)])
@@ -147,11 +151,12 @@ class CachedDecoder:
 
 
 class Interrupted(KeyboardInterrupt):
-    """Ctrl-C during generation; `texts` holds each sample as far as it got."""
+    """Ctrl-C or SIGTERM during generation; `texts` holds each sample as far as it got, `how` and
+    `status` what stopped it and the exit status that says so (common.interruption)."""
 
-    def __init__(self, texts):
+    def __init__(self, texts, how, status):
         super().__init__()
-        self.texts = texts
+        self.texts, self.how, self.status = texts, how, status
 
 
 def start_ids(tok, prompt: str, state: dict) -> list:
@@ -191,7 +196,7 @@ def kv_cache_dtype(name: str, rt, num_samples: int) -> torch.dtype:
 def sample(cfg, out=None) -> list:
     """Generate cfg.num_samples continuations of cfg.prompt from a checkpoint; returns the texts.
     With cfg.stream, text is written to `out` (default stdout) as it is produced. Ctrl-C raises
-    Interrupted, which carries the texts as far as they got."""
+    Interrupted, which carries the texts as far as they got; so does SIGTERM under the command (cli)."""
     check_values(cfg)
     if cfg.stream and cfg.num_samples != 1:
         raise UserError("stream=true prints one sample as it is produced: set num_samples=1")
@@ -252,10 +257,10 @@ def sample(cfg, out=None) -> list:
                      on_token, every=1 if cfg.stream else CHECK_EVERY,
                      compile=cfg.kv_cache and compile_wanted(cfg.compile, device), kv_dtype=kv_dtype,
                      kv_sinks=cfg.kv_sinks)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
         if cfg.stream:
             out.write(texts[0][printed:])
-        raise Interrupted([prompt + t for t in texts]) from None
+        raise Interrupted([prompt + t for t in texts], *interruption(e)) from None
     except RuntimeError as e:
         if is_oom(e):
             raise UserError(f"out of memory generating num_samples={n} x max_new_tokens={cfg.max_new_tokens} "
@@ -285,8 +290,8 @@ def main(cfg):
             print(flush=True)
         else:
             print_samples(e.texts)
-        print("interrupted (Ctrl-C): the text above is what was generated until then", file=sys.stderr)
-        sys.exit(130)
+        print(f"interrupted ({e.how}): the text above is what was generated until then", file=sys.stderr)
+        sys.exit(e.status)
     if cfg.stream:
         print()
     else:

@@ -15,6 +15,7 @@ call it with a composed config; `main` is the thin Hydra entry point.
 import dataclasses
 import json
 import logging
+import logging.handlers
 import math
 import os
 import sys
@@ -33,10 +34,10 @@ from attnstats import AttentionProbe
 from checkpoint import (BEST_NAME, check_resumable, context_extension, last_good_checkpoint, latest_checkpoint,
                         load_checkpoint, prune_checkpoints, resume_source, rng_state, save_checkpoint, set_rng_state,
                         step_name)
-from common import (Dist, Runtime, StopRequest, UserError, all_ranks_agree, check_memory, cli, compile_wanted,
-                    dir_mode, first_line, init_distributed, is_oom, lock_run_dir, peak_flops, remove_stale_temps,
-                    run_app, run_info, setup_runtime)
-from config import check_train_config, model_config
+from common import (Dist, Runtime, StopRequest, UserError, all_ranks_agree, check_memory, check_output_dir, cli,
+                    compile_wanted, dir_mode, first_line, forget_hydra_run_dir, init_distributed, is_oom, lock_run_dir,
+                    new_run_dir, peak_flops, remove_new_run_dir, remove_stale_temps, run_app, run_info, setup_runtime)
+from config import check_train_config, data_seed, model_config
 from counting import training_bytes
 from data.loader import TokenData
 from data.prepare import prepare
@@ -80,6 +81,12 @@ class Run:
     wandb_id: Optional[str] = None  # a resumed run's W&B run, continued
     extensions: list = field(default_factory=list)  # context extensions: (step, block_size and RoPE scaling changes)
     parallel: object = None  # parallel.Replicated (one process, DDP) or FullyShard (FSDP), chosen once in build()
+    log_file: Optional[logging.Handler] = None  # train.log in the run dir (rank 0), from record() on
+
+    @property
+    def finished(self) -> bool:
+        """Resumed at train.max_iters: there is nothing left to do."""
+        return self.resuming and self.step >= self.cfg.train.max_iters
 
 
 # ----------------------------------------------------------------------------- the run
@@ -89,12 +96,18 @@ def train(cfg, run_name=None, run_group=None, overrides=None) -> dict:
 
     Under torchrun, each process trains on its share of every global batch and rank 0 alone
     writes. Returns a summary dict (losses, steps, throughput, paths)."""
+    early = logging.handlers.MemoryHandler(10**4, flushLevel=logging.CRITICAL + 1)  # setup's lines, for train.log
+    logging.getLogger().addHandler(early)
     try:
-        run = setup(cfg, run_name, run_group, overrides)
+        run = setup(cfg, run_name, run_group, overrides, early.buffer)
     except RuntimeError as e:  # e.g. the model does not fit the GPU
         if is_oom(e):
             raise oom_error(e, cfg) from None
         raise
+    finally:
+        logging.getLogger().removeHandler(early)
+    if run.finished:
+        return already_finished(run)
     tcfg, master = cfg.train, run.dist.master
     meter = Throughput(tcfg.batch_size * run.grad_accum * run.mcfg.block_size)
     peak = peak_flops(run.rt, tcfg.peak_flops)
@@ -132,41 +145,74 @@ def train(cfg, run_name=None, run_group=None, overrides=None) -> dict:
         raise
     finally:
         stop.restore()
-        run.tracker.close()
-        if run.lock is not None:
-            run.lock.close()
-        if run.dist.world > 1 and dist.is_initialized():
-            dist.destroy_process_group()
-    result = {"out_dir": str(run.out_dir), "steps": run.step, "best_val_loss": run.best_val,
-              "train_loss": run.evals.get("train"), "val_loss": run.evals.get("val"),
-              "val_loss_full": run.evals.get("val_full"),
-              "tokens_per_sec": meter.tokens_per_sec, "stopped": stop.signal, "compiled": run.compiled,
-              "ckpt": str(latest_checkpoint(run.out_dir)), "wall_s": time.perf_counter() - t_start,
-              "train_s": meter.train_s, "probe_s": probe_s, "attn": run.attn_history}
+        close(run)
+    result = summary(run, meter.tokens_per_sec, stop.signal, time.perf_counter() - t_start, meter.train_s, probe_s)
     log.info("done: val loss %.4f (best %.4f) after %d steps; run dir %s; attention probes took %.2f s "
              "(%.2f%% of training time)", result["val_loss"] or math.nan, run.best_val, run.step, run.out_dir,
              probe_s, 100 * probe_s / max(meter.train_s, 1e-9))
     return result
 
 
+def summary(run: Run, tokens_per_sec=None, stopped=None, wall_s=0.0, train_s=0.0, probe_s=0.0) -> dict:
+    """What train() returns: losses, steps, throughput, paths."""
+    return {"out_dir": str(run.out_dir), "steps": run.step, "best_val_loss": run.best_val,
+            "train_loss": run.evals.get("train"), "val_loss": run.evals.get("val"),
+            "val_loss_full": run.evals.get("val_full"), "tokens_per_sec": tokens_per_sec, "stopped": stopped,
+            "compiled": run.compiled, "ckpt": str(latest_checkpoint(run.out_dir)), "wall_s": wall_s,
+            "train_s": train_s, "probe_s": probe_s, "attn": run.attn_history}
+
+
+def already_finished(run: Run) -> dict:
+    """A run resumed at its train.max_iters: say so and change nothing (its record, metrics, plots
+    and W&B run stay as they are)."""
+    log.warning("nothing to do: the run in %s is already at step %d = train.max_iters (val loss %s, best %.4f); "
+                "pass train.max_iters > %d to train on", run.out_dir, run.step,
+                "unknown" if run.evals["val"] is None else f"{run.evals['val']:.4f}", run.best_val, run.step)
+    close(run)
+    return summary(run)
+
+
+def close(run: Run):
+    """Release what the run holds: W&B and metrics, train.log, the run-dir lock, the process group."""
+    if run.tracker is not None:
+        run.tracker.close()
+    if run.log_file is not None:
+        logging.getLogger().removeHandler(run.log_file)
+        run.log_file.close()
+    if run.lock is not None:
+        run.lock.close()
+    if run.dist.world > 1 and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 # ----------------------------------------------------------------------------- setup: check, build, restore, record
 
-def setup(cfg, run_name=None, run_group=None, overrides=None) -> Run:
-    """Check everything that needs no file, lock the run dir, then build the run top-down."""
-    check_train_config(cfg)  # before anything is written
-    if not cfg.out_dir:
-        raise UserError("out_dir is unset: pass out_dir=DIR (train.py sets it to Hydra's run dir)")
-    dist_ = init_distributed(cfg.device)
-    if not dist_.master:
-        logging.getLogger().setLevel(logging.WARNING)
-    grad_accum = cfg.train.grad_accum or dist_.world  # unset: one micro-batch per process
-    if grad_accum % dist_.world:
-        raise UserError(f"train.grad_accum={grad_accum} must be a multiple of the {dist_.world} processes: "
-                        "each process takes an equal share of the micro-batches (or leave it unset)")
-    source = resume_source(cfg.resume, Path(cfg.out_dir))
-    out_dir = Path(cfg.out_dir) if source is None else source.parent  # a resumed run continues in its own dir
-    lock = lock_run_dir(out_dir) if dist_.master else None
+def setup(cfg, run_name=None, run_group=None, overrides=None, early_log=()) -> Run:
+    """Check everything that needs no file, lock the run dir, then build the run top-down. A refused
+    run leaves nothing behind: a run dir this command (or Hydra for it) made is removed again, an
+    existing one is left as it was."""
+    given = Path(cfg.out_dir) if cfg.out_dir else None
+    made = given is not None and new_run_dir(given)
+    dist_, lock = None, None
     try:
+        check_train_config(cfg)  # before anything is written
+        if given is None:
+            raise UserError("out_dir is unset: pass out_dir=DIR (train.py sets it to Hydra's run dir)")
+        check_output_dir(given, "hydra.run.dir")
+        if cfg.data.cache_dir:
+            check_output_dir(cfg.data.cache_dir, "data.cache_dir")
+        dist_ = init_distributed(cfg.device)
+        if not dist_.master:
+            logging.getLogger().setLevel(logging.WARNING)
+        grad_accum = cfg.train.grad_accum or dist_.world  # unset: one micro-batch per process
+        if grad_accum % dist_.world:
+            raise UserError(f"train.grad_accum={grad_accum} must be a multiple of the {dist_.world} processes: "
+                            "each process takes an equal share of the micro-batches (or leave it unset)")
+        source = resume_source(cfg.resume, given)
+        out_dir = given if source is None else source.parent  # a resumed run continues in its own dir
+        if out_dir != given and made and dist_.master:  # resume=RUN_DIR: the dir made for this command is not used
+            remove_new_run_dir(given)
+        lock = lock_run_dir(out_dir) if dist_.master else None
         if dist_.master:
             if source is None and latest_checkpoint(out_dir) is not None:
                 raise UserError(f"{out_dir} already holds a run: continue it with resume=true, or give a new "
@@ -177,9 +223,12 @@ def setup(cfg, run_name=None, run_group=None, overrides=None) -> Run:
         run = build(cfg, out_dir, dist_, grad_accum, lock)
         if state is not None:
             restore(run, state, source, extension)
-        record(run, run_name, run_group, overrides)
+        if not run.finished:
+            record(run, run_name, run_group, overrides, early_log)
         return run
     except BaseException:
+        if made and (dist_ is None or dist_.master):
+            remove_new_run_dir(given, locked=lock is not None and out_dir == given)
         if lock is not None:  # a refused run lets the next command in at once (not when its traceback is freed)
             lock.close()
         raise
@@ -228,7 +277,7 @@ def restore(run: Run, state: dict, source: Path, extension=None):
     if missing:
         raise UserError(f"cannot resume from {source}: it has no {', '.join(missing)} (weights only?); resume "
                         "from a ckpt_*.pt file train.py wrote, or start a new run")
-    check_resumable(state, run.cfg, run.data.tokenizer, extension or {})
+    check_resumable(state, run.cfg, run.data, extension or {})
     if state["step"] > run.cfg.train.max_iters:
         raise UserError(f"the checkpoint is at step {state['step']}, past train.max_iters={run.cfg.train.max_iters}: "
                         f"pass train.max_iters > {state['step']} to train on (nothing was changed)")
@@ -243,7 +292,7 @@ def restore(run: Run, state: dict, source: Path, extension=None):
         raise UserError(f"cannot resume from {source}: its optimizer or random state does not fit this run "
                         f"({type(e).__name__}: {first_line(e, 120)}); resume with the run's own config") from None
     run.step, run.best_val, run.wandb_id = state["step"], state["best_val_loss"], state.get("wandb_id")
-    run.resuming, run.saved_at = True, run.step
+    run.resuming, run.saved_at, run.evals = True, run.step, {"val": state.get("val_loss")}
     run.extensions = list(state.get("context_extensions") or [])
     if extension and "block_size" in extension:
         run.extensions.append({"step": run.step, **extension})
@@ -252,12 +301,14 @@ def restore(run: Run, state: dict, source: Path, extension=None):
     log.info("resuming from %s at step %d", source, run.step)
 
 
-def record(run: Run, run_name=None, run_group=None, overrides=None):
-    """What this run is, written before it starts (rank 0): the resolved config, code version and
-    hardware, the Hydra overrides; then the metrics file, W&B and the attention probe's fixed batch."""
+def record(run: Run, run_name=None, run_group=None, overrides=None, early_log=()):
+    """What this run is, written before it starts (rank 0): train.log (with the lines `early_log`
+    holds, logged while the run was set up), the resolved config, code version and hardware, the
+    Hydra overrides; then the metrics file, W&B and the attention probe's fixed batch."""
     cfg, out_dir = run.cfg, run.out_dir
     run.resolved = OmegaConf.to_container(cfg, resolve=True)
     if run.dist.master:
+        run.log_file = open_run_log(out_dir, early_log)
         (out_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
         (out_dir / "run_info.json").write_text(json.dumps(run_info(run.rt.device, run.dist.world), indent=1))
         if overrides is not None and not run.resuming:
@@ -275,6 +326,18 @@ def record(run: Run, run_name=None, run_group=None, overrides=None):
         run.probe = AttentionProbe(px.to(run.rt.device))
 
 
+def open_run_log(out_dir: Path, earlier) -> logging.Handler:
+    """train.log: every log line of the run, those logged before it was accepted (`earlier`) first.
+    Opened only now, so a refused command leaves no log file behind (Hydra's own would be opened
+    before any check: configs/config.yaml logs to stderr alone)."""
+    handler = logging.FileHandler(out_dir / "train.log")
+    handler.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"))
+    for line in earlier:
+        handler.handle(line)
+    logging.getLogger().addHandler(handler)
+    return handler
+
+
 # ----------------------------------------------------------------------------- what the loop calls
 
 def probe_every(tcfg) -> int:
@@ -290,7 +353,8 @@ def checkpoint_contents(run: Run, full: bool = True) -> dict:
              "best_val_loss": run.best_val, "config": run.resolved,
              # whether a sample may start from <|endoftext|>: only if the model saw documents begin after one
              "eot_in_train": run.data.meta.get("eot_in_train"),
-             "context_extensions": run.extensions}
+             "context_extensions": run.extensions,
+             "data_sha256": run.data.meta.get("sha256")}  # what resuming must find again (check_resumable)
     if full:
         state.update(optimizer=run.parallel.optimizer_state(run.model, run.optimizer), scaler=run.scaler.state_dict(),
                      sampler=run.sampler.get_state(), rng=rng_state(run.rt.device, run.dist.world),
@@ -311,13 +375,6 @@ def save(run: Run) -> Path:
         prune_checkpoints(run.out_dir, run.cfg.train.keep_ckpts)
     run.saved_at = run.step
     return path
-
-
-def data_seed(cfg) -> int:
-    """The seed of everything about the data a run sees: the order of its training batches, the
-    windows its evaluations read and the probe batch. Unset, the run's seed; set apart from it, arms
-    of an ablation can share data and differ only in their initialisation (or the reverse)."""
-    return cfg.seed if cfg.train.data_seed is None else cfg.train.data_seed
 
 
 @torch.no_grad()
@@ -548,7 +605,9 @@ def hydra_run_info():
 def main(cfg):
     from hydra.core.hydra_config import HydraConfig
 
-    if not cfg.out_dir:
+    if cfg.out_dir:  # out_dir wins: the dir Hydra made for this command is not used
+        forget_hydra_run_dir()
+    else:
         cfg.out_dir = HydraConfig.get().runtime.output_dir
     name, group, overrides = hydra_run_info()
     result = train(cfg, run_name=name, run_group=group, overrides=overrides)

@@ -6,24 +6,48 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from common import UserError
+from common import UserError, file_digest
 from data.tokenizer import tokenizer_from_dict
+
+SPLITS = ("train", "val")
+
+
+def token_files_damage(directory: Path, meta: dict, checksums: bool = True):
+    """What is wrong with a prepared dataset's token files against its meta.json, or None: a file
+    missing, or holding another number of tokens than meta.json records, or (checksums) other bytes
+    than its sha256 says."""
+    if "sha256" not in meta:
+        return "meta.json holds no checksums (an older version prepared it)"
+    itemsize = np.dtype(meta["dtype"]).itemsize
+    for split in SPLITS:
+        path, want = Path(directory) / f"{split}.bin", meta["tokens"][split]
+        if not path.is_file():
+            return f"{path.name} is missing"
+        if path.stat().st_size != want * itemsize:
+            return f"{path.name} holds {path.stat().st_size / itemsize:,.0f} tokens, meta.json says {want:,}"
+        if checksums and file_digest(path) != meta["sha256"][split]:
+            return f"{path.name} does not match its checksum in meta.json"
+    return None
 
 
 class TokenData:
-    """A prepared dataset (see data/prepare.py) opened read-only: memmapped splits plus its tokenizer."""
+    """A prepared dataset (see data/prepare.py) opened read-only: memmapped splits plus its tokenizer.
+    data/prepare.py has checked every byte against its checksum; the lengths are checked again here."""
 
     def __init__(self, directory: Path):
         self.dir = Path(directory)
         try:
             self.meta = json.loads((self.dir / "meta.json").read_text())
-            self.tokenizer = tokenizer_from_dict(self.meta["tokenizer"])
-            self.vocab_size = self.meta["vocab_size"]
-            self.splits = {s: np.memmap(self.dir / f"{s}.bin", dtype=self.meta["dtype"], mode="r")
-                           for s in ("train", "val")}
+            damage = token_files_damage(self.dir, self.meta, checksums=False)
+            if damage is None:
+                self.tokenizer = tokenizer_from_dict(self.meta["tokenizer"])
+                self.vocab_size = self.meta["vocab_size"]
+                self.splits = {s: np.memmap(self.dir / f"{s}.bin", dtype=self.meta["dtype"], mode="r") for s in SPLITS}
         except (OSError, ValueError, KeyError, TypeError) as e:  # edited, truncated or half-deleted by hand
-            raise UserError(f"the prepared data in {self.dir} is damaged ({type(e).__name__}: {str(e)[:100]}): "
-                            "delete that directory and it is prepared again") from None
+            damage = f"{type(e).__name__}: {str(e)[:100]}"
+        if damage:
+            raise UserError(f"the prepared data in {self.dir} is damaged ({damage}): delete that directory and it is "
+                            "prepared again")
 
     def bits_per_char_factor(self):
         """nats/token -> bits/character (what compares runs with different tokenizers), or None."""

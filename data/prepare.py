@@ -9,10 +9,12 @@ tokenized with `Dataset.map(batched=True, num_proc=...)` and written to the toke
 by shard.
 
 A prepared dataset is a directory of `train.bin` and `val.bin` (flat token ids, uint16 when the
-vocabulary fits, else uint32) and `meta.json` (the tokenizer, dtype, counts). Its name holds a
-hash of everything that decides its content, so a second run with the same settings reuses it;
-it is written under a temporary name and renamed into place, so an interrupted preparation never
-leaves a directory that looks complete.
+vocabulary fits, else uint32) and `meta.json` (the tokenizer, dtype, counts, each file's sha256;
+written last). Its name holds a hash of everything that decides its content, so a second run with
+the same settings reuses it; it is written under a temporary name and renamed into place, so an
+interrupted preparation never leaves a directory that looks complete. Before it is reused, every
+token file is checked against its length and checksum: one cut short, edited or missing (or a
+meta.json missing or unreadable) is reported in one line and prepared again.
 """
 import glob
 import hashlib
@@ -29,7 +31,9 @@ import numpy as np
 if __name__ == "__main__":  # run as a script: make the repo's modules importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common import UserError, check_values, cli, dir_mode, private_mode, remove_stale_temps, run_app, temp_suffix
+from common import (UserError, check_output_dir, check_values, cli, dir_mode, file_digest, private_mode,
+                    remove_stale_temps, run_app, temp_suffix)
+from data.loader import SPLITS, token_files_damage
 from data.tokenizer import cached_tokenizer, train_tokenizer
 
 log = logging.getLogger(__name__)
@@ -147,17 +151,6 @@ def load_texts(data_cfg, kind, location, files=None, cache_dir=None):
         train = train.rename_column(data_cfg.text_column, "text")
         val = val.rename_column(data_cfg.text_column, "text") if val is not None else None
     return train, val
-
-
-def file_digest(file) -> str:
-    h = hashlib.sha256()
-    try:
-        with open(file, "rb") as f:
-            for chunk in iter(lambda: f.read(1 << 20), b""):
-                h.update(chunk)
-    except OSError as e:
-        raise UserError(f"cannot read {file}: {e.strerror or e} (check its permissions)") from None
-    return h.hexdigest()
 
 
 def cache_key(data_cfg, kind: str, location: str, files=()) -> str:
@@ -366,6 +359,33 @@ def split_warning(counts: dict, data_cfg, documents: int):
             "tail) or add documents")
 
 
+def prepared_damage(directory: Path):
+    """What makes a prepared dataset unusable, in words, or None if it is whole: meta.json (written
+    last) missing or unreadable, a token file missing, of another length or content than it records."""
+    try:
+        meta = json.loads((directory / "meta.json").read_text())
+        return token_files_damage(directory, meta)
+    except FileNotFoundError:
+        return "no meta.json: its preparation never finished"
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:  # edited or cut short by hand
+        return f"meta.json is unreadable ({type(e).__name__})"
+
+
+def discard(directory: Path):
+    """Delete a damaged prepared dataset: renamed to a temporary name first, so a kill half-way leaves
+    what the next start removes, never a directory that looks prepared."""
+    aside = directory.with_name(f".{directory.name}.damaged{temp_suffix()}")
+    try:
+        if directory.is_dir() and not directory.is_symlink():
+            os.rename(directory, aside)
+            shutil.rmtree(aside)
+        else:
+            directory.unlink()
+    except OSError as e:
+        raise UserError(f"cannot remove the damaged prepared data {directory} ({e.strerror}): delete it yourself, "
+                        "then run again") from None
+
+
 def prepare(data_cfg) -> Path:
     """Tokenize the configured corpus into a cached directory (reused when it exists); return it.
 
@@ -376,20 +396,21 @@ def prepare(data_cfg) -> Path:
         raise UserError("data.streaming=true needs a token budget: set data.max_tokens (e.g. 1e9)")
     kind, location = source_of(data_cfg)
     files = local_files(location) if kind == "file" else []
-    cache_root = Path(data_cfg.cache_dir) if data_cfg.cache_dir else REPO / "data" / "cache"
+    cache_root = Path(data_cfg.cache_dir or REPO / "data" / "cache").expanduser()
     final = cache_root / f"{data_cfg.name}-{data_cfg.tokenizer}-{cache_key(data_cfg, kind, location, files)}"
     if cache_root.is_dir():
         remove_stale_temps(cache_root)  # what killed preparations left (not those still running)
-    if (final / "meta.json").is_file():
+    damage = prepared_damage(final) if final.is_dir() else None
+    if final.is_dir() and damage is None:
         log.info("using prepared data %s", final)
-        try:
-            warning = json.loads((final / "meta.json").read_text()).get("warning")
-        except (OSError, ValueError, AttributeError) as e:  # edited or cut short by hand
-            raise UserError(f"the prepared data in {final} is damaged ({type(e).__name__}): delete that directory "
-                            "and it is prepared again") from None
+        warning = json.loads((final / "meta.json").read_text()).get("warning")
         if warning:
             log.warning(warning)
         return final
+    check_output_dir(cache_root, "data.cache_dir")  # about to write there: one line now, not after tokenizing
+    if final.exists():
+        log.warning("the prepared data in %s is damaged (%s): preparing it again", final, damage or "not a directory")
+        discard(final)
 
     t0 = time.perf_counter()
     mode = private_mode(files)
@@ -431,7 +452,8 @@ def prepare(data_cfg) -> Path:
         if tok.eot is not None:
             val_ids = val_ids[val_ids != tok.eot]
         val_chars = len(tok.decode(val_ids))  # for bits per character, comparable across tokenizers
-        meta = {"format_version": FORMAT_VERSION, "source": {"kind": kind, "location": location},
+        meta = {"sha256": {s: file_digest(tmp / f"{s}.bin") for s in SPLITS},  # checked before every reuse
+                "format_version": FORMAT_VERSION, "source": {"kind": kind, "location": location},
                 "val_characters": val_chars,
                 "tokenizer": tok.to_dict(), "vocab_size": tok.vocab_size, "dtype": np.dtype(dtype).name,
                 "tokens": counts, "seconds": round(time.perf_counter() - t0, 2),

@@ -42,6 +42,29 @@ def requires_shared(path):
     return pytest.mark.skipif(not Path(path).exists(), reason=f"{path} absent (a fresh clone has no ../shared)")
 
 
+def corpus_text(n=200):
+    """A small varied corpus: n lines of a few dozen characters."""
+    return "".join(f"line {i}: the quick brown fox jumps over the lazy dog {i * 7 % 13}.\n" for i in range(n))
+
+
+# ----------------------------------------------------------------------------- one-line errors
+
+def one_line(e) -> str:
+    """The message of a raised UserError (pytest's ExceptionInfo or the error), asserted to be one line."""
+    msg = str(e.value if hasattr(e, "value") else e)
+    assert "\n" not in msg, msg
+    return msg
+
+
+def assert_one_line_error(r, needle=""):
+    """A finished command: exit status 1, no traceback, and exactly one `error:` line, the last one,
+    holding `needle`."""
+    lines = r.stderr.strip().splitlines()
+    errors = [line for line in lines if line.startswith("error:")]
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert len(errors) == 1 and lines[-1] == errors[0] and needle in errors[0], r.stderr[-3000:]
+
+
 # ----------------------------------------------------------------------------- processes (through fixtures)
 
 TORCHRUN = ["-m", "torch.distributed.run", "--standalone"]

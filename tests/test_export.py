@@ -3,6 +3,7 @@ continuations and the same tokenization (issue 19). CPU, offline, fp32, eager at
 reference is always attnlab itself (model.py's forward, sample.generate, tokenizer.py), never the
 export's own code."""
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -411,8 +412,8 @@ def test_out_dir_is_never_clobbered_and_keeps_the_checkpoint_private(tmp_path):
     precious = tmp_path / "mine"
     precious.mkdir()
     (precious / "notes.txt").write_text("keep me")
-    for overrides in ([], ["overwrite=true"]):
-        with pytest.raises(UserError, match="not empty"):
+    for overrides, needle in (([], "not empty"), (["overwrite=true"], "holds notes.txt, which no export wrote")):
+        with pytest.raises(UserError, match=needle):
             run_export(ckpt, precious, *overrides)
     assert (precious / "notes.txt").read_text() == "keep me"
     with pytest.raises(UserError, match="out=DIR is required"):
@@ -421,6 +422,69 @@ def test_out_dir_is_never_clobbered_and_keeps_the_checkpoint_private(tmp_path):
     ckpt.chmod(0o600)  # a private checkpoint gives a private export (as checkpoints follow their data)
     run_export(ckpt, out, "overwrite=true")  # an earlier export may be replaced
     assert {p.stat().st_mode & 0o777 for p in out.iterdir()} == {0o600} and out.stat().st_mode & 0o777 == 0o700
-    assert sorted(p.name for p in out.iterdir()) == ["README.md", "config.json", "generation_config.json",
-                                                     "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", "attnlab_export.json", "config.json",
+                                                     "generation_config.json", "model.safetensors", "tokenizer.json",
+                                                     "tokenizer_config.json"]
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary dir left
+
+
+def tree(path: Path) -> dict:
+    return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+def test_overwrite_replaces_only_an_export_of_ours_and_never_the_directory_you_are_in(tmp_path, monkeypatch):
+    """Was: overwrite=true deleted any directory holding a config.json (a project with its sources),
+    and `cd EXPORT && export.py out=. overwrite=true` emptied the directory, then failed to write."""
+    ckpt = write_checkpoint(tmp_path / "ckpt.pt", export_model())
+    project = tmp_path / "project"
+    (project / "src").mkdir(parents=True)
+    (project / "config.json").write_text('{"name": "my project"}')
+    (project / "src" / "main.py").write_text("print('hello')\n")
+    before = tree(project)
+    with pytest.raises(UserError, match=r"holds config.json, src, which no export wrote") as e:
+        run_export(ckpt, project, "overwrite=true")
+    assert "\n" not in str(e.value) and tree(project) == before
+
+    out = run_export(ckpt, tmp_path / "hf")
+    exported = tree(out)
+    (out / "notes.txt").write_text("mine")  # something added to an export: no longer only ours
+    with pytest.raises(UserError, match="holds notes.txt, which no export wrote"):
+        run_export(ckpt, out, "overwrite=true")
+    assert tree(out) == {**exported, "notes.txt": b"mine"}
+    (out / "notes.txt").unlink()
+
+    monkeypatch.chdir(out)  # standing in the export
+    for here in (".", str(out), str(tmp_path)):
+        with pytest.raises(UserError, match="is the directory you are in, or holds it"):
+            run_export(ckpt, here, "overwrite=true")
+    assert tree(out) == exported
+    monkeypatch.chdir(tmp_path)
+
+    (tmp_path / "link").symlink_to(out)
+    with pytest.raises(UserError, match="is a symbolic link"):
+        run_export(ckpt, tmp_path / "link", "overwrite=true")
+    run_export(ckpt, out, "overwrite=true")  # our own export, nothing added: replaced
+    assert tree(out).keys() == exported.keys()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary or old dir left
+
+
+def test_ctrl_c_while_swapping_an_export_in_keeps_the_old_one(tmp_path, monkeypatch):
+    """The new export is written beside the old one and swapped in by two renames (old aside, new in):
+    Ctrl-C between them puts the old one back."""
+    ckpt = write_checkpoint(tmp_path / "ckpt.pt", export_model())
+    out = run_export(ckpt, tmp_path / "hf")
+    exported = tree(out)
+    real_rename, swaps = os.rename, []
+
+    def ctrl_c_on_the_second_swap(a, b):
+        if Path(b).parent == tmp_path:  # the swap's renames (transformers' own ones are inside the new dir)
+            swaps.append(Path(b).name)
+            if len(swaps) == 2:
+                raise KeyboardInterrupt
+        real_rename(a, b)
+    monkeypatch.setattr(os, "rename", ctrl_c_on_the_second_swap)
+    with pytest.raises(KeyboardInterrupt):
+        run_export(ckpt, out, "overwrite=true")
+    monkeypatch.undo()
+    assert swaps[0].startswith(".hf.old") and swaps[1] == "hf"
+    assert tree(out) == exported and not [p for p in tmp_path.iterdir() if p.name.startswith(".")]

@@ -85,8 +85,8 @@ def test_mla_counts_equal_the_built_model():
 @pytest.mark.parametrize("attn,n_kv,needle", [
     ({"kind": "mla"}, 2, "model.n_kv_head=2 has no effect with model.attn.kind=mla"),
     ({"kind": "mla", "qk_norm": True}, None, "qk_norm=true with model.attn.kind=mla is not implemented"),
-    ({"kv_lora_rank": 8}, None, "model.attn.kv_lora_rank=8 has no effect without model.attn.kind=mla"),
-    ({"kind": "linear", "sink": "zero"}, None, "model.attn.sink=zero has no effect with model.attn.kind=linear"),
+    ({"kv_lora_rank": 8}, None, "model.attn.kv_lora_rank=8 has no effect unless model.attn.kind=mla"),
+    ({"kind": "linear", "sink": "zero"}, None, "model.attn.sink='zero' has no effect unless model.attn.kind is softmax or mla"),
 ])
 def test_latent_and_sink_options_that_would_do_nothing_are_refused(attn, n_kv, needle):
     with pytest.raises(UserError, match=needle):

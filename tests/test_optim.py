@@ -298,7 +298,8 @@ def test_adamw_default_is_unchanged():
     assert len(opt.param_groups[0]["params"]) == len(muon) + len(decay)  # AdamW decays the same matrices
 
 
-MUON_CLI = ["train.optimizer=muon", "train.muon_lr=4e-3", "train.muon_momentum_warmup=40", "train.lr_decay_iters=60"]
+MUON_CLI = ["train.optimizer=muon", "train.muon_lr=4e-3", "train.muon_momentum_warmup=40", "train.warmup_iters=10",
+            "train.lr_decay_iters=60"]
 
 
 def test_muon_run_stopped_and_resumed_is_bitwise_identical(tmp_path, cli):

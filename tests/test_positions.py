@@ -72,8 +72,10 @@ def test_each_rope_scaling_is_its_formula_and_factor_one_is_none():
 
 def test_rope_scaling_is_refused_without_rope():
     from model import GPTConfig
-    with pytest.raises(UserError, match="model.rope_scaling=yarn has no effect with model.pos=alibi"):
+    with pytest.raises(UserError, match="model.rope_scaling='yarn' has no effect unless model.pos=rope"):
         GPTConfig(vocab_size=40, n_layer=1, n_head=2, n_embd=16, pos="alibi", rope_scaling="yarn", rope_scaling_factor=2)
+    with pytest.raises(UserError, match="model.rope_scaling_factor=4 has no effect unless model.rope_scaling is set"):
+        GPTConfig(vocab_size=40, n_layer=1, n_head=2, n_embd=16, rope_scaling_factor=4)
 
 
 # ----------------------------------------------------------------------------- the evaluation

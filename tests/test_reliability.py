@@ -1,6 +1,7 @@
-"""Nothing lost, nothing silently wrong (issue 12): one test per hostile case of the second
-reliability pass, each reproducing the original failure, and one test that walks every numeric
-config key through its bad values (0, negative, huge, nan, inf, wrong type)."""
+"""Nothing lost, nothing silently wrong: one test per hostile case of the reliability passes, each
+reproducing the original failure ("Was: ..."), one test that walks every numeric config key through
+its bad values (0, negative, huge, nan, inf, wrong type), and one that sets every key where it has
+no effect. Output paths are tests/test_output_paths.py's, exports' overwrite tests/test_export.py's."""
 import dataclasses
 import json
 import math
@@ -10,6 +11,7 @@ import signal
 import stat
 import time
 import typing
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -20,8 +22,8 @@ from omegaconf.errors import OmegaConfBaseException
 import checkpoint as ck
 import model as model_module
 import train as train_module
-from common import OneOf, UserError, hydra_error_line
-from helpers import REPO, TINY, compose_cfg, interruptible
+from common import OneOf, UserError, check_values, hydra_error_line, schema_nodes
+from helpers import REPO, TINY, assert_one_line_error, compose_cfg, corpus_text, interruptible, one_line
 from data.loader import TokenData
 from data.prepare import cache_key, prepare
 from tools.report import report
@@ -31,10 +33,6 @@ from train import train
 
 
 # ----------------------------------------------------------------------------- helpers
-
-def corpus_text(n=200):
-    return "".join(f"line {i}: the quick brown fox jumps over the lazy dog {i * 7 % 13}.\n" for i in range(n))
-
 
 @pytest.fixture(scope="module")
 def shared(tmp_path_factory):
@@ -58,20 +56,6 @@ def tiny_run(shared):
     run = shared["root"] / "tiny"
     train(make_cfg(shared["root"] / "unused", shared, f"out_dir={run}", "train.max_iters=10", "train.eval_interval=5"))
     return run
-
-
-def one_line(e) -> str:
-    msg = str(e.value if hasattr(e, "value") else e)
-    assert "\n" not in msg, msg
-    return msg
-
-
-def assert_one_line_error(r, needle=""):
-    """Exit status 1, no traceback, and exactly one `error:` line, the last one, holding `needle`."""
-    lines = r.stderr.strip().splitlines()
-    errors = [line for line in lines if line.startswith("error:")]
-    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr[-3000:]
-    assert len(errors) == 1 and lines[-1] == errors[0] and needle in errors[0], r.stderr[-3000:]
 
 
 def snapshot(run: Path) -> dict:
@@ -477,17 +461,49 @@ def test_resume_from_a_checkpoint_of_another_layout_is_one_line(tmp_path, shared
     one_line(e)
 
 
-@pytest.mark.parametrize("damage", ["meta.json", "train.bin"])
-def test_damaged_prepared_data_is_one_line(tmp_path, damage):
-    cfg = compose_cfg("config", ["data=text", f"data.path={tmp_path / 'c.txt'}", f"data.cache_dir={tmp_path}/cache"])
+def cut_short(path: Path):
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 4])
+
+
+def change_a_byte(path: Path):
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+DAMAGE = {  # what a kill, a full disk or a hand can leave of a prepared dataset
+    "train.bin cut short": lambda d: cut_short(d / "train.bin"),
+    "a byte of val.bin changed": lambda d: change_a_byte(d / "val.bin"),
+    "train.bin deleted": lambda d: (d / "train.bin").unlink(),
+    "meta.json cut short": lambda d: (d / "meta.json").write_text('{"tokenizer": {"kind": "char", "ch'),
+    "meta.json deleted": lambda d: (d / "meta.json").unlink(),
+}
+
+
+@pytest.mark.parametrize("damage", DAMAGE)
+def test_damaged_prepared_data_is_found_and_prepared_again(tmp_path, damage, caplog):
+    """Was: a train.bin cut short (meta.json: 180,000 tokens, 50,000 left) or with changed bytes was
+    used as it was, and a cache dir without its meta.json ended in an OSError traceback."""
     (tmp_path / "c.txt").write_text(corpus_text())
+    cfg = compose_cfg("config", ["data=text", f"data.path={tmp_path / 'c.txt'}", f"data.cache_dir={tmp_path}/cache"])
     out = prepare(cfg.data)
-    if damage == "meta.json":
-        (out / "meta.json").write_text('{"tokenizer": {"kind": "char", "ch')  # edited by hand, cut short
-    else:
-        (out / "train.bin").unlink()
-    with pytest.raises(UserError, match="is damaged .*delete that directory") as e:
-        TokenData(prepare(cfg.data))
+    whole = {f: (out / f).read_bytes() for f in ("train.bin", "val.bin")}
+    DAMAGE[damage](out)
+    assert prepare(cfg.data) == out
+    [line] = [r.getMessage() for r in caplog.records if "damaged" in r.getMessage()]
+    assert "\n" not in line and line.endswith("preparing it again") and str(out) in line, line
+    assert {f: (out / f).read_bytes() for f in whole} == whole
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == [out.name]  # the damaged copy is gone
+
+
+def test_a_token_file_cut_short_is_one_line_when_opened(tmp_path):
+    """TokenData checks the lengths too (what data/prepare.py checked can be cut afterwards)."""
+    (tmp_path / "c.txt").write_text(corpus_text())
+    out = prepare(compose_cfg("config", ["data=text", f"data.path={tmp_path / 'c.txt'}",
+                                         f"data.cache_dir={tmp_path}/cache"]).data)
+    cut_short(out / "train.bin")
+    with pytest.raises(UserError, match=r"is damaged \(train.bin holds [\d,]+ tokens, meta.json says [\d,]+\)") as e:
+        TokenData(out)
     one_line(e)
 
 
@@ -531,8 +547,9 @@ def test_nan_from_a_bad_model_value_is_not_blamed_on_the_learning_rate(tmp_path,
         train(make_cfg(tmp_path / "b", shared))
 
 
-@pytest.mark.parametrize("script", ["data/prepare.py", "train.py"])
-def test_ctrl_c_during_data_preparation_is_one_line_and_leaves_nothing(tmp_path, script, cli):
+@pytest.mark.parametrize("script,sig", [("data/prepare.py", "SIGINT"), ("train.py", "SIGINT"), ("data/prepare.py", "SIGTERM")])
+def test_ctrl_c_during_data_preparation_is_one_line_and_leaves_nothing(tmp_path, script, sig, cli):
+    """SIGTERM likewise (was: the process died at once, its temporary dirs left in the cache)."""
     # one tokenizing process: with data.num_proc > 1 a Ctrl-C can leave datasets' worker pool
     # waiting for killed workers (README, Reliability: not guaranteed)
     big = tmp_path / "big.txt"
@@ -543,10 +560,10 @@ def test_ctrl_c_during_data_preparation_is_one_line_and_leaves_nothing(tmp_path,
                      start_new_session=True, preexec_fn=interruptible)
     wait_for(lambda: cache.is_dir() and any(cache.iterdir()), proc)
     time.sleep(1.5)
-    os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does: the whole process group
+    os.killpg(proc.pid, getattr(signal, sig))  # SIGINT: what Ctrl-C in a terminal does, to the whole process group
     _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 130 and "Traceback" not in err, err[-3000:]
-    assert err.strip().splitlines()[-1] == "interrupted (Ctrl-C)"
+    assert proc.returncode == {"SIGINT": 130, "SIGTERM": 143}[sig] and "Traceback" not in err, err[-3000:]
+    assert err.strip().splitlines()[-1] == f"interrupted ({'Ctrl-C' if sig == 'SIGINT' else 'SIGTERM'})"
     assert list(cache.iterdir()) == []  # no half-written dataset, no temporary dir
 
 
@@ -695,13 +712,13 @@ def test_every_config_key_refuses_its_bad_values_in_one_line(name, key, typ, kin
     base = {"config": TINY + short + [f"out_dir={tmp / 'run'}", f"data.cache_dir={shared['cache']}",
                                        f"data.path={shared['corpus']}"],
             "sample": ["device=cpu", f"ckpt={enum_dirs['ckpt']}", "max_new_tokens=2"],
-            "bench": ["model=debug", "device=cpu", "bench.iters=1", "bench.warmup=0", "bench.rounds=1"],
+            "bench": ["model=debug", "device=cpu", "bench.iters=1", "bench.warmup=0"],
             "cost": ["model=debug", "plot=null", "format=json"],
             "bench_sample": ["model=debug", "tokens=2", "repeats=1", "batch_sizes=[1]", "compile=[false]",
                              "recompute=false"],
             "visualize": [f"ckpt={enum_dirs['ckpt']}", "prompt=line", f"out={tmp / 'maps'}"],
             "export": [f"ckpt={enum_dirs['ckpt']}", f"out={tmp / 'hf'}"],
-            "bench_attention": ["lengths=[8]", "repeats=1", "out=null"],
+            "bench_attention": ["lengths=[8]", "paths=[sdpa]", "repeats=1", "out=null"],
             "eval_stream": [f"ckpt={enum_dirs['ckpt']}", "out=null"],
             "eval_lengths": [f"ckpt={enum_dirs['ckpt']}", "out=null"]}[name]
     listed = key in ("batch_sizes", "layouts", "kv_dtypes", "lengths", "paths", "policies")  # a list: one bad element
@@ -730,7 +747,239 @@ TRAINING = ["device=cpu", "logger.wandb.mode=disabled"]
 ])
 def test_bad_values_through_the_real_cli_are_one_line(tmp_path, script, args, needle, cli):
     """A few of the cases above end to end: `error: ...` as the one last line, status 1, no traceback,
-    and for train.py nothing written into the run dir."""
+    and nothing written: no run dir (was: train.py left the run dir Hydra made, with its train.log)."""
     r = cli(script, *args, f"hydra.run.dir={tmp_path / 'run'}")
     assert_one_line_error(r, needle)
-    assert not (tmp_path / "run").exists() or not [p for p in (tmp_path / "run").iterdir() if p.name != "train.log"]
+    assert not (tmp_path / "run").exists()
+
+
+# ----------------------------------------------------------------------------- third pass
+
+def test_sigterm_while_sampling_prints_what_was_generated(tiny_run, tmp_path, cli):
+    """Was: `timeout 6 python sample.py max_new_tokens=3000000 > out.txt` left 0 bytes and no message."""
+    with open(tmp_path / "out.txt", "w") as out:
+        proc = cli.popen("sample.py", f"ckpt={tiny_run}", "prompt=line", "max_new_tokens=3000000", "device=cpu",
+                         stdout=out)
+        first = proc.stderr.readline()  # the log line just before generation starts
+        assert "sampling from" in first, first + proc.communicate()[1][-3000:]
+        time.sleep(3)
+        proc.send_signal(signal.SIGTERM)  # what `timeout`, `kill` and job schedulers send
+        _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143 and "Traceback" not in err, err[-3000:]
+    assert err.strip().splitlines()[-1] == "interrupted (SIGTERM): the text above is what was generated until then"
+    text = (tmp_path / "out.txt").read_text()
+    assert text.startswith("line") and text.endswith("---------------\n") and len(text) > 100, text[:200]
+
+
+def test_resume_with_another_text_of_the_same_characters_is_refused(tmp_path, shared):
+    """Was: trained on the other text without a word (the tokenizer alone was compared)."""
+    a, b = tmp_path / "a.txt", tmp_path / "b.txt"
+    a.write_text(corpus_text())
+    b.write_text("".join(reversed(corpus_text().splitlines(keepends=True))))  # the same characters
+    train(make_cfg(tmp_path, shared, f"data.path={a}", "train.max_iters=10"))
+    before = snapshot(tmp_path / "run")
+    with pytest.raises(UserError, match="holds other tokens than the checkpoint was trained on") as e:
+        train(make_cfg(tmp_path, shared, f"data.path={b}", "train.max_iters=20", "resume=true"))
+    one_line(e)
+    assert snapshot(tmp_path / "run") == before
+    moved = tmp_path / "moved" / "a.txt"  # the same text elsewhere is the same data
+    moved.parent.mkdir()
+    shutil.copy(a, moved)
+    assert train(make_cfg(tmp_path, shared, f"data.path={moved}", "train.max_iters=20", "resume=true"))["steps"] == 20
+
+
+def test_resume_with_another_split_seed_or_data_seed_is_refused(tmp_path, shared):
+    """Was: a multi-file run resumed with another data.split_seed (documents moved between train
+    and val) or another train.data_seed (other evaluation windows) went on without a word."""
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    for i in range(12):
+        (docs / f"{i:02d}.txt").write_text(corpus_text(20 + i))
+    data = [f"data.path={docs}/*.txt", "data.val_fraction=0.25"]
+    train(make_cfg(tmp_path, shared, *data, "train.max_iters=10"))
+    before = snapshot(tmp_path / "run")
+    with pytest.raises(UserError, match=r"holds other tokens .*data.split_seed") as e:
+        train(make_cfg(tmp_path, shared, *data, "data.split_seed=7", "train.max_iters=20", "resume=true"))
+    one_line(e)
+    with pytest.raises(UserError, match=r"the data seed \(train.data_seed, else seed\) is 5 here but 1337") as e:
+        train(make_cfg(tmp_path, shared, *data, "train.data_seed=5", "train.max_iters=20", "resume=true"))
+    one_line(e)
+    assert snapshot(tmp_path / "run") == before
+
+
+def record_bytes(path: Path, name_end: str) -> tuple:
+    """(offset, length) of the stored bytes of a zip record whose name ends with name_end."""
+    with zipfile.ZipFile(path) as z:
+        info = next(i for i in z.infolist() if i.filename.endswith(name_end))
+    with open(path, "rb") as f:
+        f.seek(info.header_offset + 26)
+        name_len, extra_len = int.from_bytes(f.read(2), "little"), int.from_bytes(f.read(2), "little")
+    return info.header_offset + 30 + name_len + extra_len, info.file_size
+
+
+def test_a_checkpoint_with_changed_bytes_is_refused(tmp_path, tiny_run, sample_cfg):
+    """Was: 64 corrupted bytes inside a weight loaded, and sampling printed other text."""
+    good = tiny_run / "best.pt"
+    with zipfile.ZipFile(good) as z:  # the largest tensor record
+        largest = max((i for i in z.infolist() if "/data/" in i.filename), key=lambda i: i.file_size).filename
+    start, size = record_bytes(good, largest)
+    data = bytearray(good.read_bytes())
+    data[start + size // 2:start + size // 2 + 64] = bytes(b ^ 0x5A for b in data[start + size // 2:start + size // 2 + 64])
+    bad = tmp_path / "best.pt"
+    bad.write_bytes(bytes(data))
+    with pytest.raises(UserError, match=rf"checkpoint {bad} is damaged: its record \S+ does not match its checksum") as e:
+        sample(sample_cfg(f"ckpt={bad}", "max_new_tokens=3"))
+    one_line(e)
+    assert ck.load_checkpoint(good)["step"] == 10  # the untouched one loads
+
+
+def test_lr_decay_that_ends_before_the_warmup_is_refused(tmp_path, shared):
+    """Was: accepted, and the lr jumped from its peak to min_lr when the warmup ended."""
+    with pytest.raises(UserError, match=r"train.lr_decay_iters=50 is not past train.warmup_iters=100") as e:
+        train(make_cfg(tmp_path, shared, "train.warmup_iters=100", "train.lr_decay_iters=50"))
+    one_line(e)
+    assert not (tmp_path / "run").exists()
+
+
+def test_sampling_at_extreme_temperatures_and_top_p(tiny_run, sample_cfg):
+    """Was: temperature=1e-40: `RuntimeError: probability tensor contains inf/nan`; top_p=1e-300 (0 in
+    float32): `invalid multinomial distribution`. Near those limits sampling is greedy decoding."""
+    base = [f"ckpt={tiny_run}", "prompt=line", "max_new_tokens=20"]
+    greedy = sample(sample_cfg(*base, "temperature=0"))
+    assert sample(sample_cfg(*base, "temperature=1e-40")) == greedy
+    assert sample(sample_cfg(*base, "top_p=1e-300")) == greedy
+    assert len(sample(sample_cfg(*base, "temperature=1e300"))[0]) > len("line")  # uniform, still text
+
+
+def test_bench_without_warm_up_times_its_steps():
+    """Was: bench.warmup=0 ended in ZeroDivisionError."""
+    from tools.bench import bench
+    r = bench(compose_cfg("bench", ["model=debug", "device=cpu", "bench.warmup=0", "bench.iters=1",
+                                    "train.batch_size=2"]))
+    assert r["attnlab"]["ms_per_iter"] > 0
+
+
+def test_resuming_a_finished_run_says_so_and_changes_nothing(tmp_path, shared, caplog):
+    """Was: `done: val loss nan`, after rewriting the run's record and plots."""
+    first = train(make_cfg(tmp_path, shared, "train.max_iters=10"))
+    before = snapshot(tmp_path / "run")
+    again = train(make_cfg(tmp_path, shared, "train.max_iters=10", "resume=true"))
+    assert again["steps"] == 10 and again["val_loss"] == first["val_loss"] is not None
+    assert "nothing to do: the run in" in caplog.text and "pass train.max_iters > 10 to train on" in caplog.text
+    assert snapshot(tmp_path / "run") == before
+
+
+def test_muon_settings_under_adamw_are_refused_before_anything_is_written(tmp_path, shared):
+    """Was: train.muon_* were silently ignored under train.optimizer=adamw."""
+    with pytest.raises(UserError, match=r"train.muon_lr=0.01 has no effect unless train.optimizer=muon") as e:
+        train(make_cfg(tmp_path, shared, "train.muon_lr=0.01"))
+    one_line(e)
+    assert not (tmp_path / "run").exists()
+
+
+NO_EFFECT = [  # (command, overrides that idle the key, the key set anyway): one for each NEEDS entry
+    *[("config", [], f"train.{k}") for k in ("muon_lr=0.01", "muon_weight_decay=0", "muon_momentum=0.9",
+                                              "muon_momentum_warmup=10", "muon_adjust_lr=original", "muon_ns_steps=3",
+                                              "muon_split_qkv=true", "muon_ns_dtype=float32")],
+    ("config", ["train.optimizer=muon"], "train.muon_momentum_start=0.5"),
+    ("config", [], "train.cooldown_frac=0.2"),
+    ("config", ["train.log_attn_interval=0"], "train.probe_batch_size=8"),
+    ("config", ["model.pos=learned"], "model.rope_base=500"),
+    ("config", [], "model.attn.qk_norm_type=l2"),
+    ("config", [], "model.attn.qk_norm_gain=head"),
+    ("config", [], "model.attn.block=64"),
+    ("config", [], "model.attn.window_pattern=LG"),
+    ("config", ["model.attn.kind=linear"], "model.attn.impl=reference"),
+    ("config", ["model.attn.kind=linear"], "model.attn.scale=none"),
+    ("config", ["model.attn.kind=linear"], "model.attn.window=8"),
+    ("config", ["model.attn.kind=linear"], "model.attn.sink=learned"),
+    ("config", [], "model.attn.kv_lora_rank=16"),
+    ("config", [], "model.attn.q_lora_rank=16"),
+    ("config", [], "model.attn.rope_head_dim=8"),
+    ("config", ["model.pos=alibi"], "model.rope_scaling=yarn"),
+    ("config", [], "model.rope_scaling_factor=4"),
+    ("config", [], "data.vocab_size=512"),
+    ("config", [], "data.hub_config=sample-10BT"),
+    ("config", ["data.max_tokens=1000"], "data.streaming=true"),
+    ("sample", ["temperature=0"], "top_k=5"),
+    ("sample", ["temperature=0"], "top_p=0.5"),
+    ("sample", ["temperature=0"], "seed=7"),
+    ("sample", ["kv_cache=false"], "kv_dtype=bfloat16"),
+    ("sample", ["kv_cache=false"], "compile=true"),
+    ("sample", ["kv_cache=false"], "kv_sinks=4"),
+    ("sample", ["prompt_file=p.txt"], "prompt=hi"),
+    ("visualize", ["prompt_file=p.txt"], "prompt=hi"),
+    ("cost", ["model=debug", "model.vocab_size=100"], "vocab_size=50"),
+    ("bench_sample", ["model=debug", "model.vocab_size=100"], "vocab_size=50"),
+    ("bench", ["model=debug"], "bench.rounds=3"),
+    ("bench_attention", ["paths=[sdpa]"], "window=64"),
+    ("bench_attention", ["paths=[sdpa]"], "block=64"),
+]
+
+
+@pytest.mark.parametrize("name,idle,setting", NO_EFFECT, ids=[f"{n}:{s}" for n, _, s in NO_EFFECT])
+def test_a_setting_without_effect_is_refused_in_one_line(name, idle, setting):
+    """Every option is used or refused: set where it cannot act (muon_* under AdamW, top_k when
+    greedy, a prompt beside prompt_file, ...), it is one line naming it and what would make it act."""
+    entry(name)  # registers the command's schema
+    key = setting.split("=")[0]
+    check_values(compose_cfg(name, idle))  # idle alone is fine
+    with pytest.raises(UserError, match=rf"^{key}=\S+ has no effect unless ") as e:
+        check_values(compose_cfg(name, [*idle, setting]))
+    one_line(e)
+
+
+def test_every_key_that_can_be_idle_has_a_case():
+    """A key added to any schema's NEEDS table must get a row in NO_EFFECT."""
+    declared = set()
+    for name in ENTRY_POINTS:
+        entry(name)
+        cfg = compose_cfg(name, ["model=debug"] if name in ("bench", "cost", "bench_sample") else [])
+        for _, schema, prefix in schema_nodes(cfg):
+            declared |= {f"{prefix}.{k}" if prefix else k for k in getattr(schema, "NEEDS", {})}
+    assert declared == {setting.split("=")[0] for _, _, setting in NO_EFFECT}
+
+
+@pytest.mark.parametrize("args", [["train.lr=nan"], ["data.path=no-such-file.txt"], ["model.block_size=100000"]],
+                         ids=["bad value", "missing data", "refused after the data"])
+def test_a_refused_training_writes_nothing(tmp_path, shared, args, cli):
+    """Was: a refused train.py left outputs/runs/<time>/train.log (Hydra made the dir and opened the
+    log before any check)."""
+    r = cli("train.py", "model=debug", "device=cpu", "logger.wandb.mode=disabled", "data=text",
+            f"data.path={shared['corpus']}", f"data.cache_dir={shared['cache']}", *args, cwd=tmp_path)
+    assert_one_line_error(r, args[0].split("=")[0])
+    assert list(tmp_path.iterdir()) == []  # no outputs/, no run dir, no train.log
+
+
+def test_cost_at_extreme_lengths_gives_a_result_and_a_plot(tmp_path):
+    """Was: the plot failed at any length (a float N met a Fraction) and, past int64, in matplotlib."""
+    from tools.cost import cost
+    r = cost(compose_cfg("cost", ["model=debug", "seq_len=1000000000000", "batch_size=1000000", "format=json",
+                                  f"plot={tmp_path / 'cost.png'}"]))
+    assert r["memory_bytes"]["attn_weights_per_layer"] == 10**6 * 2 * 10**24 * 2  # B * heads * N^2 * 2 bytes
+    assert (tmp_path / "cost.png").stat().st_size > 10_000
+
+
+def test_an_interrupt_lost_in_a_clean_up_callback_is_raised_again(monkeypatch):
+    """Was: a Ctrl-C or SIGTERM that landed while Python ran a weakref's callback (often, while
+    `datasets` tokenizes) was printed as "Exception ignored" and the command went on to the end."""
+    import sys
+    import weakref
+    from common import redeliver_lost_interrupt
+    monkeypatch.setattr(sys, "unraisablehook", redeliver_lost_interrupt)
+    previous = signal.getsignal(signal.SIGALRM)
+
+    def interrupted_callback(ref):
+        raise KeyboardInterrupt  # what a signal handler raises when it runs inside the callback
+
+    class Thing:
+        pass
+    thing = Thing()
+    ref = weakref.ref(thing, interrupted_callback)  # noqa: F841 (the callback needs the ref alive)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            del thing  # the callback's exception is dropped by Python, then raised again
+            time.sleep(5)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)

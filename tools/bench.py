@@ -21,7 +21,7 @@ from hydra.core.config_store import ConfigStore
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as tools/X.py: the repo's modules
 
-from common import (NON_NEGATIVE, POSITIVE, Range, Timer, UserError, check_memory, cli, compile_wanted, is_oom,
+from common import (NON_NEGATIVE, POSITIVE, Needs, Range, Timer, UserError, check_memory, cli, compile_wanted, is_oom,
                     peak_flops, run_app, setup_runtime)
 from counting import training_bytes
 from config import Config, check_train_config, model_config
@@ -39,6 +39,8 @@ class BenchSettings:
 
     RULES: ClassVar[dict] = {"iters": POSITIVE, "warmup": NON_NEGATIVE, "rounds": POSITIVE, "vocab_size": POSITIVE,
                              "cpu_peak_flops": Range(0, lo_open=True)}
+    NEEDS: ClassVar[dict] = {"rounds": Needs(lambda b: b.compare is not None, "{p}compare=NANOGPT_CHECKOUT "
+                                             "(rounds interleave two models)")}
 
 
 @dataclass
@@ -67,13 +69,13 @@ def load_nanogpt(path):
 
 
 def time_steps(model, optimizer, cfg, rt, n, batch):
-    """Seconds per training step, mean of n steps (GPU work included)."""
+    """Seconds per training step, mean of n steps (GPU work included); None for no steps (no warm-up)."""
     scaler = torch.amp.GradScaler(rt.device.type, enabled=rt.dtype == torch.float16)
     accum = cfg.train.grad_accum or 1
     with Timer(rt.device) as t:
         for _ in range(n):
             train_step(model, optimizer, [batch] * accum, accum, cfg.train.grad_clip, rt, scaler)
-    return t.seconds / n
+    return t.seconds / n if n else None
 
 
 def bench(cfg) -> dict:

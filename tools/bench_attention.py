@@ -26,7 +26,7 @@ from hydra.core.config_store import ConfigStore
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as tools/X.py: the repo's modules
 
 from attention import ATTENTION_KINDS  # noqa: E402
-from common import POSITIVE, OneOf, Range, check_values, cli, run_app  # noqa: E402
+from common import POSITIVE, Needs, OneOf, Range, check_output_file, check_values, cli, run_app  # noqa: E402
 from counting import attention_variants  # noqa: E402
 from model import GPTConfig  # noqa: E402
 
@@ -52,6 +52,8 @@ class BenchAttentionConfig:
         "window": POSITIVE, "block": POSITIVE, "repeats": POSITIVE, "max_seconds": Range(0, lo_open=True),
         "threads": Range(1, 4096),
     }
+    NEEDS: ClassVar[dict] = {"window": Needs(lambda c: "window" in c.paths, "paths includes window"),
+                             "block": Needs(lambda c: "tiled" in c.paths, "paths includes tiled")}
 
 
 ConfigStore.instance().store(name="base_bench_attention", node=BenchAttentionConfig)
@@ -87,6 +89,8 @@ def step(layer, x, rope):
 
 def bench_attention(cfg) -> dict:
     check_values(cfg)
+    if cfg.out:
+        check_output_file(cfg.out, "out")
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     from attention import rope_freqs

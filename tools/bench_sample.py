@@ -29,7 +29,7 @@ from omegaconf import MISSING, OmegaConf
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as tools/X.py: the repo's modules
 
-from common import (DTYPES, POSITIVE, SEED, OneOf, Range, Timer, UserError, check_values, cli, run_app,
+from common import (DTYPES, POSITIVE, SEED, Needs, OneOf, Range, Timer, UserError, check_values, cli, run_app,
                     setup_runtime)
 from config import model_config
 from counting import decode_bytes
@@ -58,6 +58,7 @@ class BenchSampleConfig:
         "layouts": OneOf(("auto", "row", "column")), "kv_dtypes": OneOf(("auto", *DTYPES)), "repeats": POSITIVE,
         "seed": SEED, "dtype": OneOf(("auto", *DTYPES)),
     }
+    NEEDS: ClassVar[dict] = {"vocab_size": Needs(lambda c: c.model.vocab_size is None, "model.vocab_size is unset")}
 
 
 ConfigStore.instance().store(name="base_bench_sample", node=BenchSampleConfig)

@@ -22,7 +22,7 @@ from omegaconf import MISSING
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as tools/X.py: the repo's modules
 
-from common import DTYPES, POSITIVE, OneOf, Range, check_values, cli, run_app
+from common import DTYPES, POSITIVE, Needs, OneOf, Range, check_output_file, check_values, cli, run_app
 from counting import (ADAMW_BYTES_PER_PARAM, attention_variants, cache_table, count_params, crossovers,
                       macs_per_token, memory_breakdown, mlp_matrices, per_gpu_bytes)
 from config import model_config
@@ -50,6 +50,7 @@ class CostConfig:
                              "train_tokens": Range(1), "peak_flops": Range(0, lo_open=True),
                              "mfu": Range(0, 1, lo_open=True),
                              "world_size": Range(1, 1_000_000, why="GPUs training together")}
+    NEEDS: ClassVar[dict] = {"vocab_size": Needs(lambda c: c.model.vocab_size is None, "model.vocab_size is unset")}
 
 
 ConfigStore.instance().store(name="base_cost", node=CostConfig)
@@ -65,6 +66,8 @@ def cost(cfg) -> dict:
     """The JSON object of `format=json` (integers: counts, MACs, bytes); prints it, or the text
     report, and writes the plot."""
     check_values(cfg)
+    if cfg.plot:
+        check_output_file(cfg.plot, "plot")
     fallback = cfg.model.vocab_size is None  # no data is loaded: any vocabulary may be asked about
     c = model_config(cfg.model, cfg.vocab_size if fallback else None)
     N = c.block_size if cfg.seq_len is None else cfg.seq_len
@@ -117,7 +120,7 @@ def size(nbytes) -> str:
     """Bytes in binary units (KiB = 2^10 B, MiB = 2^20 B, GiB = 2^30 B, TiB = 2^40 B)."""
     for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if nbytes >= scale:
-            return f"{nbytes / scale:.2f} {unit}"
+            return f"{nbytes / scale:{'.2f' if nbytes < 1e6 * scale else '.3g'}} {unit}"  # 1e+30 TiB, not 31 digits
     return f"{nbytes} B"
 
 
@@ -302,13 +305,13 @@ def plot_cost(c, N, B, dtype, x, mem, path):
             (f"KV cache ({heads_word(c.n_kv_head)})", mem["kv_cache"]),
             (f"KV cache, MHA ({c.n_head})", mem["kv_cache_mha"])]
     labels, values = zip(*bars)
-    bx.barh(range(len(bars)), values, color=["C0", "C0", "C3", "C3", "C2", "C7"])
+    bx.barh(range(len(bars)), [float(v) for v in values], color=["C0", "C0", "C3", "C3", "C2", "C7"])  # past int64 too
     for i, v in enumerate(values):
-        bx.text(v, i, f" {size(v)}", va="center", fontsize=8)
+        bx.text(float(v), i, f" {size(v)}", va="center", fontsize=8)
     bx.set_yticks(range(len(bars)), labels)
     bx.invert_yaxis()
     bx.set(xscale="log", xlabel="bytes (log)", title=f"memory at N={N:,}, batch {B}, {dtype}")
-    bx.set_xlim(right=max(values) * 8)  # room for the labels
+    bx.set_xlim(right=float(max(values)) * 8)  # room for the labels
     return save_figure(fig, path)
 
 

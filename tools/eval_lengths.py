@@ -32,7 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as tools/X.p
 from attention import ROPE_SCALINGS  # noqa: E402
 from attnstats import copy_losses  # noqa: E402
 from checkpoint import find_checkpoint, load_checkpoint, model_from_checkpoint  # noqa: E402
-from common import POSITIVE, OneOf, Range, UserError, check_values, cli, pick_device, run_app  # noqa: E402
+from common import (POSITIVE, OneOf, Range, UserError, check_output_file, check_values, cli, pick_device,  # noqa: E402
+                    run_app)
 from tools.eval_stream import stream_tokens  # noqa: E402
 
 
@@ -86,6 +87,8 @@ def copy_loss(model, ids, L: int, batch_size: int = 8) -> float:
 
 def eval_lengths(cfg) -> dict:
     check_values(cfg)
+    if cfg.out:
+        check_output_file(cfg.out, "out")  # before any work
     path = find_checkpoint(cfg.ckpt)
     state = load_checkpoint(path)
     mc = dict(state["model_config"])

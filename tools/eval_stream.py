@@ -30,7 +30,8 @@ from hydra.core.config_store import ConfigStore
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as tools/X.py: the repo's modules
 
 from checkpoint import find_checkpoint, load_checkpoint, model_from_checkpoint  # noqa: E402
-from common import POSITIVE, OneOf, Range, UserError, check_values, cli, pick_device, run_app  # noqa: E402
+from common import (POSITIVE, OneOf, Range, UserError, check_output_file, check_values, cli, pick_device,  # noqa: E402
+                    run_app)
 from data.tokenizer import tokenizer_from_dict  # noqa: E402
 
 POLICIES = ("recompute", "ring", "sinks")
@@ -106,6 +107,8 @@ def sink_mass(run_dir: Path):
 
 def eval_stream(cfg) -> dict:
     check_values(cfg)
+    if cfg.out:
+        check_output_file(cfg.out, "out")  # before any work
     path = find_checkpoint(cfg.ckpt)
     state = load_checkpoint(path)
     model = model_from_checkpoint(state, pick_device(cfg.device)).eval()

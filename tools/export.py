@@ -5,9 +5,11 @@
     python tools/export.py ckpt=outputs/runs/X out=hf/X format=code
 
 The directory holds config.json, model.safetensors, generation_config.json, the tokenizer
-(tokenizer.json, tokenizer_config.json) and a README.md model card, and loads offline with
-`AutoModelForCausalLM.from_pretrained(DIR)` and `AutoTokenizer.from_pretrained(DIR)`. Two routes
-(`format=auto`, the default, takes the first that computes the model and says which in one line):
+(tokenizer.json, tokenizer_config.json), a README.md model card and attnlab_export.json (the files
+the export wrote: overwrite=true replaces only such a directory, and only if nothing was added to
+it), and loads offline with `AutoModelForCausalLM.from_pretrained(DIR)` and
+`AutoTokenizer.from_pretrained(DIR)`. Two routes (`format=auto`, the default, takes the first that
+computes the model and says which in one line):
 
 - stock (`format=stock`): a stock architecture that computes the same function, no custom code (the
   opposite of nanoGPT's from_pretrained):
@@ -74,7 +76,7 @@ from hydra.core.config_store import ConfigStore
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as tools/X.py: the repo's modules
 
 from checkpoint import find_checkpoint, load_checkpoint, model_from_checkpoint
-from common import OneOf, UserError, check_values, cli, dir_mode, private_mode, run_app, temp_suffix
+from common import OneOf, UserError, check_output_dir, check_values, cli, dir_mode, private_mode, run_app, temp_suffix
 from attention import qk_normalize
 from model import GPT, NORM_EPS, GPTConfig
 from data.tokenizer import EOT, tokenizer_from_dict
@@ -83,6 +85,7 @@ log = logging.getLogger("attnlab")
 QK_NORM_EPS = inspect.signature(qk_normalize).parameters["eps"].default  # attnlab's per-head norm eps
 LOGIT_TOL = 1e-4  # |exported - attnlab| logits allowed, times max(1, |logit|) for large models
 FORMATS = ("auto", "stock", "code")
+MARK = "attnlab_export.json"  # written last into every export: the files it wrote, so overwrite=true knows its own
 
 
 @dataclasses.dataclass
@@ -649,25 +652,70 @@ print(generate("{prompt}", max_new_tokens=100{keep_bos})[0]["generated_text"])
 """
 
 
-def prepare_out(out: Optional[str], overwrite: bool) -> Path:
+def check_out(out: Optional[str], overwrite: bool) -> Path:
+    """The directory to export to, checked before any work. An export replaces its directory whole, so
+    an existing one is replaced only if it is an export of ours with nothing added (its mark lists
+    every file in it), never through a symbolic link, never the directory you are in or one above it."""
     if not out:
         raise UserError("out=DIR is required: the directory to write the transformers model to")
     path = Path(out).expanduser()
-    if path.exists() and not path.is_dir():
-        raise UserError(f"out={out} is a file: pass a directory")
+    if path.is_symlink():
+        raise UserError(f"out={out} is a symbolic link: an export replaces its directory whole; name the directory "
+                        "itself")
+    check_output_dir(path, "out")
+    here = Path.cwd().resolve()
+    if path.resolve() == here or path.resolve() in here.parents:
+        raise UserError(f"out={out} is the directory you are in, or holds it: an export replaces its directory "
+                        "whole; name another one")
     if path.is_dir() and any(path.iterdir()):
         if not overwrite:
             raise UserError(f"out={out} is not empty: pass overwrite=true to replace an earlier export, or another dir")
-        if not (path / "config.json").is_file():
-            raise UserError(f"out={out} is not empty and holds no config.json: not an export, so not replacing it")
+        foreign = not_exported(path)
+        if foreign:
+            raise UserError(f"out={out} holds {', '.join(foreign[:3])}{' and more' if len(foreign) > 3 else ''}, "
+                            f"which no export wrote: only a directory an export marked ({MARK}) and nothing was "
+                            "added to is replaced; pass another out=DIR")
     return path
+
+
+def not_exported(path: Path) -> list:
+    """The entries of `path` that no export wrote: all of them, unless its mark lists every one as a file."""
+    try:
+        listed = json.loads((path / MARK).read_text(encoding="utf-8"))["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        listed = []
+    return sorted(p.name for p in path.iterdir()
+                  if p.name != MARK and (p.name not in listed or p.is_symlink() or not p.is_file()))
+
+
+def mark_export(path: Path, ckpt: Path):
+    """The mark that lets a later overwrite=true recognise this directory: the files the export wrote."""
+    files = sorted(p.name for p in path.iterdir())
+    (path / MARK).write_text(json.dumps({"written_by": "attnlab tools/export.py", "checkpoint": str(ckpt),
+                                         "files": files}, indent=1) + "\n", encoding="utf-8")
+
+
+def swap_in(tmp: Path, out: Path):
+    """The new export where `out` is: an old one is renamed aside first and deleted last, so at any
+    moment one of them is whole on disk (put back if the swap is interrupted; after a kill -9 between
+    the two renames, under the name .OUT.old.tmp-HOST-PID)."""
+    old = out.parent / f".{out.name}.old{temp_suffix()}"
+    if out.exists():
+        os.rename(out, old)
+    try:
+        os.rename(tmp, out)
+    except BaseException:
+        if old.exists():
+            os.rename(old, out)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def export(cfg) -> Path:
     """Write the checkpoint cfg.ckpt names as a transformers model directory cfg.out; return it.
-    It is written under a temporary name, checked, then renamed: `out` is whole or absent."""
+    It is written under a temporary name beside `out`, checked, then swapped in: `out` is whole or absent."""
     check_values(cfg)
-    out = prepare_out(cfg.out, cfg.overwrite)
+    out = check_out(cfg.out, cfg.overwrite)
     ckpt = find_checkpoint(cfg.ckpt)
     state = load_checkpoint(ckpt)  # refuses non-finite weights
     model = model_from_checkpoint(state).eval()
@@ -700,12 +748,11 @@ def export(cfg) -> Path:
         make_portable(tmp, c, target)
         (tmp / "README.md").write_text(model_card(state, model, type(hf).__name__, ckpt, tok, code), encoding="utf-8")
         diff = verify(model, tmp, code) if cfg.verify else None
+        mark_export(tmp, ckpt)
         for f in tmp.iterdir():
             os.chmod(f, mode)
         os.chmod(tmp, dir_mode(mode))
-        if out.exists():
-            shutil.rmtree(out)
-        os.rename(tmp, out)
+        swap_in(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     log.info("exported %s as %s to %s%s", ckpt, type(hf).__name__, out,

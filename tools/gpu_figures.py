@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as tools/X.p
 
 import torch  # noqa: E402
 
-from common import UserError, cli  # noqa: E402
+from common import UserError, check_output_file, cli  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -76,6 +76,8 @@ def run_step(kind, overrides, device):
 
 
 def gpu_figures(device: str, out=None) -> dict:
+    if out:
+        check_output_file(out, "--out")  # before minutes of work
     steps = GPU_STEPS if device != "cpu" else CPU_STEPS
     figures = {"device": device, "torch": torch.__version__, "steps": {}}
     if device != "cpu":

@@ -29,7 +29,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as tools/X.py: the repo's modules
 
-from common import UserError, cli  # noqa: E402
+from common import UserError, check_output_dir, cli  # noqa: E402
 from plots import plot_bands, plot_head_roles_compare, series  # noqa: E402
 from tracking import read_metrics  # noqa: E402
 
@@ -321,6 +321,9 @@ def plot_arm_bands(arms: list, path, keys: list):
 
 
 def report(paths, out=None, baseline=None) -> dict:
+    if out is None:
+        out = paths[0] if len(paths) == 1 and not (Path(paths[0]) / "metrics.jsonl").is_file() else "report"
+    out = check_output_dir(out, "--out")
     runs = [summarize(r) for r in find_runs(paths)]
     arms = group_arms(runs)
     if baseline is not None and baseline not in [a.label for a in arms]:
@@ -329,9 +332,6 @@ def report(paths, out=None, baseline=None) -> dict:
     pairs = [(base, a) for a in arms if a is not base] if baseline or len(arms) > 5 else \
         list(itertools.combinations(arms, 2))
     comparisons = [compare(a, b) for a, b in pairs]
-    if out is None:
-        out = paths[0] if len(paths) == 1 and not (Path(paths[0]) / "metrics.jsonl").is_file() else "report"
-    out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     files = [plot_arm_bands(arms, out / "val_loss.png", [("val/loss", "val loss (nats/token)")])]
     if any(a.values("attn_entropy") for a in arms):

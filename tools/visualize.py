@@ -25,7 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as tools/X.p
 
 from plots import format_top_keys, write_views
 from checkpoint import find_checkpoint, load_checkpoint, model_from_checkpoint
-from common import POSITIVE, Range, UserError, check_values, cli, pick_device, read_prompt, run_app
+from common import (POSITIVE, Needs, Range, UserError, check_output_dir, check_values, cli, pick_device, read_prompt,
+                    run_app)
 from data.tokenizer import tokenizer_from_dict
 
 log = logging.getLogger("attnlab")
@@ -42,6 +43,8 @@ class VisualizeConfig:
     device: str = "cpu"  # one forward pass of at most block_size tokens: the CPU takes seconds
 
     RULES: ClassVar[dict] = {"top_k": POSITIVE, "query": Range(-2**31, 2**31)}
+    NEEDS: ClassVar[dict] = {"prompt": Needs(lambda c: c.prompt_file is None,
+                                             "prompt_file is unset (the file's text is the prompt)")}
 
 
 ConfigStore.instance().store(name="base_visualize", node=VisualizeConfig)
@@ -68,6 +71,7 @@ def visualize(cfg, out=None) -> dict:
     """Maps of cfg.prompt for the checkpoint cfg.ckpt, written to cfg.out; returns write_views'
     dict plus the query and the seconds the maps took (forward pass, PNG and HTML)."""
     check_values(cfg)
+    check_output_dir(cfg.out, "out")
     prompt = prompt_of(cfg)
     device = pick_device(cfg.device)
     path = find_checkpoint(cfg.ckpt)
