@@ -153,7 +153,7 @@ def test_wandb_disabled_writes_nothing(train_cfg, tmp_path):
     assert not (tmp_path / "run" / "wandb").exists()
 
 
-# ----------------------------------------------------------------------------- what each head does (issue 15)
+# ----------------------------------------------------------------------------- what each head does
 
 def one_hot_head(targets, T, c=40.0):
     """q, k (1, 1, T, hs) whose attention is (almost) one-hot: query i looks at key targets[i]

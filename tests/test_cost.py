@@ -1,4 +1,4 @@
-"""cost.py (issue 16): counts derived by hand for two small configs, the same counts from real
+"""cost.py: counts derived by hand for two small configs, the same counts from real
 models (num_params, flops_per_token, torch's FlopCounterMode, a real KV cache), the crossovers
 plugged back in, and one-line errors."""
 import json

@@ -1,5 +1,5 @@
 """export.py: a checkpoint as a transformers model directory with the same logits, the same greedy
-continuations and the same tokenization (issue 19). CPU, offline, fp32, eager attention. The
+continuations and the same tokenization. CPU, offline, fp32, eager attention. The
 reference is always attnlab itself (model.py's forward, sample.generate, tokenizer.py), never the
 export's own code."""
 import json

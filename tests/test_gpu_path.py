@@ -1,4 +1,4 @@
-"""The CUDA training path, checked on CPU (issue 13): each test reproduces on CPU a failure that a
+"""The CUDA training path, checked on CPU: each test reproduces on CPU a failure that a
 first GPU run would have hit, with the GPU part stood in for: a monkeypatched device capability,
 device name or world size, the CPU GradScaler with fp16 autocast, the meta device, gloo processes."""
 import json

@@ -1,5 +1,5 @@
 """Same seed, same run: a tiny training run's metrics equal a reference file recorded before the
-structure change of issue 11 (every key but the timing ones), so refactors cannot silently
+structure change (every key but the timing ones), so refactors cannot silently
 change what training computes.
 
 The reference was made with the code before that change by

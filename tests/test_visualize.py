@@ -1,4 +1,4 @@
-"""Attention maps of a prompt (issue 15): the weights against softmax(QKᵀ·scale + M) recomputed from
+"""Attention maps of a prompt: the weights against softmax(QKᵀ·scale + M) recomputed from
 the model's own q and k, the PNG, the self-contained HTML viewer in a real headless Chromium, the
 top-k keys on stdout, and one-line errors for bad input."""
 import base64

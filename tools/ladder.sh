@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 17's ladder: nanoGPT's CPU config (4 layers x 4 heads x 128, block 64, batch 12, 2000 steps,
+# The ladder: nanoGPT's CPU config (4 layers x 4 heads x 128, block 64, batch 12, 2000 steps,
 # tiny shakespeare), one change added per row on top of the best row before it, 2 seeds each, one
 # training process at a time. Then the README table and the plot of the val curves.
 #   bash tools/ladder.sh [path/to/tinyshakespeare.txt] [out dir] [row ...]
