@@ -242,19 +242,20 @@ def attention_variants(c, seq_len: int, batch: int = 1, dtype_bytes: int = 4) ->
 
 def cache_table(c, lengths=(8192, 131072), batch: int = 1) -> list:
     """The KV cache of the config's shape stored every way attnlab can: multi-head (n_head K/V heads),
-    grouped-query (the config's n_kv_head, or n_head/4), multi-query (1), MLA (latent d_c = 4·hs and a
+    grouped-query (the config's n_kv_head, or n_head/4 or n_head/2 if above 1), multi-query (1), MLA (latent d_c = 4·hs and a
     RoPE key of hs/2, DeepSeek-V2's proportions, or the config's own), each in fp32, bf16 and int8
     where it exists: bytes per token (all layers) and at each length."""
     from dataclasses import replace
 
     from attention import AttnConfig
 
-    gqa = c.n_kv_head if c.n_kv_head not in (c.n_head, 1) else max(1, c.n_head // 4)
+    gqa = c.n_kv_head if c.n_kv_head not in (c.n_head, 1) else \
+        next((g for g in (c.n_head // 4, c.n_head // 2) if g > 1 and c.n_head % g == 0), None)  # none: no GQA row
     mla = replace(c, n_kv_head=None, value_embed=False, attn=AttnConfig(kind="mla", kv_lora_rank=c.attn.kv_lora_rank,
                                                                      rope_head_dim=c.attn.rope_head_dim)) \
         if c.attn.kind != "mla" else c
-    kinds = [(f"MHA ({c.n_head} K/V heads)", c, c.n_head), (f"GQA ({gqa} K/V heads)", c, gqa), ("MQA (1 K/V head)", c, 1),
-             ("MLA (latent + RoPE key)", mla, None)]
+    kinds = [(f"MHA ({c.n_head} K/V heads)", c, c.n_head), *([(f"GQA ({gqa} K/V heads)", c, gqa)] if gqa else []),
+             ("MQA (1 K/V head)", c, 1), ("MLA (latent + RoPE key)", mla, None)]
     rows = []
     for name, cfg, heads in kinds:
         for dtype, nbytes, int8 in (("float32", 4, False), ("bfloat16", 2, False), ("int8", 1, True)):

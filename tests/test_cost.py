@@ -334,3 +334,13 @@ def test_cli_llama3_8b_json(tmp_path, cli):
                                      "lm_head": 525_336_576}
     assert out["memory_bytes"]["attn_weights_per_layer"] == 32 * 8192**2 * 2  # 4 GiB for one layer
     assert (tmp_path / "cost.png").is_file()
+
+
+def test_cache_table_gqa_row_is_between_mha_and_mqa():
+    """The GQA row of an MHA config groups its heads (n_head/4, else n_head/2), never one K/V head
+    (that is the MQA row); with 2 heads there is no grouping in between, so no GQA row."""
+    from counting import cache_table
+    for n_head, want in ((16, "GQA (4 K/V heads)"), (4, "GQA (2 K/V heads)"), (6, "GQA (3 K/V heads)"), (2, None)):
+        kinds = {r["kind"] for r in cache_table(GPTConfig(vocab_size=10, n_head=n_head, n_embd=8 * n_head))}
+        gqa = [k for k in kinds if k.startswith("GQA")]
+        assert gqa == ([want] if want else []), (n_head, kinds)
