@@ -1,6 +1,7 @@
 """Causal self-attention, read top-down: the scale, the mask, one attention function (a fast path,
-a plain-math reference path and FlashAttention's tiled algorithm), RoPE, QK-Norm, KV caches, and the
-attention kinds that put them together: softmax attention, and linear attention.
+a plain-math reference path and FlashAttention's tiled algorithm), positions (RoPE and its scalings,
+ALiBi), QK-Norm, KV caches (full, static, int8, with sink tokens), and the attention kinds that put
+them together: softmax attention, linear attention and multi-head latent attention.
 
     softmax(q·kᵀ·scale + M) · v
 
@@ -27,6 +28,16 @@ attention kinds that put them together: softmax attention, and linear attention.
   |logit| <= scale · |q̂| · |k̂|.
 - Grouped-query / multi-query attention (`n_kv_head`, Ainslie et al. 2023, arXiv 2305.13245; Shazeer
   2019, arXiv 1911.02150): consecutive query heads share one key/value head.
+- Multi-head latent attention (`model.attn.kind=mla`, DeepSeek-V2, arXiv 2405.04434): keys and values
+  are up-projected from one small latent per token, and only the latent (with a small RoPE key) is
+  cached.
+- RoPE scaling (`model.rope_scaling`: position interpolation, NTK-aware, YaRN) stretches the rotation
+  to contexts longer than trained; ALiBi (`model.pos=alibi`, Press et al. 2021, arXiv 2108.12409)
+  adds a linear bias per head to the logits instead of rotating.
+- Gates and sinks: `model.attn.gate` multiplies each head's output by a sigmoid of the layer input
+  (Qiu et al. 2025, arXiv 2505.06708); `model.attn.sink` lets softmax put weight on nothing (an extra
+  zero logit, or a learned one per head). KV caches can keep the first tokens as sinks while they
+  slide (StreamingLLM, Xiao et al. 2023, arXiv 2309.17453) or hold int8 numbers.
 
 Every option is chosen once, at construction (which class is the layer's attention, which function
 normalises, which path attends, which window the layer has); what forward still branches on is the
