@@ -254,3 +254,25 @@ def test_cost_prints_the_four_ways(tmp_path, capsys):
     assert [r["name"] for r in out["attention_variants"]][1] == "tiled (FlashAttention)"
     assert math.isclose(out["attention_variants"][0]["memory"] / out["attention_variants"][1]["memory"], 4096 / 33,
                         rel_tol=1e-9)
+
+
+def test_bench_attention_measures_each_path_against_its_own_prediction(tmp_path):
+    """tools/bench_attention.py at two lengths: what the reference keeps for its backward grows ~4x when N
+    doubles (the table), the tiled paths' ~2x (no table); each row's predicted MACs are counting's for
+    that path's own config (the window path's W, not a default), and the plot is written."""
+    from helpers import compose_cfg
+    from tools.bench_attention import bench_attention
+    cfg = compose_cfg("bench_attention", ["lengths=[512,1024]", "repeats=1", "window=32", "block=64",
+                                          f"out={tmp_path / 'n2.png'}"])
+    rows = {(r["path"], r["N"]): r for r in bench_attention(cfg)["rows"]}
+    assert {p for p, _ in rows} == {"sdpa", "reference", "tiled", "window", "tiled_window", "linear"}
+    grow = {p: rows[(p, 1024)]["saved_bytes"] / rows[(p, 512)]["saved_bytes"] for p, _ in rows}
+    assert 3.0 < grow["reference"] < 4.2, grow  # the table, plus the O(N) projections it also keeps
+    assert grow["tiled"] < 2.3 and grow["tiled_window"] < 2.3, grow
+    d = cfg.n_embd
+    assert rows[("window", 1024)]["predicted_macs_per_token"] == 2 * 32 * d
+    assert rows[("tiled_window", 1024)]["predicted_macs_per_token"] == 2 * 32 * d
+    assert rows[("tiled", 1024)]["predicted_macs_per_token"] == rows[("reference", 1024)]["predicted_macs_per_token"] \
+        == 2 * 1024 * d
+    assert all(r["ms"] > 0 for r in rows.values())
+    assert (tmp_path / "n2.png").read_bytes()[:4] == b"\x89PNG"

@@ -7,8 +7,9 @@ attnlab computes attention, next to tools/cost.py's counts.
 
 Paths: sdpa (PyTorch's fused kernel), reference (the explicit N x N table), tiled (FlashAttention's
 algorithm in plain PyTorch: slow in Python, but it never builds the table), window (sdpa with a
-band of `window` keys; the tiled path skips the blocks outside the band), linear (elu + 1 features,
-prefix sums). The memory is the bytes of the tensors autograd saves for the backward pass
+band of `window` keys: the kernel still computes the whole table, then masks it), tiled_window (the
+tiled path with the band: it skips every block outside it, so its work grows as N·W), linear (elu + 1
+features, prefix sums). The memory is the bytes of the tensors autograd saves for the backward pass
 (torch.autograd.graph.saved_tensors_hooks, each storage counted once): exact and the same on every
 machine, unlike a process's resident size. Times are the median of `repeats` interleaved rounds.
 """
@@ -30,13 +31,15 @@ from common import POSITIVE, Needs, OneOf, Range, check_output_file, check_value
 from counting import attention_variants  # noqa: E402
 from model import GPTConfig  # noqa: E402
 
-PATHS = ("sdpa", "reference", "tiled", "window", "linear")
+PATHS = ("sdpa", "reference", "tiled", "window", "tiled_window", "linear")
+PREDICTED = {"sdpa": "reference", "reference": "reference", "tiled": "tiled", "window": "window",
+             "tiled_window": "window", "linear": "linear"}  # the row of counting.attention_variants for each
 
 
 @dataclass
 class BenchAttentionConfig:
     lengths: List[int] = field(default_factory=lambda: [64, 128, 256, 512, 1024, 2048, 4096])  # N
-    paths: List[str] = field(default_factory=lambda: list(PATHS))  # sdpa | reference | tiled | window | linear
+    paths: List[str] = field(default_factory=lambda: list(PATHS))  # sdpa | reference | tiled | window | tiled_window | linear
     n_embd: int = 128  # a CPU width: nanoGPT's CPU config
     n_head: int = 4
     batch_size: int = 1
@@ -52,8 +55,9 @@ class BenchAttentionConfig:
         "window": POSITIVE, "block": POSITIVE, "repeats": POSITIVE, "max_seconds": Range(0, lo_open=True),
         "threads": Range(1, 4096),
     }
-    NEEDS: ClassVar[dict] = {"window": Needs(lambda c: "window" in c.paths, "paths includes window"),
-                             "block": Needs(lambda c: "tiled" in c.paths, "paths includes tiled")}
+    NEEDS: ClassVar[dict] = {
+        "window": Needs(lambda c: {"window", "tiled_window"} & set(c.paths), "paths includes window or tiled_window"),
+        "block": Needs(lambda c: {"tiled", "tiled_window"} & set(c.paths), "paths includes tiled or tiled_window")}
 
 
 ConfigStore.instance().store(name="base_bench_attention", node=BenchAttentionConfig)
@@ -62,7 +66,8 @@ ConfigStore.instance().store(name="base_bench_attention", node=BenchAttentionCon
 def layer_for(path: str, cfg, N: int):
     """One attention layer (attention.py's own class for the path) at the benchmark's width."""
     attn = {"sdpa": {}, "reference": {"impl": "reference"}, "tiled": {"impl": "tiled", "block": cfg.block},
-            "window": {"window": cfg.window}, "linear": {"kind": "linear"}}[path]
+            "window": {"window": cfg.window}, "tiled_window": {"impl": "tiled", "block": cfg.block, "window": cfg.window},
+            "linear": {"kind": "linear"}}[path]
     c = GPTConfig(vocab_size=2, block_size=N, n_layer=1, n_head=cfg.n_head, n_embd=cfg.n_embd, attn=attn)
     return ATTENTION_KINDS[c.attn.kind](c, layer=0), c
 
@@ -102,7 +107,7 @@ def bench_attention(cfg) -> dict:
         for path in cfg.paths:
             layer, c = layer_for(path, cfg, N)
             rope = rope_freqs(c.head_dim, N, c.rope_base)
-            layers[path] = (layer, rope)
+            layers[path] = (layer, rope, c)
             memory = saved_bytes(lambda: layer(x, rope=rope))  # the forward's saved tensors, x excluded below
             step(layer, x, rope)  # warm-up: the first call of a shape allocates
             rows[(path, N)] = {"path": path, "N": N, "saved_bytes": memory - x.numel() * x.element_size(),
@@ -113,7 +118,7 @@ def bench_attention(cfg) -> dict:
                 if any(rows.get((path, n), {}).get("skipped") for n in cfg.lengths if n < N):
                     row["skipped"] = True
                     continue
-                layer, rope = layers[path]
+                layer, rope, _ = layers[path]
                 t0 = time.perf_counter()
                 step(layer, x, rope)
                 row["seconds"].append(time.perf_counter() - t0)
@@ -122,11 +127,10 @@ def bench_attention(cfg) -> dict:
         for path in cfg.paths:
             row = rows[(path, N)]
             row["ms"] = 1000 * statistics.median(row["seconds"]) if row["seconds"] else None
+            c = layers[path][2]  # the path's own config (its window, its kind)
             predicted = {v["name"].split()[0]: v for v in attention_variants(c, N, cfg.batch_size, 4)}
-            key = {"sdpa": "reference", "reference": "reference", "tiled": "tiled", "window": "window",
-                   "linear": "linear"}[path]
-            row["predicted_macs_per_token"] = predicted[key]["macs"]
-            print(f"N={N:5d} {path:9s} {row['ms'] if row['ms'] is not None else float('nan'):10.2f} ms/step  "
+            row["predicted_macs_per_token"] = predicted[PREDICTED[path]]["macs"]
+            print(f"N={N:5d} {path:12s} {row['ms'] if row['ms'] is not None else float('nan'):10.2f} ms/step  "
                   f"{row['saved_bytes'] / 2**20:9.2f} MiB saved for backward", flush=True)
     result = {"rows": list(rows.values())}
     if cfg.out:
