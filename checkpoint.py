@@ -120,6 +120,9 @@ def load_checkpoint(path, map_location="cpu") -> dict:
                         "with weights_only=False") from None
     except (RuntimeError, EOFError, OSError, KeyError, ValueError) as e:
         raise UserError(f"cannot read checkpoint {path}: {first_line(e)} (truncated or not a checkpoint?)") from None
+    except Exception as e:  # a damaged pickle can fail the unpickler any way (IndexError, TypeError, ...)
+        raise UserError(f"cannot read checkpoint {path}: its data is damaged ({type(e).__name__}: {first_line(e, 80)}); "
+                        "use another checkpoint of the run") from None
     check_layout(state, path)
     bad = [name for name, t in state["model"].items() if t.is_floating_point() and not torch.isfinite(t).all()]
     if bad:

@@ -416,11 +416,13 @@ def broken_checkpoints(tiny_run, tmp_path):
              "truncated": good[: len(good) // 2], "zip of junk": b"PK\x03\x04" + os.urandom(500)}
     files = {}
     import zipfile
-    with zipfile.ZipFile(tiny_run / "best.pt") as src, zipfile.ZipFile(tmp_path / "bad_pickle.pt", "w") as dst:
-        for item in src.infolist():  # a real checkpoint archive whose pickle is damaged
-            data = src.read(item)
-            dst.writestr(item, os.urandom(len(data)) if item.filename.endswith("data.pkl") else data)
-    cases["damaged pickle"] = (tmp_path / "bad_pickle.pt").read_bytes()
+    def with_pickle(payload: bytes) -> bytes:  # a real checkpoint archive, its pickle replaced (CRCs made anew)
+        with zipfile.ZipFile(tiny_run / "best.pt") as src, zipfile.ZipFile(tmp_path / "bad_pickle.pt", "w") as dst:
+            for item in src.infolist():
+                dst.writestr(item, payload(len(src.read(item))) if item.filename.endswith("data.pkl") else src.read(item))
+        return (tmp_path / "bad_pickle.pt").read_bytes()
+    cases["damaged pickle"] = with_pickle(os.urandom)
+    cases["pickle that pops an empty stack"] = with_pickle(lambda n: b"\x80\x02)\x85R.")  # IndexError in torch.load
     for name, data in cases.items():
         files[name] = tmp_path / f"{name.replace(' ', '_')}.pt"
         files[name].write_bytes(data)
