@@ -155,8 +155,8 @@ def plot_head_roles_compare(rows, path):
     return path
 
 
-def plot_bands(lines, path, panels, reference=None):
-    """Curves with bands, one panel per (title, ylabel): lines [(label, panel index, steps, mean, lo,
+def plot_bands(lines, path, panels, reference=None, xlabel="step", xscale="linear"):
+    """Curves with bands, one panel per (title, ylabel): lines [(label, panel index, x, mean, lo,
     hi)], lo/hi None where no interval exists (one run). reference: a y value drawn as a grey line."""
     fig, axes = plt.subplots(1, len(panels), figsize=(7.5 * len(panels), 5), squeeze=False)
     colors = {}
@@ -169,7 +169,7 @@ def plot_bands(lines, path, panels, reference=None):
     for ax, (title, ylabel) in zip(axes[0], panels):
         if reference is not None:
             ax.axhline(reference, color="grey", lw=0.8)
-        ax.set(xlabel="step", ylabel=ylabel, title=title)
+        ax.set(xlabel=xlabel, ylabel=ylabel, title=title, xscale=xscale)
         ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize=8)
     return save_figure(fig, path)

@@ -4,6 +4,7 @@ at and beyond the block_size it was trained at, and the loss at each position wi
     python tools/eval_lengths.py ckpt=outputs/runs/X                         # 1/2/4/8 x block_size
     python tools/eval_lengths.py ckpt=outputs/runs/X lengths=[64,256,512] rope_scaling=yarn rope_scaling_factor=8
     python tools/eval_lengths.py ckpt=outputs/runs/X text=book.txt out=lengths.png
+    python tools/eval_lengths.py runs=[outputs/multirun/T] lengths=[64,128,256,512]  # every run of a sweep, by arm
 
 For each length L the text (the run's own val split unless text= is given) is cut into consecutive
 windows of L tokens, each run as its own sequence at positions 0..L-1: the mean loss (nats per token,
@@ -15,6 +16,11 @@ look back L/2 tokens and copy. RoPE scaling (position interpolation, NTK, YaRN) 
 checkpoint as it is, without training: rope_scaling= and rope_scaling_factor=. A model with a learned
 or sinusoidal position table has no position past its block_size: those lengths are skipped with a
 line saying so, never extrapolated.
+
+With runs= (run or sweep dirs, as tools/report.py takes them) every run's checkpoint is evaluated
+and the runs are grouped into arms as report.py groups them (their configs minus the seeds): a table
+of each arm's mean loss at each length with its 95% interval over seeds, and a plot of loss against
+length with a band per arm.
 """
 import math
 import sys
@@ -40,6 +46,7 @@ from tools.eval_stream import stream_tokens  # noqa: E402
 @dataclass
 class EvalLengthsConfig:
     ckpt: Optional[str] = None  # checkpoint file or run dir; default: the newest run under outputs/
+    runs: Optional[List[str]] = None  # run or sweep dirs instead of ckpt: every run, grouped into arms by config
     text: Optional[str] = None  # a UTF-8 text file; unset: the run's own val split
     lengths: Optional[List[int]] = None  # context lengths L; unset: 1, 2, 4 and 8 times block_size
     tokens: int = 65536  # tokens evaluated at each length (consecutive windows of L)
@@ -89,7 +96,16 @@ def eval_lengths(cfg) -> dict:
     check_values(cfg)
     if cfg.out:
         check_output_file(cfg.out, "out")  # before any work
-    path = find_checkpoint(cfg.ckpt)
+    if cfg.runs:
+        if cfg.ckpt:
+            raise UserError("ckpt= and runs= both given: evaluate one checkpoint (ckpt=) or every run of some dirs "
+                            "(runs=)")
+        return eval_arms(cfg)
+    return eval_checkpoint(cfg, find_checkpoint(cfg.ckpt), cfg.out)
+
+
+def eval_checkpoint(cfg, path, out) -> dict:
+    """The table (and plot) of one checkpoint."""
     state = load_checkpoint(path)
     mc = dict(state["model_config"])
     if cfg.rope_scaling is not None or cfg.rope_scaling_factor is not None:
@@ -122,10 +138,56 @@ def eval_lengths(cfg) -> dict:
               + f", copy loss at distance {L // 2}: {row['copy_loss']:.4f} ({row['windows']} windows)")
     result = {"ckpt": str(path), "block_size": c.block_size, "pos": c.pos, "rope_scaling": c.rope_scaling,
               "rope_scaling_factor": c.rope_scaling_factor, "rows": rows}
-    if cfg.out and any("loss" in r for r in rows):
-        plot(result, cfg.out)
+    if out and any("loss" in r for r in rows):
+        plot(result, out)
+        print(f"wrote {out}")
+    return result
+
+
+def eval_arms(cfg) -> dict:
+    """Every run under cfg.runs evaluated, grouped into arms (tools/report.py's grouping): per arm and
+    length the mean loss, its sd and 95% interval over the arm's runs; a plot with a band per arm."""
+    from tools.report import describe, find_runs, group_arms, summarize
+
+    arms = group_arms([summarize(r) for r in find_runs(cfg.runs)])
+    table = []
+    for arm in arms:
+        per_run = [eval_checkpoint(cfg, find_checkpoint(str(r.dir)), None) for r in arm.runs]
+        lengths = [row["length"] for row in per_run[0]["rows"]]
+        stats = {}
+        for i, L in enumerate(lengths):
+            losses = [run["rows"][i]["loss"] for run in per_run if "loss" in run["rows"][i]]
+            stats[L] = describe(losses) if losses else None
+        table.append({"arm": arm.label, "runs": [str(r.dir) for r in arm.runs], "loss": stats})
+    lengths = sorted({L for row in table for L in row["loss"]})
+    print(f"\nmean loss (nats per token) at each length, ± half the 95% interval over an arm's runs (n runs)")
+    print(f"{'arm':40s}" + "".join(f"{'L=' + str(L):>22s}" for L in lengths))
+    for row in table:
+        cells = []
+        for L in lengths:
+            d = row["loss"].get(L)
+            cells.append("skipped" if d is None else f"{d['mean']:.4f}" + (f" ± {d['half']:.4f}" if d["half"] else "")
+                         + f" ({d['n']})")
+        print(f"{row['arm'][:40]:40s}" + "".join(f"{c:>22s}" for c in cells))
+    result = {"arms": table}
+    if cfg.out:
+        plot_arms(table, cfg.out)
         print(f"wrote {cfg.out}")
     return result
+
+
+def plot_arms(table, path):
+    """Mean loss against context length per arm, with its 95% band over seeds."""
+    from plots import plot_bands
+
+    lines = []
+    for row in table:
+        pts = [(L, d) for L, d in sorted(row["loss"].items()) if d is not None]
+        lo = [d["mean"] - d["half"] for _, d in pts] if all(d["half"] for _, d in pts) else None
+        hi = [d["mean"] + d["half"] for _, d in pts] if lo is not None else None
+        lines.append((row["arm"], 0, [L for L, _ in pts], [d["mean"] for _, d in pts], lo, hi))
+    return plot_bands(lines, path, [("loss at each context length (mean over seeds, 95% band)",
+                                     "next-token loss (nats)")], xlabel="context length L", xscale="log")
 
 
 def plot(result, path):
