@@ -160,7 +160,7 @@ def eval_arms(cfg) -> dict:
             stats[L] = describe(losses) if losses else None
         table.append({"arm": arm.label, "runs": [str(r.dir) for r in arm.runs], "loss": stats})
     lengths = sorted({L for row in table for L in row["loss"]})
-    print(f"\nmean loss (nats per token) at each length, ± half the 95% interval over an arm's runs (n runs)")
+    print("\nmean loss (nats per token) at each length, ± half the 95% interval over an arm's runs (n runs)")
     print(f"{'arm':40s}" + "".join(f"{'L=' + str(L):>22s}" for L in lengths))
     for row in table:
         cells = []
