@@ -279,6 +279,17 @@ def context_extension(state: dict, cfg):
     return changed
 
 
+def with_defaults(saved: dict, defaults: dict) -> dict:
+    """`saved` with every key it lacks (at any depth) taken from `defaults`."""
+    full = dict(saved)
+    for key, value in defaults.items():
+        if key not in full:
+            full[key] = value
+        elif isinstance(value, dict) and isinstance(full[key], dict):
+            full[key] = with_defaults(full[key], value)
+    return full
+
+
 def check_resumable(state: dict, cfg, data, extension=()):
     """A checkpoint resumes only into the same model (the context extension's keys apart), tokenizer,
     data and data seed (`data`: the prepared TokenData); name the first difference."""
@@ -286,12 +297,18 @@ def check_resumable(state: dict, cfg, data, extension=()):
     now = OmegaConf.to_container(cfg, resolve=True)
     for group, keys in (("model", None), ("data", ("name", "tokenizer", "val_fraction"))):
         a, b = saved.get(group, {}), now.get(group, {})
+        if group == "model":  # an option added since the checkpoint was written: it had the default
+            a = with_defaults(a, OmegaConf.to_container(OmegaConf.structured(GPTConfig)))
         for key in keys or sorted(set(a) | set(b)):
             if group == "model" and key in extension:
                 continue
             if key != "vocab_size" and a.get(key) != b.get(key):
-                raise UserError(f"cannot resume: {group}.{key} is {b.get(key)!r} here but {a.get(key)!r} in the "
-                                "checkpoint; resume with the run's own config")
+                name, x, y = f"{group}.{key}", a.get(key), b.get(key)
+                while isinstance(x, dict) and isinstance(y, dict):  # name the innermost key: model.attn.gate
+                    sub = next(k for k in sorted(set(x) | set(y)) if x.get(k) != y.get(k))
+                    name, x, y = f"{name}.{sub}", x.get(sub), y.get(sub)
+                raise UserError(f"cannot resume: {name} is {y!r} here but {x!r} in the checkpoint; resume with the "
+                                "run's own config")
     if state.get("tokenizer") != data.tokenizer.to_dict():  # same size is not enough: ids must mean the same text
         raise UserError("cannot resume: the data's tokenizer differs from the checkpoint's (another corpus "
                         "or vocabulary); resume with the run's own data")

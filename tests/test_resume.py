@@ -6,7 +6,7 @@ import time
 import pytest
 import torch
 
-from checkpoint import BEST_NAME, load_checkpoint, step_name
+from checkpoint import BEST_NAME, load_checkpoint, save_checkpoint, step_name
 from common import UserError
 from helpers import cli_args, metrics_without_timing, poison_training_loss, wandb_run_record
 from train import train
@@ -127,3 +127,22 @@ def test_sigterm_stops_a_whole_sweep_not_only_its_current_run(tmp_path, cli):
     assert proc.returncode == 0 and "sweep stopped" in err, err[-2000:]
     assert [p.name[:2] for p in sweep.iterdir() if p.is_dir()] == ["0_"]  # the second point never started
     assert len(list(sweep.glob("0_*/ckpt_*.pt"))) == 1
+
+
+def test_a_checkpoint_from_before_an_option_existed_resumes_as_that_options_default(train_cfg, tmp_path):
+    """Was: a checkpoint written before model.attn.kind, window, gate, ... existed was refused by every
+    later version ("model.attn is {...} here but {...} in the checkpoint")."""
+    train(train_cfg("train.max_iters=10"))
+    path = tmp_path / "run" / step_name(10)
+    state = load_checkpoint(path)
+    added_later = ("block", "window", "window_pattern", "kind", "gate", "sink", "kv_lora_rank", "q_lora_rank",
+                   "rope_head_dim")
+    for key in added_later:
+        state["config"]["model"]["attn"].pop(key)
+    for key in ("rope_scaling", "rope_scaling_factor", "rope_original_length"):
+        state["config"]["model"].pop(key)
+    save_checkpoint(path, state)
+    assert train(train_cfg("train.max_iters=12", "resume=true"))["steps"] == 12
+    # an option the old checkpoint lacks, set to other than its default, is still a different model
+    with pytest.raises(UserError, match=r"cannot resume: model.attn.gate is .head. here but .none. in the checkpoint"):
+        train(train_cfg("train.max_iters=14", "resume=true", "model.attn.gate=head"))

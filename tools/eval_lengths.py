@@ -6,12 +6,13 @@ at and beyond the block_size it was trained at, and the loss at each position wi
     python tools/eval_lengths.py ckpt=outputs/runs/X text=book.txt out=lengths.png
     python tools/eval_lengths.py runs=[outputs/multirun/T] lengths=[64,128,256,512]  # every run of a sweep, by arm
 
-For each length L the text (the run's own val split unless text= is given) is cut into consecutive
-windows of L tokens, each run as its own sequence at positions 0..L-1: the mean loss (nats per token,
-and bits per character for a char-level model), and the loss at each position averaged over the
-windows (does it keep falling with more context, or rise past the trained length?). At L = block_size
-this is exactly train.py's whole-val-split loss. A retrieval column: the loss on the second copy of a
-span repeated once (the first L/2 tokens of each window, twice), which is low only if the model can
+For each length L the first `tokens` tokens of the text (the run's own val split unless text= is
+given) are cut into consecutive windows of L tokens, each run as its own sequence at positions
+0..L-1: the mean loss (nats per token, and bits per character for a char-level model), and the loss
+at each position averaged over the windows (does it keep falling with more context, or rise past the
+trained length?). At L = block_size, with `tokens` at least the split's length, this is train.py's
+whole-val-split loss (val/loss_full). A retrieval column: the loss on the second copy of a span
+repeated once (the first L/2 tokens of each window, twice), which is low only if the model can
 look back L/2 tokens and copy. RoPE scaling (position interpolation, NTK, YaRN) applies to a trained
 checkpoint as it is, without training: rope_scaling= and rope_scaling_factor=. A model with a learned
 or sinusoidal position table has no position past its block_size: those lengths are skipped with a
