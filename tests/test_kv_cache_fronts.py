@@ -162,6 +162,42 @@ def test_eval_stream_reports_every_policy(tmp_path):
     assert all(len(p["losses"]) == 79 and math.isfinite(p["past"]) for p in r["policies"].values())
 
 
+def test_eval_stream_compares_cache_dtypes_against_a_recomputation(tmp_path):
+    """kv_dtypes=: each dtype's bytes are cost.py's, its logit error and argmax agreement are those of
+    decoding the text step by step through that cache (recomputed here), and the greedy texts first
+    differ where sample.generate's do."""
+    from helpers import compose_cfg, save_tiny_checkpoint
+    from checkpoint import load_checkpoint, model_from_checkpoint
+    from sample import generate
+    from tools.eval_stream import eval_stream, stream_tokens
+    ckpt = save_tiny_checkpoint(tmp_path, block_size=16)
+    text = tmp_path / "text.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog " * 10)
+    cfg = compose_cfg("eval_stream", [f"ckpt={ckpt}", f"text={text}", "tokens=60", "policies=[ring]", "greedy=40",
+                                      "kv_dtypes=[float32,bfloat16,int8]", "out=null"])
+    rows = eval_stream(cfg)["kv_dtypes"]
+    state = load_checkpoint(ckpt)
+    model = model_from_checkpoint(state).eval()
+    ids = stream_tokens(state, cfg, 60)
+    logits = {}
+    with torch.no_grad():
+        for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16), ("int8", torch.int8)):
+            cache = model.new_kv_cache(1, 16, dtype=dtype)
+            logits[name] = torch.stack([model(ids[None, t:t + 1], kv_cache=cache, pos=t)[0, -1] for t in range(59)])
+            assert rows[name]["bytes"] == kv_cache_bytes(model.config, 16, 1, dtype.itemsize if name != "int8" else 1,
+                                                         int8=name == "int8")
+    greedy = {n: generate(model, ids[None, :8], 40, temperature=0, kv_dtype=d)[0, 8:]
+              for n, d in (("float32", torch.float32), ("int8", torch.int8))}
+    for name in ("bfloat16", "int8"):
+        err = (logits[name].float() - logits["float32"]).abs()
+        assert rows[name]["max_logit_error"] == pytest.approx(err.max().item(), abs=1e-6) and err.max() > 0
+        agree = (logits[name].argmax(-1) == logits["float32"].argmax(-1)).float().mean().item()
+        assert rows[name]["argmax_agreement"] == pytest.approx(agree)
+    assert rows["float32"]["max_logit_error"] == 0 and rows["float32"]["first_difference"] is None
+    differ = (greedy["int8"] != greedy["float32"]).nonzero()
+    assert rows["int8"]["first_difference"] == (None if differ.numel() == 0 else int(differ[0, 0]))
+
+
 # ----------------------------------------------------------------------------- gates and sinks
 
 @pytest.mark.parametrize("impl", ["sdpa", "reference", "tiled"])

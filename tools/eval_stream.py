@@ -15,6 +15,13 @@ StreamingLLM's claim: dropping the first tokens breaks a model that parks attent
 "sink"), and keeping ~4 restores it. Prints the mean loss before and past the cache length per
 policy, the model's measured sink mass (the attn_first of its last probe, if logged), and plots the
 loss against the position.
+
+With kv_dtypes=[float32,bfloat16,int8] the ring cache (sample.py's) also runs with each cache dtype
+(int8: per-token, per-head scales): the cache's bytes, the largest and mean |logit - fp32 logit| over
+the stream, the next-token loss, how often the most likely next token is the fp32 cache's (argmax
+agreement), and greedy generation: `greedy` tokens at temperature 0 from the text's first
+block_size/2 tokens with each cache, and the step at which it first differs from the fp32 cache's
+(after that the two texts go their own ways, so only the first difference means anything).
 """
 import json
 import sys
@@ -35,6 +42,7 @@ from common import (POSITIVE, OneOf, Range, UserError, check_output_file, check_
 from data.tokenizer import tokenizer_from_dict  # noqa: E402
 
 POLICIES = ("recompute", "ring", "sinks")
+KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.int8}
 
 
 @dataclass
@@ -44,10 +52,13 @@ class EvalStreamConfig:
     tokens: int = 2048  # tokens streamed (at least a few block_sizes)
     policies: List[str] = field(default_factory=lambda: list(POLICIES))
     sinks: int = 4  # tokens the sinks policy keeps
+    kv_dtypes: List[str] = field(default_factory=lambda: ["float32"])  # cache dtypes compared (float32 | bfloat16 | int8)
+    greedy: int = 512  # tokens generated greedily with each cache dtype (with kv_dtypes beyond float32)
     device: str = "cpu"
     out: Optional[str] = "stream.png"  # the plot; null: none
 
-    RULES: ClassVar[dict] = {"tokens": Range(2), "policies": OneOf(POLICIES), "sinks": POSITIVE}
+    RULES: ClassVar[dict] = {"tokens": Range(2), "policies": OneOf(POLICIES), "sinks": POSITIVE,
+                             "kv_dtypes": OneOf(KV_DTYPES), "greedy": POSITIVE}
 
 
 ConfigStore.instance().store(name="base_eval_stream", node=EvalStreamConfig)
@@ -76,20 +87,50 @@ def stream_tokens(state: dict, cfg, n=None) -> torch.Tensor:
 
 
 @torch.no_grad()
-def stream_losses(model, ids, policy: str, sinks: int = 4) -> torch.Tensor:
-    """The next-token loss at every position 1..n-1 of ids (n,) as the policy predicts it: (n - 1,)."""
+def stream_logits(model, ids, policy: str, sinks: int = 4, dtype=None) -> torch.Tensor:
+    """The logits predicting every position 1..n-1 of ids (n,) as the policy predicts them: (n - 1, V)."""
     L, n = model.config.block_size, ids.numel()
     if policy == "recompute":  # each position from the latest L tokens at positions 0..L-1
         logits = [model(ids[None, :t])[0, -1] for t in range(1, min(L, n))]  # the first block: growing contexts
         windows = ids.unfold(0, L, 1)[:max(0, n - L)]  # (n - L, L): the L tokens before each position t >= L
         for chunk in windows.split(256):
             logits.extend(model(chunk)[:, -1])
-        return F.cross_entropy(torch.stack(logits).float(), ids[1:], reduction="none")
-    cache = model.new_kv_cache(1, L, sinks=sinks if policy == "sinks" else 0)
+        return torch.stack(logits).float()
+    cache = model.new_kv_cache(1, L, dtype=dtype, sinks=sinks if policy == "sinks" else 0)
     logits = [model(ids[None, :1], kv_cache=cache, pos=0)[0, -1]]
     for t in range(1, n - 1):
         logits.append(model(ids[None, t:t + 1], kv_cache=cache, pos=t)[0, -1])
-    return F.cross_entropy(torch.stack(logits).float(), ids[1:], reduction="none")
+    return torch.stack(logits).float()
+
+
+def stream_losses(model, ids, policy: str, sinks: int = 4, dtype=None) -> torch.Tensor:
+    """The next-token loss at every position 1..n-1 of ids (n,) as the policy predicts it: (n - 1,)."""
+    return F.cross_entropy(stream_logits(model, ids, policy, sinks, dtype), ids[1:], reduction="none")
+
+
+def compare_dtypes(model, ids, cfg, policy: str = "ring") -> dict:
+    """Each cache dtype against the fp32 cache (the ring cache): bytes, logit error, loss, argmax
+    agreement, and the first difference of cfg.greedy greedily generated tokens."""
+    from sample import generate
+
+    L = model.config.block_size
+    sinks = 0
+    ref = stream_logits(model, ids, policy, cfg.sinks, torch.float32)
+    prompt = ids[None, :L // 2]
+    ref_tokens = generate(model, prompt, cfg.greedy, temperature=0, kv_dtype=torch.float32, kv_sinks=sinks)[0, L // 2:]
+    rows = {}
+    for name in cfg.kv_dtypes:
+        dtype = KV_DTYPES[name]
+        logits = ref if dtype == torch.float32 else stream_logits(model, ids, policy, cfg.sinks, dtype)
+        tokens = generate(model, prompt, cfg.greedy, temperature=0, kv_dtype=dtype, kv_sinks=sinks)[0, L // 2:]
+        same = tokens == ref_tokens
+        err = (logits - ref).abs()
+        rows[name] = {"bytes": sum(c.nbytes() for c in model.new_kv_cache(1, L, dtype=dtype, sinks=sinks)),
+                      "max_logit_error": err.max().item(), "mean_logit_error": err.mean().item(),
+                      "loss": F.cross_entropy(logits, ids[1:]).item(),
+                      "argmax_agreement": (logits.argmax(-1) == ref.argmax(-1)).float().mean().item(),
+                      "first_difference": None if same.all() else int((~same).nonzero()[0, 0])}
+    return rows
 
 
 def sink_mass(run_dir: Path):
@@ -128,6 +169,15 @@ def eval_stream(cfg) -> dict:
         within, past = losses[:L - 1].mean().item(), losses[L - 1:].mean().item()
         result["policies"][policy] = {"within": within, "past": past, "losses": losses.tolist()}
         print(f"{policy:10s} mean loss within the cache {within:.4f}, past it {past:.4f} nats/token")
+    if list(cfg.kv_dtypes) != ["float32"]:
+        rows = result["kv_dtypes"] = compare_dtypes(model, ids, cfg)
+        print(f"\nring cache by dtype, against fp32 ({cfg.tokens - 1} predictions; greedy: {cfg.greedy} tokens from "
+              f"the first {L // 2})")
+        for name, r in rows.items():
+            first = "never" if r["first_difference"] is None else f"at token {r['first_difference']}"
+            print(f"{name:9s} {r['bytes']:>10,d} B  |logit error| max {r['max_logit_error']:.4f} mean "
+                  f"{r['mean_logit_error']:.5f}  loss {r['loss']:.4f}  argmax agreement {r['argmax_agreement']:.4f}  "
+                  f"greedy text differs {first}")
     if cfg.out:
         plot(result, cfg.out)
         print(f"wrote {cfg.out}")
