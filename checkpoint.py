@@ -191,6 +191,24 @@ def model_from_checkpoint(state: dict, device="cpu") -> GPT:
     return model.to(device)
 
 
+def with_rope_scaling(state: dict, scaling=None, factor=None, longer: bool = False) -> dict:
+    """The checkpoint with its RoPE stretched at evaluation or generation time, no training: scaling
+    (linear | ntk | yarn; None: the checkpoint's own) by factor (None: the checkpoint's own). With
+    `longer`, block_size becomes factor times the trained length (generation then holds that many
+    tokens before its cache slides). One line for a model without RoPE."""
+    if scaling is None and factor is None:
+        return state
+    mc = dict(state["model_config"])
+    if mc.get("pos", "rope") != "rope":
+        raise UserError(f"rope_scaling applies to RoPE models; this one has model.pos={mc.get('pos')}")
+    original = mc.get("rope_original_length") or mc["block_size"]
+    mc.update(rope_scaling=scaling or mc.get("rope_scaling", "none"),
+              rope_scaling_factor=factor or mc.get("rope_scaling_factor", 1.0), rope_original_length=original)
+    if longer:
+        mc["block_size"] = max(mc["block_size"], int(original * mc["rope_scaling_factor"]))
+    return {**state, "model_config": mc}
+
+
 def load_weights(model: GPT, weights: dict):
     """load_state_dict, with shape mismatches named in one line instead of a traceback."""
     own = model.state_dict()

@@ -16,6 +16,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
 
 from common import DTYPES, FRACTION, NON_NEGATIVE, POSITIVE, SEED, Needs, OneOf, Range, UserError, check_values
+from attention import ROPE_SCALINGS
 from model import GPTConfig
 from optim import LR_SCHEDULES, MUON_ADJUST_LR, MUON_NS_DTYPES, OPTIMIZERS
 from parallel import PARALLEL
@@ -178,6 +179,8 @@ class SampleConfig:
     dtype: str = "auto"  # autocast dtype as in training: auto = bfloat16 on capable GPUs, else float32
     kv_dtype: str = "auto"  # KV cache dtype: auto = dtype's if 16-bit, on CPU bfloat16 for num_samples > 1 (faster), else float32; int8: quantised
     kv_sinks: int = 0  # past block_size, keep the first kv_sinks tokens in the cache besides the latest (StreamingLLM); 0: a plain ring
+    rope_scaling: Optional[str] = None  # linear | ntk | yarn: stretch a RoPE checkpoint's positions, no training; unset: its own
+    rope_scaling_factor: Optional[float] = None  # the context grows to this many times the trained length; unset: its own
     stream: bool = False  # print tokens as they are produced (num_samples=1)
     stop: Optional[str] = None  # end a sample at the first occurrence of this string
 
@@ -185,6 +188,7 @@ class SampleConfig:
         "max_new_tokens": NON_NEGATIVE, "num_samples": POSITIVE, "temperature": Range(0, why="0 is greedy"),
         "top_k": POSITIVE, "top_p": Range(0, 1, lo_open=True), "seed": SEED, "threads": Range(1, 4096),
         "dtype": OneOf(DTYPE_NAMES), "kv_dtype": OneOf((*DTYPE_NAMES, "int8")), "kv_sinks": NON_NEGATIVE,
+        "rope_scaling": OneOf(ROPE_SCALINGS), "rope_scaling_factor": Range(1, why="1 is no scaling"),
     }
     SAMPLING: ClassVar[Needs] = Needs(lambda c: c.temperature > 0, "temperature > 0 (0 is greedy: the likeliest token)")
     CACHE: ClassVar[Needs] = Needs(lambda c: c.kv_cache, "kv_cache=true")

@@ -15,7 +15,7 @@ import sys
 import hydra
 import torch
 
-from checkpoint import find_checkpoint, load_checkpoint, model_from_checkpoint
+from checkpoint import find_checkpoint, load_checkpoint, model_from_checkpoint, with_rope_scaling
 from common import (UserError, check_memory, check_value, check_values, cli, compile_wanted, first_line,
                     interruption, is_oom, pick_dtype, read_prompt, run_app, setup_runtime)
 from config import SampleConfig  # also registers the config schema with Hydra
@@ -211,7 +211,8 @@ def sample(cfg, out=None) -> list:
     state = load_checkpoint(path)
     tok = tokenizer_from_dict(state["tokenizer"])
     ids = start_ids(tok, prompt, state)
-    model = model_from_checkpoint(state, device)
+    model = model_from_checkpoint(with_rope_scaling(state, cfg.rope_scaling, cfg.rope_scaling_factor, longer=True),
+                                  device)
     if device.type == "cpu":  # measured on CPU only (bench_sample.py layouts=[row,column])
         decode_layout(model)
     n = cfg.num_samples

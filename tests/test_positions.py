@@ -144,6 +144,35 @@ def test_rope_scaling_applies_to_a_trained_checkpoint_as_it_is(tmp_path):
     assert one == plain and yarn != plain
 
 
+def test_sample_py_generates_with_a_scaled_rope_over_the_longer_context(tmp_path):
+    """sample.py rope_scaling=ntk rope_scaling_factor=4 on a checkpoint trained at 16: the model it builds
+    has NTK's frequencies (the formula written out), a context of 64 before the cache slides, and
+    greedy generation equal to recomputing that model over the whole text at every step."""
+    from checkpoint import load_checkpoint, model_from_checkpoint, with_rope_scaling
+    from helpers import compose_cfg
+    from sample import sample
+    ckpt = save_tiny_checkpoint(tmp_path, block_size=16)
+    cfg = compose_cfg("sample", [f"ckpt={ckpt}", "prompt=the quick", "max_new_tokens=40", "temperature=0", "device=cpu",
+                                 "kv_dtype=float32", "rope_scaling=ntk", "rope_scaling_factor=4"])
+    text = sample(cfg, out=open(tmp_path / "out.txt", "w"))[0]
+    state = load_checkpoint(ckpt)
+    model = model_from_checkpoint(with_rope_scaling(state, "ntk", 4.0, longer=True)).eval()
+    assert model.config.block_size == 64 and model.config.rope_original_length == 16
+    d = model.config.head_dim
+    base = model.config.rope_base * 4 ** (d / (d - 2))
+    assert torch.allclose(rope_theta(d, model.config.rope_base, "ntk", 4.0, 16),
+                          1.0 / base ** (torch.arange(0, d, 2).float() / d))
+    chars = sorted(" .abcdefghijklmnopqrstuvwxyz")
+    idx = torch.tensor([[chars.index(ch) for ch in "the quick"]])
+    with torch.no_grad():
+        for _ in range(40):  # 49 tokens in all: within the 64 the scaled context holds, so nothing slides
+            idx = torch.cat([idx, model(idx)[:, -1].argmax(-1, keepdim=True)], dim=1)
+    assert text == "".join(chars[i] for i in idx[0].tolist())
+    with pytest.raises(UserError, match="rope_scaling applies to RoPE models"):
+        sample(compose_cfg("sample", [f"ckpt={save_tiny_checkpoint(tmp_path / 'l', block_size=16, pos='learned')}",
+                                      "prompt=abc", "rope_scaling=ntk", "rope_scaling_factor=4", "device=cpu"]))
+
+
 # ----------------------------------------------------------------------------- lengthening the context
 
 def test_a_resume_may_lengthen_the_context_keeping_every_weight_and_nothing_else(train_cfg, tmp_path):

@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as tools/X.p
 
 from attention import ROPE_SCALINGS  # noqa: E402
 from attnstats import copy_losses  # noqa: E402
-from checkpoint import find_checkpoint, load_checkpoint, model_from_checkpoint  # noqa: E402
+from checkpoint import find_checkpoint, load_checkpoint, model_from_checkpoint, with_rope_scaling  # noqa: E402
 from common import (POSITIVE, OneOf, Range, UserError, check_output_file, check_values, cli, pick_device,  # noqa: E402
                     run_app)
 from tools.eval_stream import stream_tokens  # noqa: E402
@@ -108,13 +108,8 @@ def eval_lengths(cfg) -> dict:
 def eval_checkpoint(cfg, path, out) -> dict:
     """The table (and plot) of one checkpoint."""
     state = load_checkpoint(path)
-    mc = dict(state["model_config"])
-    if cfg.rope_scaling is not None or cfg.rope_scaling_factor is not None:
-        if mc.get("pos", "rope") != "rope":
-            raise UserError(f"rope_scaling applies to RoPE models; this one has model.pos={mc.get('pos')}")
-        mc["rope_scaling"] = cfg.rope_scaling or mc.get("rope_scaling", "none")
-        mc["rope_scaling_factor"] = cfg.rope_scaling_factor or mc.get("rope_scaling_factor", 1.0)
-    model = model_from_checkpoint({**state, "model_config": mc}, pick_device(cfg.device)).eval()
+    state = with_rope_scaling(state, cfg.rope_scaling, cfg.rope_scaling_factor)
+    model = model_from_checkpoint(state, pick_device(cfg.device)).eval()
     c = model.config
     lengths = list(cfg.lengths) if cfg.lengths else [c.block_size * k for k in (1, 2, 4, 8)]
     ids = stream_tokens(state, cfg, None).to(model.wte.weight.device)
