@@ -21,7 +21,7 @@ from plots import save_figure  # noqa: E402
 from tracking import read_metrics  # noqa: E402
 
 STEPS = (500, 1000, 2000)
-NOISE = 0.01  # a paired gain smaller than this at step 2000 is not counted as paying (a judgement, see below)
+NOISE = 0.02  # a paired gain smaller than this at step 2000 is not counted as paying (a judgement: two seeds, no interval)
 
 
 def run_summary(run_dir: Path, target: float) -> dict:
