@@ -209,20 +209,23 @@ def setup(cfg, run_name=None, run_group=None, overrides=None, early_log=()) -> R
             raise UserError(f"train.grad_accum={grad_accum} must be a multiple of the {dist_.world} processes: "
                             "each process takes an equal share of the micro-batches (or leave it unset)")
         source = resume_source(cfg.resume, given)
-        out_dir = given if source is None else source.parent  # a resumed run continues in its own dir
+        state = load_checkpoint(source) if source is not None else None  # to CPU: RNG states must stay there
+        extension = context_extension(state, cfg) if state is not None else {}  # a longer block: before building
+        # a resumed run continues in its own dir; one that lengthens another run's context is a new run
+        # (a fine-tune) in this command's dir, and leaves the run it started from as it was
+        branch = source is not None and source.parent != given and "block_size" in extension
+        out_dir = given if source is None or branch else source.parent
         if out_dir != given and made and dist_.master:  # resume=RUN_DIR: the dir made for this command is not used
             remove_new_run_dir(given)
         lock = lock_run_dir(out_dir) if dist_.master else None
         if dist_.master:
-            if source is None and latest_checkpoint(out_dir) is not None:
+            if (source is None or branch) and latest_checkpoint(out_dir) is not None:
                 raise UserError(f"{out_dir} already holds a run: continue it with resume=true, or give a new "
                                 "hydra.run.dir (nothing was overwritten)")
             remove_stale_temps(out_dir, alive_only=False)  # we hold the lock: a temp file here is a killed write's
-        state = load_checkpoint(source) if source is not None else None  # to CPU: RNG states must stay there
-        extension = context_extension(state, cfg) if state is not None else {}  # a longer block: before building
         run = build(cfg, out_dir, dist_, grad_accum, lock)
         if state is not None:
-            restore(run, state, source, extension)
+            restore(run, state, source, extension, continues=not branch)
         if not run.finished:
             record(run, run_name, run_group, overrides, early_log)
         return run
@@ -270,9 +273,10 @@ def build(cfg, out_dir, dist_, grad_accum, lock) -> Run:
                lock=lock, file_mode=file_mode, parallel=par)
 
 
-def restore(run: Run, state: dict, source: Path, extension=None):
+def restore(run: Run, state: dict, source: Path, extension=None, continues=True):
     """Continue from a checkpoint: weights, optimizer, grad scaler, batch sampler, every RNG, step;
-    with a context extension (a longer block, RoPE scaled to it), recorded in the run's checkpoints."""
+    with a context extension (a longer block, RoPE scaled to it), recorded in the run's checkpoints.
+    continues=False: a new run started from it (a fine-tune in another dir), with a W&B run of its own."""
     missing = [k for k in ("step", "optimizer", "sampler", "rng", "best_val_loss") if k not in state]
     if missing:
         raise UserError(f"cannot resume from {source}: it has no {', '.join(missing)} (weights only?); resume "
@@ -291,7 +295,8 @@ def restore(run: Run, state: dict, source: Path, extension=None):
     except (KeyError, ValueError, TypeError, RuntimeError, IndexError) as e:
         raise UserError(f"cannot resume from {source}: its optimizer or random state does not fit this run "
                         f"({type(e).__name__}: {first_line(e, 120)}); resume with the run's own config") from None
-    run.step, run.best_val, run.wandb_id = state["step"], state["best_val_loss"], state.get("wandb_id")
+    run.step, run.best_val = state["step"], state["best_val_loss"]
+    run.wandb_id = state.get("wandb_id") if continues else None
     run.resuming, run.saved_at, run.evals = True, run.step, {"val": state.get("val_loss")}
     run.extensions = list(state.get("context_extensions") or [])
     if extension and "block_size" in extension:

@@ -1,6 +1,7 @@
 """Position schemes past the trained length: ALiBi against the paper's formula, RoPE scaling (position
 interpolation, NTK, YaRN) against theirs, the length evaluation against train.py's own val loss, and a
 resume that lengthens the context."""
+import json
 import math
 
 import pytest
@@ -196,6 +197,27 @@ def test_a_resume_may_lengthen_the_context_keeping_every_weight_and_nothing_else
     ext = after["context_extensions"]
     assert len(ext) == 1 and ext[0]["step"] == 4 and ext[0]["block_size"] == [32, 64]
     assert ext[0]["rope_scaling"] == ["none", "yarn"] and after["model_config"]["rope_original_length"] == 32
+
+
+def test_lengthening_another_runs_context_is_a_new_run_that_leaves_the_first_as_it_was(train_cfg, tmp_path):
+    """Was: resume=OTHER_RUN/ckpt with a longer block and hydra.run.dir=NEW trained in OTHER_RUN, rewrote its
+    config.yaml and metrics, replaced its best.pt and pruned its checkpoints. A fine-tune now runs in
+    the dir it is given, from the other run's weights, and the other run is left byte for byte."""
+    from train import train
+    train(train_cfg("train.max_iters=4", "train.eval_interval=2"))
+    first = tmp_path / "run"
+    before = {p.name: p.read_bytes() for p in first.iterdir() if p.is_file()}
+    new = tmp_path / "finetune"
+    longer = ["model.block_size=64", "model.rope_scaling=ntk", "model.rope_scaling_factor=2"]
+    result = train(train_cfg("train.max_iters=6", *longer, f"resume={first / 'ckpt_0000004.pt'}", f"out_dir={new}"))
+    assert result["out_dir"] == str(new) and result["steps"] == 6
+    assert {p.name: p.read_bytes() for p in first.iterdir() if p.is_file()} == before
+    import checkpoint as ck
+    state = ck.load_checkpoint(new / "ckpt_0000006.pt")
+    assert state["model_config"]["block_size"] == 64 and state["context_extensions"][0]["block_size"] == [32, 64]
+    assert [json.loads(line)["step"] for line in (new / "metrics.jsonl").read_text().splitlines()][0] >= 4
+    with pytest.raises(UserError, match="already holds a run"):  # and never into a dir that holds another run
+        train(train_cfg("train.max_iters=6", *longer, f"resume={first / 'ckpt_0000004.pt'}", f"out_dir={new}"))
 
 
 def test_a_position_table_cannot_be_lengthened(train_cfg):
