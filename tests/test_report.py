@@ -40,7 +40,8 @@ def test_two_run_sweep_then_report(tmp_path, cli):
     assert len({i["id"] for i in identities}) == 4 and "seed=2" in identities[3]["name"]
 
     result = report([str(sweep)])
-    table_rows = [l for l in result["table"].splitlines() if l.startswith("| model.attn.scale=")]
+    arms_table = result["table"].split("\n\n")[0]  # the first table: one row per arm (then the comparisons)
+    table_rows = [l for l in arms_table.splitlines() if l.startswith("| model.attn.scale=")]
     assert len(table_rows) == 2 and all(row.split("|")[2].strip() == "2" for row in table_rows)  # n = 2 seeds each
     import json
     finals = [[json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines() if "val/loss_full" in l][-1]
@@ -154,3 +155,21 @@ def test_the_data_seed_shares_batches_across_arms_and_changes_them_across_seeds(
     assert not torch.equal(a[2], b[2])  # other weights
     assert not torch.equal(a[0], c[0]) and torch.equal(a[2], c[2])  # other batches, same weights
     assert torch.equal(d[0], e[0]) and torch.equal(d[1], e[1])
+
+
+def test_runs_of_an_older_version_join_the_arm_of_their_settings(tmp_path):
+    """Runs made before an option existed lack its key; newer runs with the same settings carry it at its
+    default. They are one arm, labelled by what really differs (was: as many arms as versions, labels
+    full of `(unset)`); a key that newer runs set to different values still tells arms apart."""
+    old = [fake_run(tmp_path, f"old{s}", cfg(False, s), 1.80 + s / 100) for s in (1, 2)]
+    new_cfg = lambda qk, s, gate: {**cfg(qk, s), "model": {"n_layer": 2, "attn": {"qk_norm": qk, "gate": gate}}}
+    fake_run(tmp_path, "new3", new_cfg(False, 3, "none"), 1.83)
+    for s in (1, 2, 3):
+        fake_run(tmp_path, f"qk{s}", new_cfg(True, s, "none"), 1.75)
+    r = report([str(tmp_path)], out=tmp_path / "out")
+    assert sorted((a.label, len(a.runs)) for a in r["arms"]) == [("model.attn.qk_norm=False", 3),
+                                                                  ("model.attn.qk_norm=True", 3)]
+    fake_run(tmp_path, "gated", new_cfg(True, 1, "head"), 1.70)  # now the key tells arms apart: the old runs,
+    labels = sorted(a.label for a in report([str(tmp_path)], out=tmp_path / "out2")["arms"])  # without it, apart too
+    assert labels == ["model.attn.gate=(unset), model.attn.qk_norm=False", "model.attn.gate=head, model.attn.qk_norm=True",
+                      "model.attn.gate=none, model.attn.qk_norm=False", "model.attn.gate=none, model.attn.qk_norm=True"]

@@ -123,21 +123,30 @@ def summarize(run: Path) -> RunSummary:
     return RunSummary(run, config, metrics, final_values(metrics), (seed, seed if data_seed is None else data_seed))
 
 
-def arm_key(config: dict, run: Path):
-    """What an arm is: the resolved config without the replicate and bookkeeping keys (a run
-    without config.yaml is an arm of its own)."""
+def arm_key(config: dict, run: Path, newer=()):
+    """What an arm is: the resolved config without the replicate and bookkeeping keys and the keys in
+    `newer` (a run without config.yaml is an arm of its own)."""
     if not config:
         return (("run", str(run)),)
     return tuple(sorted((k, repr(v)) for k, v in config.items()
-                        if k not in REPLICATES and not k.startswith(IGNORED)))
+                        if k not in REPLICATES and k not in newer and not k.startswith(IGNORED)))
+
+
+def newer_keys(configs: list) -> set:
+    """Keys some runs lack and the others all set to one value: an option added after the older runs
+    were made, at its default (runs of two attnlab versions with the same settings are one arm)."""
+    configs = [c for c in configs if c]
+    every = set().union(*configs) if configs else set()
+    return {k for k in every if any(k not in c for c in configs)
+            and len({repr(c[k]) for c in configs if k in c}) == 1}
 
 
 def group_arms(runs: list) -> list:
     """Runs grouped into arms, in the order their first run appears; each arm labelled by the keys
     whose values differ between arms (`key=value, ...`); a lone arm by its run's dir name."""
-    keyed = {}
+    keyed, newer = {}, newer_keys([r.config for r in runs])
     for r in runs:
-        keyed.setdefault(arm_key(r.config, r.dir), []).append(r)
+        keyed.setdefault(arm_key(r.config, r.dir, newer), []).append(r)
     configs = [dict(k) for k in keyed]
     every = set().union(*configs)
     differing = sorted(k for k in every if len({c.get(k, "(unset)") for c in configs}) > 1)
