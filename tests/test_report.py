@@ -161,7 +161,8 @@ def test_runs_of_an_older_version_join_the_arm_of_their_settings(tmp_path):
     """Runs made before an option existed lack its key; newer runs with the same settings carry it at its
     default. They are one arm, labelled by what really differs (was: as many arms as versions, labels
     full of `(unset)`); a key that newer runs set to different values still tells arms apart."""
-    old = [fake_run(tmp_path, f"old{s}", cfg(False, s), 1.80 + s / 100) for s in (1, 2)]
+    for s in (1, 2):
+        fake_run(tmp_path, f"old{s}", cfg(False, s), 1.80 + s / 100)
     new_cfg = lambda qk, s, gate: {**cfg(qk, s), "model": {"n_layer": 2, "attn": {"qk_norm": qk, "gate": gate}}}
     fake_run(tmp_path, "new3", new_cfg(False, 3, "none"), 1.83)
     for s in (1, 2, 3):
