@@ -279,9 +279,12 @@ def context_extension(state: dict, cfg):
     what changed ({key: [checkpoint's, now]}; empty if nothing), after setting an unset
     model.rope_original_length to the length RoPE was trained at. One line if the positions cannot
     stretch (a learned or sinusoidal table) or the block would shrink."""
-    saved = (state.get("config") or {}).get("model", {})
+    saved = (state.get("config") or {}).get("model")
+    if saved is None:
+        return {}
+    saved = with_defaults(saved, OmegaConf.to_container(OmegaConf.structured(GPTConfig)))  # keys added since: defaults
     now = cfg.model
-    changed = {k: [saved.get(k), now[k]] for k in CONTEXT_KEYS if k in saved and saved.get(k) != now[k]}
+    changed = {k: [saved.get(k), now[k]] for k in CONTEXT_KEYS if saved.get(k) != now[k]}
     if "block_size" not in changed or changed["block_size"][0] is None:
         return {k: v for k, v in changed.items() if k != "rope_original_length"}
     old, new = changed["block_size"]

@@ -142,6 +142,10 @@ def test_a_checkpoint_from_before_an_option_existed_resumes_as_that_options_defa
     for key in ("rope_scaling", "rope_scaling_factor", "rope_original_length"):
         state["config"]["model"].pop(key)
     save_checkpoint(path, state)
+    # it may lengthen its context with RoPE scaling, options it did not know (a new run: a fine-tune)
+    longer = ["model.block_size=64", "model.rope_scaling=ntk", "model.rope_scaling_factor=2"]
+    train(train_cfg("train.max_iters=12", f"resume={path}", f"out_dir={tmp_path / 'longer'}", *longer))
+    assert load_checkpoint(tmp_path / "longer" / step_name(12))["context_extensions"][0]["rope_scaling"] == ["none", "ntk"]
     assert train(train_cfg("train.max_iters=12", "resume=true"))["steps"] == 12
     # an option the old checkpoint lacks, set to other than its default, is still a different model
     with pytest.raises(UserError, match=r"cannot resume: model.attn.gate is .head. here but .none. in the checkpoint"):
