@@ -227,8 +227,8 @@ def test_fsdp_under_torchrun_equals_one_process_resumes_bitwise_after_kill_and_l
     a, b = load_checkpoint(single / step_name(30)), load_checkpoint(fsdp / step_name(30))
     assert_close_checkpoints(a, b, 1e-5)
     assert b["model"]["lm_head.weight"] is b["model"]["wte.weight"]
-    full = [m["val/loss_full"] for m in metrics_without_timing(single) + metrics_without_timing(fsdp)
-            if "val/loss_full" in m]
+    full = [m["val/loss_full"] for m in metrics_without_timing(single, keep_final=True)
+            + metrics_without_timing(fsdp, keep_final=True) if "val/loss_full" in m]
     assert len(full) == 2 and full[0] == pytest.approx(full[1], abs=1e-5)
     assert [m["step"] for m in metrics_without_timing(fsdp) if "attn_entropy/mean" in m] == [0, 10, 20, 30]
 
