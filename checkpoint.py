@@ -201,6 +201,9 @@ def with_rope_scaling(state: dict, scaling=None, factor=None, longer: bool = Fal
     mc = dict(state["model_config"])
     if mc.get("pos", "rope") != "rope":
         raise UserError(f"rope_scaling applies to RoPE models; this one has model.pos={mc.get('pos')}")
+    if scaling not in (None, "none") and factor is None and mc.get("rope_scaling_factor", 1.0) == 1:
+        raise UserError(f"rope_scaling={scaling} does nothing without rope_scaling_factor: give how many times "
+                        "longer than the trained length (e.g. rope_scaling_factor=4)")
     original = mc.get("rope_original_length") or mc["block_size"]
     mc.update(rope_scaling=scaling or mc.get("rope_scaling", "none"),
               rope_scaling_factor=factor or mc.get("rope_scaling_factor", 1.0), rope_original_length=original)

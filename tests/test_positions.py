@@ -169,6 +169,8 @@ def test_sample_py_generates_with_a_scaled_rope_over_the_longer_context(tmp_path
         for _ in range(40):  # 49 tokens in all: within the 64 the scaled context holds, so nothing slides
             idx = torch.cat([idx, model(idx)[:, -1].argmax(-1, keepdim=True)], dim=1)
     assert text == "".join(chars[i] for i in idx[0].tolist())
+    with pytest.raises(UserError, match="rope_scaling=ntk does nothing without rope_scaling_factor"):
+        sample(compose_cfg("sample", [f"ckpt={ckpt}", "prompt=abc", "rope_scaling=ntk", "device=cpu"]))
     with pytest.raises(UserError, match="rope_scaling applies to RoPE models"):
         sample(compose_cfg("sample", [f"ckpt={save_tiny_checkpoint(tmp_path / 'l', block_size=16, pos='learned')}",
                                       "prompt=abc", "rope_scaling=ntk", "rope_scaling_factor=4", "device=cpu"]))
