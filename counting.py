@@ -86,12 +86,16 @@ def attention_macs(c, seq_len, layer: int) -> tuple:
     """(scores, weighted_sum) MACs per token of one layer's attention at length seq_len. Softmax
     attention: N * d each for q.k with N keys and the weighted sum of N values, over the full N x N
     table (the texts' and PaLM's convention; a causal kernel computes about half) and over the
-    latest W keys in a layer with a window of W. Linear attention: each token adds φ(k)vᵀ and φ(k)
-    to its kv head's state (n_kv * hs * (hs + 1)) and each query head reads it (n_head * hs * (hs + 1)):
-    independent of N."""
+    latest W keys in a layer with a window of W. Linear attention, in its chunked training form: each
+    token adds φ(k)vᵀ and φ(k) to its kv head's chunk state (n_kv * hs * (hs + 1)) and each query
+    head reads the state its chunk starts from (n_head * hs * (hs + 1)), plus, inside its chunk of
+    L = min(N, LINEAR_CHUNK) positions, q.k and the weighted sum with each of L keys as softmax
+    attention does (n_head * hs * L each): independent of N beyond one chunk."""
     a, hs = c.attn, c.head_dim
     if a.kind == "linear":
-        return c.n_kv_head * hs * (hs + 1), c.n_head * hs * (hs + 1)
+        from attention import LINEAR_CHUNK
+        local = c.n_head * hs * min(seq_len, LINEAR_CHUNK)
+        return c.n_kv_head * hs * (hs + 1) + local, c.n_head * hs * (hs + 1) + local
     pattern = a.window_pattern
     keys = seq_len if a.window is None or pattern[layer % len(pattern)] == "G" else min(seq_len, a.window)
     qk = c.n_head * (hs + (mla_dims(c)[1] if a.kind == "mla" else 0))  # MLA's keys carry the RoPE part too
@@ -221,12 +225,17 @@ def attention_variants(c, seq_len: int, batch: int = 1, dtype_bytes: int = 4) ->
       skipped by whole blocks, as by the reference convention's "about half"), but only the output
       and one log-sum-exp per query row, B*h*N*(hs + 1): O(N) memory, less than the table for N > hs + 1;
     - window W: W keys per query, B*h*N*W weights with a banded kernel: O(N*W), less for N > W;
-    - linear: (h + h_kv)*hs*(hs + 1) MACs per token whatever N, and the prefix sums of φ(k)vᵀ this
-      implementation keeps, B*h_kv*N*hs*hs: O(N*hs²), less compute than full attention for
-      N > (h + h_kv)*hs*(hs + 1)/(2*d), about hs."""
+    - linear, chunked into L = min(N, LINEAR_CHUNK) positions: (h + h_kv)*hs*(hs + 1) MACs per token
+      for the states plus 2*d*L inside its chunk (attention_macs), whatever N beyond one chunk; it
+      keeps each chunk's L x L table of φ(q)·φ(k) and the state each chunk starts from,
+      B*(h*N*L + h_kv*ceil(N/L)*hs*hs): O(N), less compute than full attention for
+      N > L + (h + h_kv)*hs*(hs + 1)/(2*d)."""
+    from attention import LINEAR_CHUNK
+
     d, h, hkv, hs, N, B = c.n_embd, c.n_head, c.n_kv_head, c.head_dim, seq_len, batch
     W = c.attn.window or max(1, N // 8)
-    linear_macs = (h + hkv) * hs * (hs + 1)
+    L = min(N, LINEAR_CHUNK)
+    linear_macs = (h + hkv) * hs * (hs + 1) + 2 * d * L
     full = {"macs": 2 * N * d, "memory": B * h * N * N * dtype_bytes}
     rows = [
         {"name": "reference (full table)", **full, "beats_full_from": None, "memory_order": "N^2"},
@@ -234,8 +243,10 @@ def attention_variants(c, seq_len: int, batch: int = 1, dtype_bytes: int = 4) ->
          "beats_full_from": hs + 2, "memory_order": "N"},
         {"name": f"window W={W}", "macs": 2 * min(N, W) * d, "memory": B * h * N * min(N, W) * dtype_bytes,
          "beats_full_from": W + 1, "memory_order": "N*W"},
-        {"name": "linear (elu + 1)", "macs": linear_macs, "memory": B * hkv * N * hs * hs * dtype_bytes,
-         "beats_full_from": math.floor(Fraction(linear_macs, 2 * d)) + 1, "memory_order": "N*hs^2"},
+        {"name": "linear (elu + 1)", "macs": linear_macs,
+         "memory": B * (h * N * L + hkv * -(-N // L) * hs * hs) * dtype_bytes,
+         "beats_full_from": LINEAR_CHUNK + math.floor(Fraction((h + hkv) * hs * (hs + 1), 2 * d)) + 1,
+         "memory_order": "N"},
     ]
     return rows
 

@@ -153,12 +153,15 @@ def linear_formula(q, k, v, rope=None):
     return out
 
 
+@pytest.mark.parametrize("chunk", [64, 5, 1], ids=["one-chunk", "ragged-chunks", "chunks-of-1"])
 @pytest.mark.parametrize("pos,n_kv", [("none", 4), ("rope", 4), ("rope", 2)], ids=["nope", "rope", "rope-gqa"])
-def test_linear_attention_parallel_and_recurrent_forms_equal_the_causal_formula(pos, n_kv):
-    """The parallel (prefix sums) form of a whole sequence and the recurrent form fed one token at a
-    time (a prefill, then steps on the state) both equal the formula written out."""
+def test_linear_attention_parallel_and_recurrent_forms_equal_the_causal_formula(pos, n_kv, chunk):
+    """The parallel (chunked) form of a whole sequence, with one chunk, chunks that do not divide the
+    length and chunks of one position, and the recurrent form fed one token at a time (a prefill,
+    then steps on the state) all equal the formula written out."""
     model = make(pos=pos, n_kv_head=n_kv, attn={"kind": "linear"})
     attn = model.blocks[0].attn
+    attn.chunk = chunk
     x = torch.randn(2, 12, 32)
     rope = rope_freqs(8, 12, 10000.0) if pos == "rope" else None
     with torch.no_grad():
@@ -173,6 +176,45 @@ def test_linear_attention_parallel_and_recurrent_forms_equal_the_causal_formula(
             steps.append(attn(x[:, t:t + 1], rope=None if rope is None else rope[t:t + 1], kv_cache=state, pos=t))
     assert torch.allclose(parallel, project(want), atol=1e-5)
     assert torch.allclose(torch.cat(steps, 1), project(want), atol=1e-5)
+
+
+@pytest.mark.parametrize("chunk", [64, 5])
+def test_linear_attention_gradients_equal_the_causal_formulas(chunk):
+    """Training's gradients: the chunked form's gradients for the input and every weight of the layer
+    equal those of the formula written out (float64, RoPE, GQA, a ragged last chunk)."""
+    model = make(pos="rope", n_kv_head=2, attn={"kind": "linear"}).double()
+    attn = model.blocks[0].attn
+    attn.chunk = chunk
+    x = torch.randn(2, 12, 32, dtype=torch.float64, requires_grad=True)
+    rope = rope_freqs(8, 12, 10000.0).double()
+    w = torch.randn(2, 12, 32, dtype=torch.float64)
+    grads = []
+    for formula in (False, True):
+        if formula:
+            q, k, v = attn.qkv(x, None)
+            y = attn.c_proj(linear_formula(q, k, v, rope).transpose(1, 2).reshape(2, 12, 32))
+        else:
+            y = attn(x, rope=rope)
+        params = [x, *attn.parameters()]
+        grads.append(torch.autograd.grad((y * w).sum(), params))
+    for mine, want in zip(*grads):
+        assert torch.allclose(mine, want, atol=1e-10, rtol=1e-8)
+
+
+@pytest.mark.parametrize("n_kv", [4, 2])
+def test_linear_attention_matmuls_are_what_counting_says(n_kv):
+    """torch's FlopCounterMode on a linear-attention layer (2 chunks of 64, GQA or not) measures 2 x
+    the MACs counted for it, less the additions counting also counts as MACs (z += φ(k): n_kv x hs
+    per token, no matmul)."""
+    from torch.utils.flop_counter import FlopCounterMode
+    c = GPTConfig(vocab_size=64, block_size=128, n_layer=1, n_head=4, n_kv_head=n_kv, n_embd=128,
+                  attn={"kind": "linear"})
+    model, (B, N) = GPT(c), (2, 128)
+    with FlopCounterMode(display=False) as counter:
+        model(torch.randint(0, 64, (B, N)))
+    measured = sum(counter.get_flop_counts()["GPT.blocks.0.attn"].values())
+    m = macs_per_token(c, N)
+    assert measured == 2 * B * N * (m["proj"] + m["attn"] - n_kv * 32)
 
 
 def test_linear_state_does_not_grow_with_the_tokens_generated():
@@ -224,7 +266,9 @@ def test_counts_of_each_kind_against_the_formulas_by_hand():
     assert rows["reference"]["memory"] == 2 * 4 * 1024 * 1024 * 2
     assert rows["tiled"]["memory"] == 2 * 4 * 1024 * 33 * 2  # output + log-sum-exp per row: O(N)
     assert rows["window"]["macs"] == 2 * 128 * 128  # W = N/8 when the config sets none
-    assert rows["linear"]["macs"] == (4 + 2) * 32 * 33 and rows["linear"]["beats_full_from"] == 25
+    # linear, chunks of 64: the states' (4 + 2) heads x 32 x 33, plus q.k and the weighted sum with 64 keys
+    assert rows["linear"]["macs"] == (4 + 2) * 32 * 33 + 2 * 64 * 128 and rows["linear"]["beats_full_from"] == 89
+    assert rows["linear"]["memory"] == 2 * (4 * 1024 * 64 + 2 * 16 * 32 * 32) * 2  # chunk tables + 16 states
     window = GPTConfig(vocab_size=64, block_size=1024, n_layer=2, n_head=4, n_embd=128,
                        attn={"window": 100, "window_pattern": "LG"})
     full = GPTConfig(vocab_size=64, block_size=1024, n_layer=2, n_head=4, n_embd=128)
@@ -232,7 +276,8 @@ def test_counts_of_each_kind_against_the_formulas_by_hand():
     assert f["attn"] == 2 * 1024 * 128 and m["attn"] == (2 * 100 * 128 + 2 * 1024 * 128) // 2  # local + global: the mean
     assert flops_per_token(full, 1024) - flops_per_token(window, 1024) == 6 * 2 * (1024 - 100) * 128 // 2 * 2
     lin = GPTConfig(vocab_size=64, block_size=1024, n_layer=2, n_head=4, n_embd=128, attn={"kind": "linear"})
-    assert macs_per_token(lin, 1024)["attn"] == macs_per_token(lin, 64)["attn"] == 2 * 4 * 32 * 33
+    assert macs_per_token(lin, 1024)["attn"] == macs_per_token(lin, 64)["attn"] == 2 * 4 * 32 * 33 + 2 * 64 * 128
+    assert macs_per_token(lin, 16)["attn"] == 2 * 4 * 32 * 33 + 2 * 16 * 128  # one chunk of 16 positions
 
 
 def test_flops_per_token_of_a_windowed_model_count_its_real_parameters():
