@@ -9,6 +9,12 @@ import os
 # machine): ~10x slower tests. Passive waiting costs little when the cores are free. Set before
 # torch loads OpenMP; subprocesses inherit it.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# Under pytest-xdist (`-n N`) the cores are shared out among the N workers, and the processes a
+# test starts inherit its worker's share: N workers of all the cores' threads each would oversubscribe.
+WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+THREADS = max(1, min(2, (os.cpu_count() or 1) // WORKERS))
+if WORKERS > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", str(THREADS))
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -17,7 +23,7 @@ from helpers import TINY, compose_cfg, dead_pid as exited_pid, popen_cli, run_ch
 
 os.environ.setdefault("WANDB_SILENT", "true")
 os.environ.pop("WANDB_MODE", None)  # tests choose the mode explicitly
-torch.set_num_threads(min(2, torch.get_num_threads()))
+torch.set_num_threads(min(THREADS, torch.get_num_threads()))
 
 # Fixtures that start processes: every test that uses one (directly or through another fixture) is
 # marked `slow` at collection, so `pytest -m "not slow"` starts none.
