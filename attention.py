@@ -841,10 +841,11 @@ class LinearAttention(CausalSelfAttention):
     2202.10447; Yang et al. 2023, arXiv 2312.06635): within a chunk of `chunk` positions the masked
     quadratic form (φ(q)·φ(k) table, lower triangle, times v), and across chunks one state S per
     chunk boundary, so the work is O(N·(chunk + hs)·hs) and it keeps N/chunk states instead of N (the
-    plain prefix sums of S_i keep an hs x hs matrix per position: ~15x the time at nanoGPT's CPU
-    size). z_i is a prefix sum (hs numbers per position). Generation carries S and z as a
-    constant-size state (the recurrent form). With RoPE, φ(q) and φ(k) are rotated in the numerator only, as the RoPE paper
-    does for linear attention (Su et al. 2021, §3.4.4): the denominator keeps every weight's sum.
+    plain prefix sums of S_i keep an hs x hs matrix per position, and at nanoGPT's CPU size took
+    several times as long). z_i is a prefix sum (hs numbers per position). Generation carries S and
+    z as a constant-size state (the recurrent form). With RoPE, φ(q) and φ(k) are rotated in the
+    numerator only, as the RoPE paper does for linear attention (Su et al. 2021, §3.4.4): the
+    denominator keeps every weight's sum.
     QK-Norm applies before φ. No softmax: no scale, no logits, no windows, no N x N table."""
 
     softmax = False  # the attention probe reads softmax attention only
