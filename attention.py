@@ -874,9 +874,9 @@ class LinearAttention(CausalSelfAttention):
         qn, qd = (t.view(B, self.n_kv_head, g, T, -1).to(acc) for t in (qn, qd))  # query heads by kv head
         kn, kd, v = kn.to(acc), kd.to(acc), v.to(acc)
         z = torch.cumsum(kd, dim=2)  # (B, n_kv, T, hs): z_i, a prefix sum
-        S0 = kv_cache.S if kv_cache is not None else None  # the state before this input (prefill or decode)
-        if kv_cache is not None:
-            z = z + kv_cache.z.unsqueeze(2)
+        S0 = None
+        if kv_cache is not None:  # start from the state before this input (prefill or decode)
+            S0, z = kv_cache.S, z + kv_cache.z.unsqueeze(2)
         num, S = self.chunked_numerator(qn, kn, v, S0)  # φ(q_i)ᵀ S_i (B, n_kv, g, T, hs) and S_T
         den = torch.einsum("bkgtd,bktd->bkgt", qd, z)  # φ(q_i)ᵀ z_i > 0
         if kv_cache is not None:  # the recurrent form's state, for the next step
