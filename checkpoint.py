@@ -20,7 +20,7 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from common import UserError, first_line
-from config import data_seed
+from config import DataConfig, data_seed
 from model import GPT, GPTConfig
 
 BEST_NAME = "best.pt"  # lowest val loss so far; what sample.py loads from a run dir
@@ -319,10 +319,11 @@ def check_resumable(state: dict, cfg, data, extension=()):
     data and data seed (`data`: the prepared TokenData); name the first difference."""
     saved = state.get("config") or {}
     now = OmegaConf.to_container(cfg, resolve=True)
-    for group, keys in (("model", None), ("data", ("name", "tokenizer", "val_fraction"))):
+    for group, keys in (("model", None), ("data", ("name", "tokenizer", "val_fraction", "bos"))):
         a, b = saved.get(group, {}), now.get(group, {})
-        if group == "model":  # an option added since the checkpoint was written: it had the default
-            a = with_defaults(a, OmegaConf.to_container(OmegaConf.structured(GPTConfig)))
+        if group in ("model", "data"):  # an option added since the checkpoint was written: it had the default
+            schema = GPTConfig if group == "model" else DataConfig
+            a = with_defaults(a, OmegaConf.to_container(OmegaConf.structured(schema)))
         for key in keys or sorted(set(a) | set(b)):
             if group == "model" and key in extension:
                 continue

@@ -42,6 +42,7 @@ class DataConfig:
     max_tokens: Optional[float] = None  # cap on training tokens, e.g. 1e9
     num_proc: int = 1  # processes for tokenization (Dataset.map)
     cache_dir: Optional[str] = None  # where prepared token files live; default <repo>/data/cache
+    bos: bool = False  # start every window with a beginning-of-sequence token (an id of its own): a fixed first token
 
     RULES: ClassVar[dict] = {
         "val_fraction": Range(0, 1, lo_open=True, hi_open=True),

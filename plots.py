@@ -183,10 +183,11 @@ VISIBLE = {" ": "␣", "\n": "↵", "\t": "⇥", "\r": "␍"}
 def token_pieces(tok, ids) -> list:
     """The text of each token on its own. A byte-level BPE token can be part of a UTF-8
     character: its stray bytes are shown as \\xNN rather than as one replacement character."""
-    enc = getattr(tok, "enc", None)  # a tiktoken encoding
+    enc, bos = getattr(tok, "enc", None), getattr(tok, "bos", None)  # a tiktoken encoding; data.bos's token
     if enc is None:
-        return [tok.decode([i]) for i in ids]
-    return [enc.decode_single_token_bytes(int(i)).decode("utf-8", errors="backslashreplace") for i in ids]
+        return ["<bos>" if i == bos else tok.decode([i]) for i in ids]
+    return ["<bos>" if i == bos else enc.decode_single_token_bytes(int(i)).decode("utf-8", errors="backslashreplace")
+            for i in ids]
 
 
 def label(piece: str) -> str:

@@ -162,7 +162,11 @@ class Interrupted(KeyboardInterrupt):
 def start_ids(tok, prompt: str, state: dict) -> list:
     """The prompt's token ids. An empty prompt starts a BPE model at <|endoftext|>, where its
     documents begin, but only if it saw any: a single-document corpus gets the token once, at its
-    very end, which lands in the val split, so its model has never seen text follow it (noise)."""
+    very end, which lands in the val split, so its model has never seen text follow it (noise).
+    A model trained with data.bos=true starts at its bos token, as every training window did."""
+    bos = getattr(tok, "bos", None)
+    if bos is not None:
+        return [bos, *tok.encode(prompt).tolist()]
     if prompt:
         return tok.encode(prompt)
     if tok.eot is None:
@@ -229,8 +233,9 @@ def sample(cfg, out=None) -> list:
         for b, row in enumerate(tokens.tolist()):
             if done[b]:
                 continue
-            if tok.eot is not None and tok.eot in row:  # a BPE model ended its document
-                row, done[b] = row[:row.index(tok.eot)], True
+            for end in (tok.eot, getattr(tok, "bos", None)):  # a BPE model ended its document; a new one began
+                if end is not None and end in row:
+                    row, done[b] = row[:row.index(end)], True
             before = len(texts[b])
             texts[b] += decoders[b].feed(row) + (decoders[b].flush() if done[b] else "")
             if cfg.stop:  # only the new text (and the stop string's length before it) can hold a new match

@@ -244,7 +244,7 @@ def build(cfg, out_dir, dist_, grad_accum, lock) -> Run:
     torch.cuda.manual_seed(cfg.seed + dist_.rank)  # this rank's GPU (the current device): its own dropout masks
     rt = setup_runtime(dist_.device_name or cfg.device, cfg.dtype)
 
-    data = TokenData(prepare(cfg.data))
+    data = TokenData(prepare(cfg.data), bos=cfg.data.bos)
     mcfg = model_config(cfg.model, data.vocab_size)
     data.check_block_size(mcfg.block_size)
     file_mode = data.meta.get("file_mode")  # set for local files: run dir and checkpoints no more readable

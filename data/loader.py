@@ -7,7 +7,7 @@ import numpy as np
 import torch
 
 from common import UserError, file_digest
-from data.tokenizer import tokenizer_from_dict
+from data.tokenizer import WithBos, tokenizer_from_dict
 
 SPLITS = ("train", "val")
 
@@ -32,16 +32,21 @@ def token_files_damage(directory: Path, meta: dict, checksums: bool = True):
 
 class TokenData:
     """A prepared dataset (see data/prepare.py) opened read-only: memmapped splits plus its tokenizer.
-    data/prepare.py has checked every byte against its checksum; the lengths are checked again here."""
+    data/prepare.py has checked every byte against its checksum; the lengths are checked again here.
+    With bos, every window starts with the tokenizer's extra id `bos` (data.bos)."""
 
-    def __init__(self, directory: Path):
+    def __init__(self, directory: Path, bos: bool = False):
         self.dir = Path(directory)
+        self.bos = None
         try:
             self.meta = json.loads((self.dir / "meta.json").read_text())
             damage = token_files_damage(self.dir, self.meta, checksums=False)
             if damage is None:
                 self.tokenizer = tokenizer_from_dict(self.meta["tokenizer"])
-                self.vocab_size = self.meta["vocab_size"]
+                if bos:
+                    self.tokenizer = WithBos(self.tokenizer)
+                    self.bos = self.tokenizer.bos
+                self.vocab_size = self.meta["vocab_size"] + (1 if bos else 0)
                 self.splits = {s: np.memmap(self.dir / f"{s}.bin", dtype=self.meta["dtype"], mode="r") for s in SPLITS}
         except (OSError, ValueError, KeyError, TypeError) as e:  # edited, truncated or half-deleted by hand
             damage = f"{type(e).__name__}: {str(e)[:100]}"
@@ -67,10 +72,13 @@ class TokenData:
         return torch.randint(len(self.splits[split]) - block_size - 1, shape, generator=generator)
 
     def batch(self, split: str, starts, block_size: int):
-        """Windows at `starts` (B,): x = tokens[i : i+T], y = tokens[i+1 : i+T+1], each (B, T) int64."""
+        """Windows at `starts` (B,): x = tokens[i : i+T], y = tokens[i+1 : i+T+1], each (B, T) int64.
+        With bos: x = [bos, tokens[i : i+T-1]], y = tokens[i : i+T] (the first token is predicted from bos)."""
         data = self.splits[split]
         window = np.stack([data[i:i + block_size + 1] for i in starts.tolist()]).astype(np.int64)  # (B, T+1)
         window = torch.from_numpy(window)
+        if self.bos is not None:
+            return torch.cat([torch.full_like(window[:, :1], self.bos), window[:, :-2]], 1), window[:, :-1]
         return window[:, :-1], window[:, 1:]
 
     def get_batch(self, split: str, batch_size: int, block_size: int, generator: torch.Generator):

@@ -165,7 +165,7 @@ def cache_key(data_cfg, kind: str, location: str, files=()) -> str:
         identity = hashlib.sha256(EMBEDDED[kind]().encode()).hexdigest()
     else:
         identity = location
-    settings = {k: v for k, v in dict(data_cfg).items() if k not in ("cache_dir", "num_proc", "path", "name")}
+    settings = {k: v for k, v in dict(data_cfg).items() if k not in ("cache_dir", "num_proc", "path", "name", "bos")}
     settings.update(v=FORMAT_VERSION, source=identity)
     return hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:16]
 

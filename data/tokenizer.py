@@ -114,6 +114,26 @@ class TiktokenTokenizer:
         return dict(self.spec)
 
 
+class WithBos:
+    """A tokenizer plus one id past its vocabulary, `bos`, that starts every training window
+    (data.bos=true): a fixed first token, as models trained on documents see. Text never encodes
+    to it; decoding drops it."""
+
+    def __init__(self, tok):
+        self.tok = tok
+        self.bos = tok.vocab_size
+        self.vocab_size = tok.vocab_size + 1
+
+    def __getattr__(self, name):  # kind, eot, enc, encode, ...: the wrapped tokenizer's
+        return getattr(self.tok, name)
+
+    def decode(self, ids) -> str:
+        return self.tok.decode([i for i in ids if int(i) != self.bos])
+
+    def to_dict(self) -> dict:
+        return {**self.tok.to_dict(), "bos": True}
+
+
 @contextmanager
 def merge_progress_bar():
     """rustbpe logs each percent of its merge loop as an INFO line (about 100 of them): show one
@@ -143,6 +163,8 @@ def merge_progress_bar():
 
 def tokenizer_from_dict(d: dict):
     kind = d.get("kind") if isinstance(d, dict) else None
+    if kind and d.get("bos"):
+        return WithBos(tokenizer_from_dict({k: v for k, v in d.items() if k != "bos"}))
     try:
         if kind == "char":
             return CharTokenizer(d["chars"])
@@ -170,7 +192,8 @@ class StreamDecoder:
     def feed(self, ids) -> str:
         if self.utf8 is None:
             return self.tok.decode(ids)
-        return self.utf8.decode(self.tok.enc.decode_bytes([int(i) for i in ids]))
+        bos = getattr(self.tok, "bos", None)
+        return self.utf8.decode(self.tok.enc.decode_bytes([int(i) for i in ids if int(i) != bos]))
 
     def flush(self) -> str:
         """The bytes still held (an unfinished character, shown as U+FFFD as decode() does)."""

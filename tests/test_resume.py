@@ -141,6 +141,7 @@ def test_a_checkpoint_from_before_an_option_existed_resumes_as_that_options_defa
         state["config"]["model"]["attn"].pop(key)
     for key in ("rope_scaling", "rope_scaling_factor", "rope_original_length"):
         state["config"]["model"].pop(key)
+    state["config"]["data"].pop("bos")
     save_checkpoint(path, state)
     # it may lengthen its context with RoPE scaling, options it did not know (a new run: a fine-tune)
     longer = ["model.block_size=64", "model.rope_scaling=ntk", "model.rope_scaling_factor=2"]

@@ -112,6 +112,9 @@ def eval_checkpoint(cfg, path, out) -> dict:
     model = model_from_checkpoint(state, pick_device(cfg.device)).eval()
     c = model.config
     lengths = list(cfg.lengths) if cfg.lengths else [c.block_size * k for k in (1, 2, 4, 8)]
+    if state["tokenizer"].get("bos"):
+        raise UserError(f"{path} was trained with data.bos=true, and these windows would start without its bos token: "
+                        "evaluate it with tools/eval_stream.py, or a model trained without data.bos")
     ids = stream_tokens(state, cfg, None).to(model.wte.weight.device)
     chars_per_token = state["tokenizer"].get("kind") == "char"
     scaling = f", rope_scaling={c.rope_scaling} x{c.rope_scaling_factor:g}" if c.rope_scaling != "none" else ""

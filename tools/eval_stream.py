@@ -11,8 +11,9 @@ Policies (`policies=`), each with a cache of block_size positions:
   their RoPE positions;
 - sinks: the first `sinks` tokens stay, the rest is a ring of the latest (StreamingLLM, Xiao et al.
   2023, arXiv 2309.17453; attention.SinkKVCache, positions given within the cache).
-StreamingLLM's claim: dropping the first tokens breaks a model that parks attention on them (a
-"sink"), and keeping ~4 restores it. Prints the mean loss before and past the cache length per
+A model trained with data.bos=true streams from its bos token, which ring and recompute drop once
+the stream passes block_size and sinks keeps. StreamingLLM's claim: dropping the first tokens breaks
+a model that parks attention on them (a "sink"), and keeping ~4 restores it. Prints the mean loss before and past the cache length per
 policy, the model's measured sink mass (the attn_first of its last probe, if logged), and plots the
 loss against the position.
 
@@ -160,6 +161,9 @@ def eval_stream(cfg) -> dict:
     if cfg.sinks >= L:
         raise UserError(f"sinks={cfg.sinks} must be below the cache's length, block_size={L}")
     ids = stream_tokens(state, cfg, cfg.tokens).to(model.wte.weight.device)
+    bos = getattr(tokenizer_from_dict(state["tokenizer"]), "bos", None)
+    if bos is not None:  # trained with data.bos=true: the stream starts at bos, as every training window did
+        ids = torch.cat([ids.new_tensor([bos]), ids[:-1]])
     result = {"ckpt": str(path), "block_size": L, "tokens": cfg.tokens, "sink_mass": sink_mass(path.parent),
               "policies": {}}
     mass = "-" if result["sink_mass"] is None else f"{result['sink_mass']:.3f}"

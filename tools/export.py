@@ -718,6 +718,9 @@ def export(cfg) -> Path:
     out = check_out(cfg.out, cfg.overwrite)
     ckpt = find_checkpoint(cfg.ckpt)
     state = load_checkpoint(ckpt)  # refuses non-finite weights
+    if state["tokenizer"].get("bos"):
+        raise UserError(f"{ckpt} was trained with data.bos=true: its bos token (an id past the tokenizer's) has no "
+                        "counterpart in a transformers tokenizer here; export a model trained without it")
     model = model_from_checkpoint(state).eval()
     c = model.config
     target, why = choose_format(cfg.format, c)

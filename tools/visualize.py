@@ -83,6 +83,8 @@ def visualize(cfg, out=None) -> dict:
     block = model.config.block_size
     if len(ids) == 0:
         raise UserError("the prompt encodes to no tokens: give some text")
+    if getattr(tok, "bos", None) is not None:  # trained with data.bos=true: every window began with it
+        ids = [tok.bos, *ids.tolist()]
     if len(ids) > block:
         raise UserError(f"the prompt is {len(ids)} tokens but the model's block_size is {block}: shorten it "
                         f"(the model never saw a longer context)")
