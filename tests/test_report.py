@@ -174,3 +174,23 @@ def test_runs_of_an_older_version_join_the_arm_of_their_settings(tmp_path):
     labels = sorted(a.label for a in report([str(tmp_path)], out=tmp_path / "out2")["arms"])  # without it, apart too
     assert labels == ["model.attn.gate=(unset), model.attn.qk_norm=False", "model.attn.gate=head, model.attn.qk_norm=True",
                       "model.attn.gate=none, model.attn.qk_norm=False", "model.attn.gate=none, model.attn.qk_norm=True"]
+
+
+def test_the_report_gives_each_arms_first_token_mass_and_largest_activation(tmp_path):
+    """The sink columns: the last probe's weight on the first token, mean over heads and the top
+    head's, and its largest activation, each as mean ± sd over the arm's seeds (computed here by hand)."""
+    sweep = tmp_path / "sweep"
+    heads = {1: [0.10, 0.30, 0.02, 0.06], 2: [0.12, 0.26, 0.04, 0.02]}  # L0/H0, L0/H1, L1/H0, L1/H1
+    acts = {1: 120.0, 2: 80.0}
+    for seed in (1, 2):
+        run = fake_run(sweep, f"{seed}", cfg(False, seed), 1.8)
+        probe = {"step": 20, "attn_entropy/mean": 2.0, "act_max/max": acts[seed], "attn_first/L0": 0.2,
+                 **{f"attn_first/L{i // 2}/H{i % 2}": v for i, v in enumerate(heads[seed])}}
+        with open(run / "metrics.jsonl", "a") as f:
+            f.write(json.dumps(probe) + "\n")
+    row = report([str(sweep)])["table"].splitlines()[2]  # the one arm's row
+    means = [sum(h) / 4 for h in heads.values()]
+    tops = [max(h) for h in heads.values()]
+    sd = lambda v: abs(v[0] - v[1]) / math.sqrt(2)  # noqa: E731 (the sd of two values)
+    assert (f"| {sum(means) / 2:.3f} ± {sd(means):.3f} / {sum(tops) / 2:.3f} ± {sd(tops):.3f} | "
+            f"100.0 ± {sd(list(acts.values())):.1f} |") in row

@@ -39,7 +39,8 @@ IGNORED = ("out_dir", "resume", "device", "logger.", "data.cache_dir", "data.num
            "train.peak_flops", "train.keep_ckpts", "train.ckpt_interval")
 METRICS = [  # (name, column title, format)
     ("val_loss", "val loss", ".4f"), ("val_bpc", "val bits/char", ".4f"), ("attn_entropy", "attn entropy (nats)", ".3f"),
-    ("attn_peak", "attn peak", ".3f"), ("attn_logit_max", "max logit", ".2f")]
+    ("attn_peak", "attn peak", ".3f"), ("attn_logit_max", "max logit", ".2f"),
+    ("attn_first", "first-token mass (mean / top head)", ".3f"), ("act_max", "largest activation", ".1f")]
 LEVEL = 0.95
 
 
@@ -82,16 +83,19 @@ def flat_config(run: Path) -> dict:
 
 def final_values(metrics: list) -> dict:
     """A run's final figures: val loss and bits/char (the whole val split's where logged, else the
-    last evaluation's), and the last probe's mean entropy, mean peak weight and largest logit."""
+    last evaluation's), and the last probe's mean entropy, mean peak weight, largest logit, the weight
+    on the first token (mean over heads, and the top head's: a sink) and the largest activation."""
     evals = [m for m in metrics if "val/loss" in m]
     last = evals[-1] if evals else {}
     probes = [m for m in metrics if "attn_entropy/mean" in m]
     probe = probes[-1] if probes else {}
     logits = [v for k, v in probe.items() if k.startswith("attn_logit_max/L")]
+    first = [v for k, v in probe.items() if k.startswith("attn_first/L") and k.count("/") == 2]  # per head
     return {"steps": last.get("step"), "val_loss": last.get("val/loss_full", last.get("val/loss")),
             "val_bpc": last.get("val/bpc_full", last.get("val/bpc")), "attn_entropy": probe.get("attn_entropy/mean"),
             "attn_peak": probe.get("attn_peak/mean"), "attn_logit_max": max(logits) if logits else None,
-            "full_val": "val/loss_full" in last}
+            "attn_first": (sum(first) / len(first), max(first)) if first else None,
+            "act_max": probe.get("act_max/max"), "full_val": "val/loss_full" in last}
 
 
 @dataclass
@@ -290,8 +294,10 @@ def arm_table(arms: list) -> str:
             ("one run: none" if d["n"] == 1 else "-")
         rest = []
         for name, _, spec in METRICS[1:]:
-            e = describe(arm.values(name))
-            rest.append(fmt(e["mean"], spec) + (f" ± {e['sd']:{spec}}" if e["sd"] is not None else ""))
+            values = arm.values(name)
+            parts = zip(*values) if values and isinstance(values[0], tuple) else [values]  # (mean, top head)
+            rest.append(" / ".join(fmt(e["mean"], spec) + (f" ± {e['sd']:{spec}}" if e["sd"] is not None else "")
+                                   for e in map(describe, parts)))
         lines.append(f"| {arm.label} | {d['n']} | {loss} | {ci} | " + " | ".join(rest) + " |")
     return "\n".join(lines)
 
