@@ -188,9 +188,11 @@ def test_the_report_gives_each_arms_first_token_mass_and_largest_activation(tmp_
                  **{f"attn_first/L{i // 2}/H{i % 2}": v for i, v in enumerate(heads[seed])}}
         with open(run / "metrics.jsonl", "a") as f:
             f.write(json.dumps(probe) + "\n")
-    row = report([str(sweep)])["table"].splitlines()[2]  # the one arm's row
+    result = report([str(sweep)])
+    row = result["table"].splitlines()[2]  # the one arm's row
     means = [sum(h) / 4 for h in heads.values()]
     tops = [max(h) for h in heads.values()]
     sd = lambda v: abs(v[0] - v[1]) / math.sqrt(2)  # noqa: E731 (the sd of two values)
     assert (f"| {sum(means) / 2:.3f} ± {sd(means):.3f} / {sum(tops) / 2:.3f} ± {sd(tops):.3f} | "
             f"100.0 ± {sd(list(acts.values())):.1f} |") in row
+    assert (sweep / "sinks.png").is_file() and png_size(sweep / "sinks.png")[0] >= 600

@@ -13,7 +13,8 @@ means with its 95% interval, a paired t-test when both arms ran the same seeds (
 a verdict in words. One run per arm gives no interval, and the report says so.
 
 Writes into --out (default: the sweep dir when given one, else ./report): report.md, val_loss.png
-and attn_stats.png (mean per arm with a band over seeds), val_loss_diff.png (each arm minus the
+and attn_stats.png (mean per arm with a band over seeds), sinks.png (the top head's weight on the
+first token and the largest activation over training), val_loss_diff.png (each arm minus the
 baseline over training, with its interval) and attn_heads.png (when the runs were probed for head
 roles), and prints the tables.
 """
@@ -120,8 +121,18 @@ class Arm:
         return [r.final[name] for r in self.runs if r.final[name] is not None]
 
 
+def with_top_sink(metrics: list) -> list:
+    """Each probe line with attn_first/top added: the most weight one head puts on the first token
+    (a sink, if any head parks there; which head varies from seed to seed)."""
+    for m in metrics:
+        heads = [v for k, v in m.items() if k.startswith("attn_first/L") and k.count("/") == 2]
+        if heads:
+            m["attn_first/top"] = max(heads)
+    return metrics
+
+
 def summarize(run: Path) -> RunSummary:
-    config, metrics = flat_config(run), read_metrics(run)
+    config, metrics = flat_config(run), with_top_sink(read_metrics(run))
     seed = config.get("seed")
     data_seed = config.get("train.data_seed")
     return RunSummary(run, config, metrics, final_values(metrics), (seed, seed if data_seed is None else data_seed))
@@ -353,6 +364,9 @@ def report(paths, out=None, baseline=None) -> dict:
         files.append(plot_arm_bands(arms, out / "attn_stats.png", [
             ("attn_entropy/mean", "attention entropy (nats)"), ("attn_entropy_norm/mean", "entropy / ln(keys)"),
             ("attn_peak/mean", "peak attention weight")]))
+    if any(a.values("attn_first") for a in arms):  # where a sink forms, and the activation beside it
+        files.append(plot_arm_bands(arms, out / "sinks.png", [
+            ("attn_first/top", "top head's weight on the first token"), ("act_max/max", "largest activation")]))
     if len(arms) > 1:
         lines = [(f"{a.label}{' (paired by seed)' if paired else ''}", 0, *curve)
                  for a in arms if a is not base for *curve, paired in [difference_curve(base, a)]]
