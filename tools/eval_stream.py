@@ -13,9 +13,9 @@ Policies (`policies=`), each with a cache of block_size positions:
   2023, arXiv 2309.17453; attention.SinkKVCache, positions given within the cache).
 A model trained with data.bos=true streams from its bos token, which ring and recompute drop once
 the stream passes block_size and sinks keeps. StreamingLLM's claim: dropping the first tokens breaks
-a model that parks attention on them (a "sink"), and keeping ~4 restores it. Prints the mean loss before and past the cache length per
-policy, the model's measured sink mass (the attn_first of its last probe, if logged), and plots the
-loss against the position.
+a model that parks attention on them (a "sink"), and keeping ~4 restores it. Prints the mean loss
+before and past the cache length per policy, the model's measured sink mass (the attn_first of its
+last probe, if logged), and plots the loss against the position.
 
 With kv_dtypes=[float32,bfloat16,int8] the ring cache (sample.py's) also runs with each cache dtype
 (int8: per-token, per-head scales): the cache's bytes, the largest and mean |logit - fp32 logit| over

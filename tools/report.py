@@ -82,6 +82,11 @@ def flat_config(run: Path) -> dict:
     return out
 
 
+def first_token_heads(m: dict) -> list:
+    """Each head's weight on the first token (attn_first/L{l}/H{h}) in a probe line."""
+    return [v for k, v in m.items() if k.startswith("attn_first/L") and k.count("/") == 2]
+
+
 def final_values(metrics: list) -> dict:
     """A run's final figures: val loss and bits/char (the whole val split's where logged, else the
     last evaluation's), and the last probe's mean entropy, mean peak weight, largest logit, the weight
@@ -91,7 +96,7 @@ def final_values(metrics: list) -> dict:
     probes = [m for m in metrics if "attn_entropy/mean" in m]
     probe = probes[-1] if probes else {}
     logits = [v for k, v in probe.items() if k.startswith("attn_logit_max/L")]
-    first = [v for k, v in probe.items() if k.startswith("attn_first/L") and k.count("/") == 2]  # per head
+    first = first_token_heads(probe)
     return {"steps": last.get("step"), "val_loss": last.get("val/loss_full", last.get("val/loss")),
             "val_bpc": last.get("val/bpc_full", last.get("val/bpc")), "attn_entropy": probe.get("attn_entropy/mean"),
             "attn_peak": probe.get("attn_peak/mean"), "attn_logit_max": max(logits) if logits else None,
@@ -125,7 +130,7 @@ def with_top_sink(metrics: list) -> list:
     """Each probe line with attn_first/top added: the most weight one head puts on the first token
     (a sink, if any head parks there; which head varies from seed to seed)."""
     for m in metrics:
-        heads = [v for k, v in m.items() if k.startswith("attn_first/L") and k.count("/") == 2]
+        heads = first_token_heads(m)
         if heads:
             m["attn_first/top"] = max(heads)
     return metrics
