@@ -161,16 +161,17 @@ def export_chars():
     return CharTokenizer("".join(sorted(set(EXPORT_TEXT))))
 
 
-def export_model(seed=0, tiny_qk=False, block_size=64, **kw):
+def export_model(seed=0, tiny_qk=False, block_size=64, bos=False, **kw):
     """A tiny model over export_chars() with trained-looking random weights: norm weights and
     biases away from 1 and 0, projections larger than at init (so the attention is far from
-    uniform), none left at zero (zero_init_proj); tiny_qk: q and k so small that norms' eps matter."""
+    uniform), none left at zero (zero_init_proj); tiny_qk: q and k so small that norms' eps matter;
+    bos: one more token (data.bos=true)."""
     import torch
 
     from model import GPT, GPTConfig
 
     torch.manual_seed(seed)
-    model = GPT(GPTConfig(vocab_size=export_chars().vocab_size, block_size=block_size, n_layer=2, n_head=4,
+    model = GPT(GPTConfig(vocab_size=export_chars().vocab_size + bos, block_size=block_size, n_layer=2, n_head=4,
                           n_embd=32, **kw))
     with torch.no_grad():
         for name, p in model.named_parameters():

@@ -99,14 +99,10 @@ def test_a_bos_model_trains_probes_samples_streams_and_resumes(train_cfg, sample
         train(train_cfg("train.max_iters=14", "resume=true"))
 
 
-def test_tools_without_a_bos_counterpart_refuse_it_in_one_line(train_cfg, tmp_path):
+def test_eval_lengths_refuses_a_bos_model_in_one_line(train_cfg, tmp_path):
     from tools.eval_lengths import eval_lengths
-    from tools.export import export
     from train import train
     train(train_cfg("data.bos=true", "train.max_iters=2", "train.eval_interval=2"))
-    run = tmp_path / "run"
-    with pytest.raises(UserError, match=r"data.bos=true.*export a model trained without it") as e:
-        export(compose_cfg("export", [f"ckpt={run}", f"out={tmp_path / 'hf'}"]))
-    assert "\n" not in str(e.value) and not (tmp_path / "hf").exists()
-    with pytest.raises(UserError, match=r"data.bos=true.*tools/eval_stream.py"):
-        eval_lengths(compose_cfg("eval_lengths", [f"ckpt={run}", "out=null"]))
+    with pytest.raises(UserError, match=r"data.bos=true.*tools/eval_stream.py") as e:
+        eval_lengths(compose_cfg("eval_lengths", [f"ckpt={tmp_path / 'run'}", "out=null"]))
+    assert "\n" not in str(e.value)

@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from tools import export  # registers its config schema
 from checkpoint import model_from_checkpoint
 from common import UserError
-from helpers import (SHAKESPEARE, TIKTOKEN_CACHE, compose_cfg, export_chars, export_model, load_export,
+from helpers import (SHAKESPEARE, TIKTOKEN_CACHE, compose_cfg, corpus_text, export_chars, export_model, load_export,
                      requires_shared, run_export, write_checkpoint)
 from data.prepare import prepare
 from attention import apply_rope, rope_freqs
@@ -322,6 +322,34 @@ def test_char_export_names_a_newline_its_bos(tmp_path):
     assert fast(text)["input_ids"] == CHARS.encode(text).tolist() and fast.decode(fast(text)["input_ids"]) == text
     assert fast.decode(fast(text)["input_ids"], skip_special_tokens=True) == "abcd"  # what the docs warn of
     assert json.loads((out / "generation_config.json").read_text())["bos_token_id"] == fast.bos_token_id
+
+
+def test_a_bos_model_exports_with_its_bos_token_before_every_text(tmp_path):
+    """data.bos=true: the export's tokenizer has the token (its id one past the characters), puts it
+    before every text as training did, drops it when skipping special tokens; the exported model
+    continues [bos, prompt] greedily as sample.py does."""
+    from data.tokenizer import WithBos
+    tok = WithBos(CHARS)
+    model = export_model(seed=3, bos=True)
+    out = run_export(write_checkpoint(tmp_path / "ckpt.pt", model, tokenizer=tok), tmp_path / "hf")
+    fast = AutoTokenizer.from_pretrained(out)
+    text = "ab\ncd\n"
+    ids = fast(text)["input_ids"]
+    assert ids == [tok.bos, *CHARS.encode(text).tolist()] and fast.bos_token_id == tok.bos == CHARS.vocab_size
+    assert fast.decode(ids, skip_special_tokens=True) == text
+    assert json.loads((out / "generation_config.json").read_text())["bos_token_id"] == tok.bos
+    assert "data.bos=true" in (out / "README.md").read_text()
+    check_greedy(model, load_export(out), torch.tensor([fast("the c")["input_ids"]]), "bos")
+
+
+def test_a_bos_bpe_tokenizer_exports_with_its_bos_token():
+    from data.tokenizer import TiktokenTokenizer, WithBos
+    tok = WithBos(TiktokenTokenizer.train([corpus_text(40)], 300))
+    tok, fast = export.hf_tokenizer(tok.to_dict(), 64)
+    export.check_tokenizer(tok, fast)  # raises if the ids differ
+    text = "the quick brown fox" + EOT
+    assert fast(text)["input_ids"] == [tok.bos, *tok.encode("the quick brown fox").tolist(), tok.eot]
+    assert fast.bos_token_id == tok.bos == 300 and fast.eos_token_id == tok.eot
 
 
 def prepared(train_cfg, *overrides):

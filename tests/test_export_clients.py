@@ -143,6 +143,27 @@ def test_transformer_lens_patterns_equal_visualize_maps(name, tmp_path):
     assert (logits.log_softmax(-1) - want).abs().max() < 1e-4
 
 
+def test_transformer_lens_reads_a_bos_model_from_its_own_tokens(tmp_path):
+    """data.bos=true: TransformerLens' to_tokens(prepend_bos=True) puts the bos token first, once (its
+    default for this architecture is without), and its patterns over those tokens equal
+    tools/visualize.py's maps (which start at bos too)."""
+    from data.tokenizer import WithBos
+    from tools.visualize import visualize
+
+    tok = WithBos(export_chars())
+    model = export_model(bos=True)
+    ckpt = write_checkpoint(tmp_path / "ckpt.pt", model, tokenizer=tok)
+    out = run_export(ckpt, tmp_path / "hf", "format=stock")
+    views = visualize(compose_cfg("visualize", [f"ckpt={ckpt}", f"prompt='{PROMPT}'", f"out={tmp_path / 'maps'}"]),
+                      out=open(tmp_path / "top_keys.txt", "w"))
+    bridge = boot(out)
+    ids = bridge.to_tokens(PROMPT, prepend_bos=True)
+    assert ids[0].tolist() == [tok.bos, *export_chars().encode(PROMPT).tolist()]
+    _, cache = bridge.run_with_cache(ids)
+    patterns = torch.stack([cache[f"blocks.{layer}.attn.hook_pattern"][0] for layer in range(model.config.n_layer)])
+    assert (patterns - views["maps"]).abs().max() < 1e-5
+
+
 def test_transformer_lens_cannot_load_custom_code(tmp_path):
     """TransformerLens' bridge maps each architecture it supports (config.json's architectures)
     through an adapter of its own, and has none for attnlab's custom code: docs/export.md says so.

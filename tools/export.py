@@ -81,6 +81,8 @@ from attention import qk_normalize
 from model import GPT, NORM_EPS, GPTConfig
 from data.tokenizer import EOT, tokenizer_from_dict
 
+BOS = "<|bos|>"  # the exported name of data.bos's token
+
 log = logging.getLogger("attnlab")
 QK_NORM_EPS = inspect.signature(qk_normalize).parameters["eps"].default  # attnlab's per-head norm eps
 LOGIT_TOL = 1e-4  # |exported - attnlab| logits allowed, times max(1, |logit|) for large models
@@ -533,6 +535,19 @@ def char_bos(chars: str) -> str:
     return "\n" if "\n" in chars else chars[0]
 
 
+def add_bos(tk, bos: int):
+    """The bos token of a model trained with data.bos=true: an added special token with its id (one
+    past the vocabulary), put before every encoded text as every training window began with it."""
+    from tokenizers import AddedToken, processors
+
+    tk.add_special_tokens([AddedToken(BOS, special=True, normalized=False)])
+    if tk.token_to_id(BOS) != bos:
+        raise UserError(f"the exported tokenizer gives {BOS} the id {tk.token_to_id(BOS)}, the model {bos}: not "
+                        "writing it; please report this")
+    tk.post_processor = processors.TemplateProcessing(single=f"{BOS} $A", pair=f"{BOS} $A $B",
+                                                      special_tokens=[(BOS, bos)])
+
+
 def hf_tokenizer(tok_dict: dict, block_size: int):
     """attnlab's tokenizer as a transformers fast tokenizer (PreTrainedTokenizerFast)."""
     from transformers import PreTrainedTokenizerFast
@@ -544,6 +559,9 @@ def hf_tokenizer(tok_dict: dict, block_size: int):
         enc = tok.enc  # pattern and special tokens tiktoken keeps in attributes without a public getter
         tk = bpe_tokenizer(enc._mergeable_ranks, enc._pat_str, enc._special_tokens)
         special = {"bos_token": EOT, "eos_token": EOT} if EOT in enc._special_tokens else {}
+    if getattr(tok, "bos", None) is not None:  # data.bos=true: a token of its own, before every text as in training
+        add_bos(tk, tok.bos)
+        special["bos_token"] = BOS
     fast = PreTrainedTokenizerFast(tokenizer_object=tk, model_max_length=block_size,
                                    clean_up_tokenization_spaces=False, **special)
     return tok, fast
@@ -551,7 +569,8 @@ def hf_tokenizer(tok_dict: dict, block_size: int):
 
 def check_tokenizer(tok, fast):
     """The same ids for a text using the whole vocabulary (char) or a mixed sample with
-    <|endoftext|> (BPE): a cheap guard; tests compare whole val splits."""
+    <|endoftext|> (BPE), after the bos token where the model has one: a cheap guard; tests compare
+    whole val splits."""
     if tok.kind == "char":
         text, want = tok.chars, list(range(len(tok.chars)))
     else:
@@ -559,6 +578,8 @@ def check_tokenizer(tok, fast):
                 "def f(x):\n    return x**2\n"]
         want = [i for d in docs for i in [*tok.encode(d).tolist(), tok.eot]]
         text = EOT.join(docs) + EOT
+    if getattr(tok, "bos", None) is not None:
+        want = [tok.bos, *want]
     got = fast(text)["input_ids"]
     if got != want:
         first = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
@@ -620,14 +641,18 @@ def model_card(state: dict, model: GPT, target_cls: str, ckpt: Path, tok, code: 
              f"The model was trained on {c.block_size}-token contexts: past that, attnlab's sampler slides a "
              f"{c.block_size}-token window while {past}, so the two agree on prompt plus continuation up to "
              f"{c.block_size} tokens.")
-    if tok.kind == "char":
+    bos = getattr(tok, "bos", None) is not None
+    if bos:
+        outro += (f"\n\nEvery training window began with a token of its own (attnlab's data.bos=true), {BOS} here: "
+                  "the tokenizer puts it before every text, and decoding with skip_special_tokens=True drops it.")
+    elif tok.kind == "char":
         outro += ("\n\nA character vocabulary has no special token, so the tokenizer names a newline (or its first "
                   "character) its BOS: the token lm-evaluation-harness puts before a text (and TransformerLens' "
                   "prepend_bos adds). transformers then drops that character when decoding with skip_special_tokens=True "
                   "(the pipeline's default), hence skip_special_tokens=False above.")
     fill = lambda text: "\n\n".join(textwrap.fill(p, 100) for p in text.split("\n\n"))  # noqa: E731
     remote = ", trust_remote_code=True" if code else ""
-    keep_bos = ", skip_special_tokens=False" if tok.kind == "char" else ""
+    keep_bos = ", skip_special_tokens=False" if tok.kind == "char" and not bos else ""
     prompt = "ROMEO:" if tok.kind == "char" else "Once upon a time"
     return f"""---
 library_name: transformers
@@ -718,9 +743,6 @@ def export(cfg) -> Path:
     out = check_out(cfg.out, cfg.overwrite)
     ckpt = find_checkpoint(cfg.ckpt)
     state = load_checkpoint(ckpt)  # refuses non-finite weights
-    if state["tokenizer"].get("bos"):
-        raise UserError(f"{ckpt} was trained with data.bos=true: its bos token (an id past the tokenizer's) has no "
-                        "counterpart in a transformers tokenizer here; export a model trained without it")
     model = model_from_checkpoint(state).eval()
     c = model.config
     target, why = choose_format(cfg.format, c)
