@@ -99,10 +99,28 @@ def test_a_bos_model_trains_probes_samples_streams_and_resumes(train_cfg, sample
         train(train_cfg("train.max_iters=14", "resume=true"))
 
 
-def test_eval_lengths_refuses_a_bos_model_in_one_line(train_cfg, tmp_path):
+def test_eval_lengths_starts_every_window_of_a_bos_model_at_bos(train_cfg, tmp_path):
+    """tools/eval_lengths.py on a bos model: each window of L reads [bos, L-1 tokens] and predicts
+    the L tokens, its loss equal to the model run on that window by hand; the retrieval probe reads
+    [bos, r, r]."""
+    from attnstats import copy_losses
     from tools.eval_lengths import eval_lengths
     from train import train
     train(train_cfg("data.bos=true", "train.max_iters=2", "train.eval_interval=2"))
-    with pytest.raises(UserError, match=r"data.bos=true.*tools/eval_stream.py") as e:
-        eval_lengths(compose_cfg("eval_lengths", [f"ckpt={tmp_path / 'run'}", "out=null"]))
-    assert "\n" not in str(e.value)
+    run = tmp_path / "run"
+    text = tmp_path / "text.txt"
+    text.write_text(corpus_text(30))
+    r = eval_lengths(compose_cfg("eval_lengths", [f"ckpt={run}", f"text={text}", "lengths=[16]", "tokens=64",
+                                                  "out=null"]))
+    state = load_checkpoint(find_checkpoint(str(run)))
+    tok, model = tokenizer_from_dict(state["tokenizer"]), model_from_checkpoint(state).eval()
+    ids = torch.as_tensor(tok.encode(corpus_text(30)))
+    with torch.no_grad():
+        want = [F.cross_entropy(model(torch.cat([torch.tensor([tok.bos]), ids[w * 16:w * 16 + 15]])[None])[0],
+                                ids[w * 16:w * 16 + 16]).item() for w in range(4)]
+        rows = ids[:64 * 16].view(-1, 16)[:64, :7]  # copy_loss: up to 64 windows, r of (16 - 1) // 2 = 7
+        seq = torch.cat([torch.full_like(rows[:, :1], tok.bos), rows, rows], 1)
+        copy = copy_losses(model(seq)[:, 1:], seq[:, 1:], 7)[1]
+    (row,) = r["rows"]
+    assert row["windows"] == 4 and row["loss"] == pytest.approx(sum(want) / 4, abs=1e-5)
+    assert row["copy_loss"] == pytest.approx(copy, abs=1e-5)

@@ -41,6 +41,7 @@ from attnstats import copy_losses  # noqa: E402
 from checkpoint import find_checkpoint, load_checkpoint, model_from_checkpoint, with_rope_scaling  # noqa: E402
 from common import (POSITIVE, OneOf, Range, UserError, check_output_file, check_values, cli, pick_device,  # noqa: E402
                     run_app)
+from data.tokenizer import tokenizer_from_dict  # noqa: E402
 from tools.eval_stream import stream_tokens  # noqa: E402
 
 
@@ -65,14 +66,17 @@ ConfigStore.instance().store(name="base_eval_lengths", node=EvalLengthsConfig)
 
 
 @torch.no_grad()
-def window_losses(model, ids, L: int, batch_size: int = 8) -> torch.Tensor:
+def window_losses(model, ids, L: int, batch_size: int = 8, bos=None) -> torch.Tensor:
     """The next-token loss at every position of every consecutive window of L tokens of ids:
-    (windows, L); window w reads ids[w*L : (w+1)*L] and predicts ids[w*L+1 : (w+1)*L+1]."""
+    (windows, L); window w reads ids[w*L : (w+1)*L] and predicts ids[w*L+1 : (w+1)*L+1]. With bos
+    (a data.bos=true model) it reads [bos, ids[w*L : (w+1)*L-1]] and predicts ids[w*L : (w+1)*L]."""
     n = (ids.numel() - 1) // L
     if n == 0:
         raise UserError(f"the text has {ids.numel()} tokens: too few for one window of {L} (give a longer text=)")
     x = ids[:n * L].view(n, L)
     y = ids[1:n * L + 1].view(n, L)
+    if bos is not None:
+        x, y = torch.cat([torch.full_like(x[:, :1], bos), x[:, :-1]], 1), x
     losses = []
     for xb, yb in zip(x.split(batch_size), y.split(batch_size)):
         logits = model(xb, window=L)  # window=L: full attention over all L, also past block_size
@@ -81,15 +85,19 @@ def window_losses(model, ids, L: int, batch_size: int = 8) -> torch.Tensor:
 
 
 @torch.no_grad()
-def copy_loss(model, ids, L: int, batch_size: int = 8) -> float:
+def copy_loss(model, ids, L: int, batch_size: int = 8, bos=None) -> float:
     """Mean loss on the second copy of [r, r], r the first L/2 tokens of each window of L (a retrieval
-    probe at distance L/2: what seeing the span once saves)."""
-    n, half = min((ids.numel() - 1) // L, 64), L // 2
+    probe at distance L/2: what seeing the span once saves). With bos: [bos, r, r], r of (L-1)/2."""
+    n, half = min((ids.numel() - 1) // L, 64), L // 2 if bos is None else (L - 1) // 2
     rows = ids[:n * L].view(n, L)[:, :half]
     total = 0.0
     for rb in rows.split(batch_size):
         seq = torch.cat([rb, rb], dim=1)
-        total += copy_losses(model(seq, window=L), seq, half)[1] * rb.size(0)
+        if bos is None:
+            logits = model(seq, window=L)
+        else:  # the logits after bos, over [r, r]
+            logits = model(torch.cat([torch.full_like(rb[:, :1], bos), seq], dim=1), window=L)[:, 1:]
+        total += copy_losses(logits, seq, half)[1] * rb.size(0)
     return total / n
 
 
@@ -112,9 +120,7 @@ def eval_checkpoint(cfg, path, out) -> dict:
     model = model_from_checkpoint(state, pick_device(cfg.device)).eval()
     c = model.config
     lengths = list(cfg.lengths) if cfg.lengths else [c.block_size * k for k in (1, 2, 4, 8)]
-    if state["tokenizer"].get("bos"):
-        raise UserError(f"{path} was trained with data.bos=true, and these windows would start without its bos token: "
-                        "evaluate it with tools/eval_stream.py, or a model trained without data.bos")
+    bos = getattr(tokenizer_from_dict(state["tokenizer"]), "bos", None)  # data.bos=true: every window starts at it
     ids = stream_tokens(state, cfg, None).to(model.wte.weight.device)
     chars_per_token = state["tokenizer"].get("kind") == "char"
     scaling = f", rope_scaling={c.rope_scaling} x{c.rope_scaling_factor:g}" if c.rope_scaling != "none" else ""
@@ -125,16 +131,17 @@ def eval_checkpoint(cfg, path, out) -> dict:
             print(f"L={L}: skipped: model.pos={c.pos} has a table of {c.block_size} positions (nothing to extrapolate)")
             rows.append({"length": L, "skipped": True})
             continue
-        losses = window_losses(model, ids[:cfg.tokens + 1], L, cfg.batch_size)
+        losses = window_losses(model, ids[:cfg.tokens + 1], L, cfg.batch_size, bos)
         row = {"length": L, "loss": losses.mean().item(), "windows": losses.size(0),
-               "per_position": losses.mean(0).tolist(), "copy_loss": copy_loss(model, ids, L, cfg.batch_size)}
+               "per_position": losses.mean(0).tolist(), "copy_loss": copy_loss(model, ids, L, cfg.batch_size, bos)}
         if chars_per_token:
             row["bpc"] = row["loss"] / math.log(2)
         rows.append(row)
         print(f"L={L:6d} ({L / c.block_size:4.1f} x block): loss {row['loss']:.4f}"
               + (f", {row['bpc']:.3f} bits/char" if "bpc" in row else "")
               + f", last quarter of positions {sum(row['per_position'][-L // 4:]) / (L // 4):.4f}"
-              + f", copy loss at distance {L // 2}: {row['copy_loss']:.4f} ({row['windows']} windows)")
+              + f", copy loss at distance {L // 2 if bos is None else (L - 1) // 2}: {row['copy_loss']:.4f} "
+              f"({row['windows']} windows)")
     result = {"ckpt": str(path), "block_size": c.block_size, "pos": c.pos, "rope_scaling": c.rope_scaling,
               "rope_scaling_factor": c.rope_scaling_factor, "rows": rows}
     if out and any("loss" in r for r in rows):
