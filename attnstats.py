@@ -88,7 +88,7 @@ def reading_qk(model, fn):
 
 
 @torch.no_grad()
-def attention_stats(q, k, scale: float, block: int = 256, dtype=torch.float32, period=None, sink=None,
+def attention_stats(q, k, scale: float, block: int = 256, dtype=torch.float32, period=None, offset=0, sink=None,
                     alibi=None) -> dict:
     """Statistics of causal softmax(q·kᵀ·scale) for q, k (B, nh, T, hs), computed block-wise.
 
@@ -96,8 +96,9 @@ def attention_stats(q, k, scale: float, block: int = 256, dtype=torch.float32, p
     divided by ln(i+1), rows i >= 1 only, since one key has no choice), `peak` (mean largest
     weight); `logit_max` per head (largest scaled logit any query gives a visible key); and the
     head's roles, means over rows i >= 1: `prev`, `first`, `self` (weight on key i-1, 0, i) and
-    `dist` (sum_j p_ij (i - j)). With `period` n (the rows are [r, r] repeated, T = 2n): also
-    `induction`, the mean weight of the second copy's queries t >= n on key t - n + 1. With a sink
+    `dist` (sum_j p_ij (i - j)). With `period` n (the rows are [r, r] repeated, T = 2n, or after
+    `offset` tokens, T = offset + 2n): also `induction`, the mean weight of the second copy's
+    queries t >= offset + n on key t - n + 1. With a sink
     (its logits (nh,)), the softmax includes it: `sink` is its mean weight, the entropy counts it as
     one more choice, and the key statistics are the weights keys get beside it. With ALiBi's slopes
     (nh,), its bias -m_h (i - j) is added to the logits (the queries and keys at positions 0..T-1).
@@ -137,9 +138,9 @@ def attention_stats(q, k, scale: float, block: int = 256, dtype=torch.float32, p
         logit_max = torch.maximum(logit_max, scores.amax(dim=(0, 2, 3)))  # masked keys are -inf
         for name, per_row in role_rows(p, start).items():
             role_sum[name] += per_row[..., rows].sum(dim=(0, 2))
-        if period is not None:  # second-copy queries t >= n, each on key t - n + 1
+        if period is not None:  # second-copy queries t >= offset + n, each on key t - n + 1
             w, first_row = weight_at_offset(p, start, period - 1)
-            induction_sum += w[..., max(0, period - first_row):].sum(dim=(0, 2))
+            induction_sum += w[..., max(0, offset + period - first_row):].sum(dim=(0, 2))
     n_rows, n_norm_rows = B * T, B * max(T - 1, 1)
     out = {"entropy": ent_sum / n_rows, "entropy_norm": norm_sum / n_norm_rows,
            "peak": peak_sum / n_rows, "logit_max": logit_max}
@@ -147,7 +148,7 @@ def attention_stats(q, k, scale: float, block: int = 256, dtype=torch.float32, p
         out["sink"] = sink_sum / n_rows
     out.update({name: total / n_norm_rows for name, total in role_sum.items()})
     if period is not None:
-        out["induction"] = induction_sum / (B * max(T - period, 1))
+        out["induction"] = induction_sum / (B * max(T - offset - period, 1))
     return out
 
 
@@ -210,12 +211,17 @@ def copy_losses(logits, x, n: int):
 class AttentionProbe:
     """Runs a fixed batch through the model and returns the attention statistics as flat metrics;
     with `induction`, also a fixed batch of repeated random tokens (repeated_batch) for the
-    induction score per head and the in-context gain."""
+    induction score per head and the in-context gain. With `bos` (data.bos=true: every row of idx
+    starts with it) the repeated batch keeps it first: [bos, r, r]."""
 
-    def __init__(self, idx, block: int = 256, induction: bool = True):
+    def __init__(self, idx, block: int = 256, induction: bool = True, bos: bool = False):
         self.idx = idx  # (B, T) token ids, drawn once so every probe sees the same text
         self.block = block
-        self.repeated = repeated_batch(idx) if induction and idx.size(1) >= 4 else None  # (B, 2n)
+        self.offset = int(bos)  # tokens before the repeated span
+        rows = idx[:, self.offset:]
+        self.repeated = None  # (B, offset + 2n)
+        if induction and rows.size(1) >= 4:
+            self.repeated = torch.cat([idx[:, :self.offset], repeated_batch(rows)], dim=1)
 
     @torch.no_grad()
     def run(self, model) -> dict:
@@ -238,14 +244,16 @@ class AttentionProbe:
         extra = {f"act_max/L{l}": v for l, v in sorted(largest.items())}
         extra["act_max/max"] = max(largest.values())
         if self.repeated is not None:
-            n = self.repeated.size(1) // 2
+            o = self.offset
+            n = (self.repeated.size(1) - o) // 2
 
             def induction_hook(layer, q, k, scale, **extra):
-                per_layer[layer]["induction"] = attention_stats(q, k, scale, self.block, period=n, **extra)["induction"]
+                per_layer[layer]["induction"] = attention_stats(q, k, scale, self.block, period=n, offset=o,
+                                                                **extra)["induction"]
 
             with reading_qk(model, induction_hook):
                 logits = model(self.repeated)
-            first, second = copy_losses(logits, self.repeated, n)
+            first, second = copy_losses(logits[:, o:], self.repeated[:, o:], n)
             extra.update({"incontext/loss_first": first, "incontext/loss_second": second, "incontext/gain": first - second})
         model.train(was_training)
         return {**flatten_stats(per_layer), **extra}

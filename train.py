@@ -328,7 +328,7 @@ def record(run: Run, run_name=None, run_group=None, overrides=None, early_log=()
     if (run.dist.master or run.parallel.collective_forward) and probe_every(cfg.train) > 0:
         px, _ = run.data.get_batch("val", cfg.train.probe_batch_size, run.mcfg.block_size,
                                    torch.Generator().manual_seed(data_seed(cfg) + 7))
-        run.probe = AttentionProbe(px.to(run.rt.device))
+        run.probe = AttentionProbe(px.to(run.rt.device), bos=run.data.bos is not None)
 
 
 def open_run_log(out_dir: Path, earlier) -> logging.Handler:

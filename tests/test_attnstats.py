@@ -217,8 +217,9 @@ def test_copying_head_on_a_repeated_sequence_has_induction_score_one(block):
     assert s["induction"].item() == pytest.approx(0.0, abs=1e-6)
 
 
-def full_matrix_roles(q, k, scale, period):
-    """prev, first, self, dist and induction per head, row by row from the whole float64 matrix."""
+def full_matrix_roles(q, k, scale, period, offset=0):
+    """prev, first, self, dist and induction per head, row by row from the whole float64 matrix
+    (induction: [r, r] of period `period` after `offset` tokens)."""
     q, k = q.double(), k.double()
     B, nh, T, _ = q.shape
     p = attention(q, k, torch.eye(T, dtype=torch.float64).expand(B, nh, T, T), scale, impl="reference")
@@ -227,7 +228,7 @@ def full_matrix_roles(q, k, scale, period):
            "self": sum(p[..., i, i] for i in rows),
            "dist": sum((p[..., i, : i + 1] * torch.arange(i, -1, -1, dtype=torch.float64)).sum(-1) for i in rows)}
     out = {name: v.mean(0) / (T - 1) for name, v in out.items()}
-    out["induction"] = sum(p[..., t, t - period + 1] for t in range(period, T)).mean(0) / (T - period)
+    out["induction"] = sum(p[..., t, t - period + 1] for t in range(offset + period, T)).mean(0) / (T - offset - period)
     return out
 
 
@@ -238,11 +239,13 @@ def test_blockwise_roles_equal_full_matrix_in_float64(block):
     with torch.no_grad():
         model.blocks[1].attn.c_attn.weight.mul_(8)
     r = torch.randint(30, (2, 11))
-    for layer, (q, k, scale) in capture_qk(model, torch.cat([r, r], 1)).items():
-        got = attention_stats(q, k, scale, block=block, dtype=torch.float64, period=11)
-        for name, want in full_matrix_roles(q, k, scale, 11).items():
-            d = (got[name] - want).abs()
-            assert d.max() < 1e-6, f"layer {layer} {name}: max diff {d.max():.2e}, mean {d.mean():.2e}"
+    for offset in (0, 1):  # 1: a bos token before the repeated span (data.bos=true)
+        x = torch.cat([torch.zeros(2, offset, dtype=torch.long), r, r], 1)
+        for layer, (q, k, scale) in capture_qk(model, x).items():
+            got = attention_stats(q, k, scale, block=block, dtype=torch.float64, period=11, offset=offset)
+            for name, want in full_matrix_roles(q, k, scale, 11, offset).items():
+                d = (got[name] - want).abs()
+                assert d.max() < 1e-6, f"offset {offset} layer {layer} {name}: max diff {d.max():.2e}"
 
 
 def test_repeated_batch_is_the_first_half_of_each_probe_row_twice():
@@ -284,6 +287,26 @@ def test_probe_logs_roles_induction_and_gain_per_head_and_layer():
             assert stats[f"attn_induction/L{layer}/H{h}"] == pytest.approx(want[h].item(), abs=1e-5)
     with torch.no_grad():
         assert stats["incontext/loss_first"] == pytest.approx(copy_losses(model(x), x, n)[0])
+
+
+def test_a_bos_probe_repeats_the_span_after_bos():
+    """data.bos=true: the probe's repeated batch is [bos, r, r]; its induction scores and copy losses
+    are those of the full matrices and the logits after bos."""
+    torch.manual_seed(7)
+    model = GPT(GPTConfig(vocab_size=30, block_size=32, n_layer=2, n_head=2, n_embd=32)).eval()
+    idx = torch.cat([torch.full((3, 1), 29), torch.randint(29, (3, 31))], 1)  # id 29 plays bos
+    probe = AttentionProbe(idx, block=7, bos=True)
+    stats = probe.run(model)
+    x, n = probe.repeated, 15
+    assert torch.equal(x, torch.cat([idx[:, :1], idx[:, 1:16], idx[:, 1:16]], 1))
+    for layer, (q, k, scale) in capture_qk(model, x).items():
+        want = full_matrix_roles(q, k, scale, n, offset=1)["induction"]
+        for h in range(2):
+            assert stats[f"attn_induction/L{layer}/H{h}"] == pytest.approx(want[h].item(), abs=1e-5)
+    with torch.no_grad():
+        first, second = copy_losses(model(x)[:, 1:], x[:, 1:], n)
+    assert stats["incontext/loss_first"] == pytest.approx(first)
+    assert stats["incontext/loss_second"] == pytest.approx(second)
 
 
 def test_training_logs_head_roles_and_writes_maps_and_figure(train_cfg, tmp_path, monkeypatch):
