@@ -84,11 +84,16 @@ def window_losses(model, ids, L: int, batch_size: int = 8, bos=None) -> torch.Te
     return torch.cat(losses)
 
 
+def copy_distance(L: int, bos=None) -> int:
+    """The span length r of copy_loss's [r, r] in a window of L: L/2, or (L-1)/2 after a bos token."""
+    return L // 2 if bos is None else (L - 1) // 2
+
+
 @torch.no_grad()
 def copy_loss(model, ids, L: int, batch_size: int = 8, bos=None) -> float:
     """Mean loss on the second copy of [r, r], r the first L/2 tokens of each window of L (a retrieval
     probe at distance L/2: what seeing the span once saves). With bos: [bos, r, r], r of (L-1)/2."""
-    n, half = min((ids.numel() - 1) // L, 64), L // 2 if bos is None else (L - 1) // 2
+    n, half = min((ids.numel() - 1) // L, 64), copy_distance(L, bos)
     rows = ids[:n * L].view(n, L)[:, :half]
     total = 0.0
     for rb in rows.split(batch_size):
@@ -140,8 +145,7 @@ def eval_checkpoint(cfg, path, out) -> dict:
         print(f"L={L:6d} ({L / c.block_size:4.1f} x block): loss {row['loss']:.4f}"
               + (f", {row['bpc']:.3f} bits/char" if "bpc" in row else "")
               + f", last quarter of positions {sum(row['per_position'][-L // 4:]) / (L // 4):.4f}"
-              + f", copy loss at distance {L // 2 if bos is None else (L - 1) // 2}: {row['copy_loss']:.4f} "
-              f"({row['windows']} windows)")
+              + f", copy loss at distance {copy_distance(L, bos)}: {row['copy_loss']:.4f} ({row['windows']} windows)")
     result = {"ckpt": str(path), "block_size": c.block_size, "pos": c.pos, "rope_scaling": c.rope_scaling,
               "rope_scaling_factor": c.rope_scaling_factor, "rows": rows}
     if out and any("loss" in r for r in rows):
