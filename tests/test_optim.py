@@ -76,7 +76,8 @@ def test_a_muon_step_equals_torch_muon_applied_by_hand_to_the_same_matrix():
     W = model.blocks[1].mlp.c_fc.weight
     ref, ref_opt = reference_muon(W, t, lr=0.0)
     emb = torch.nn.Parameter(model.wte.weight.detach().clone())  # AdamW's side, by hand too
-    emb_opt = torch.optim.AdamW([emb], lr=0.0, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay)
+    emb_opt = torch.optim.AdamW([emb], lr=0.0, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay,
+                               fused=True)  # as build_optimizer: fused and foreach kernels round apart
     for step in range(3):  # warmup steps and beyond; from step 1 on the momentum buffer counts
         lr = lr_at(step, t)
         set_lr(opt, lr)
