@@ -18,10 +18,12 @@ in-context gain: the model's mean loss on the first copy minus on the second (wh
 once already saves).
 
 The probe reads each layer's q and k at the attention's hook points (reading_qk), so no forward
-carries it and training steps run without it. The statistics come from the reference path's scores
-(attention.attention_scores), one layer and one
-block of queries at a time, so memory is O(B * heads * block * T), never a T x T matrix per
-layer held at once, and training steps that do not probe never build an attention matrix.
+carries it and training steps run without it, and asks the layer what its softmax takes of them
+(CausalSelfAttention.scores: its scale, mask and window, logit bias and sink), so every statistic is
+computed over exactly the weights the layer uses, whatever its kind and add-ons. One layer and one
+block of queries at a time: memory is O(B * heads * block * T), never a T x T matrix per layer held
+at once, and training steps that do not probe never build an attention matrix. A layer without
+softmax weights (linear attention) has no statistics; the probe says which layers those are.
 attention_maps returns the whole weights of one prompt (at most block_size tokens), for the maps
 that tools/visualize.py and the end of a run draw (plots.py).
 """
@@ -32,7 +34,8 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 
-from attention import alibi_bias, attention_scores, repeat_kv
+from attention import Mask, attention_scores, softmax_with_sink
+from variants import KINDS
 
 
 ROLE_STATS = ("prev", "first", "self", "dist")  # what each head looks at (rows i >= 1)
@@ -60,24 +63,21 @@ def role_rows(p, start: int):
 
 @contextmanager
 def reading_qk(model, fn):
-    """Within the block, every forward of `model` calls fn(layer, q, k, scale) for each layer: the q
-    (B, nh, T, hs) and k (B, nh, T, hs, repeated to one per query head) that enter its attention,
-    read at the attention's hook points, and its logit scale; a layer with an attention sink adds
-    sink=its logits (nh,), an ALiBi layer alibi=its slopes (nh,)."""
+    """Within the block, every forward of `model` calls fn(layer, attn, q, k) for each layer with
+    softmax attention: its index, the attention module itself (whose `scores` turns q and k into the
+    logits its softmax takes) and the q (B, T, nh, hs) and k (B, T, n_kv, hs) that enter its
+    attention, read at its hook points."""
     handles = []
     for layer, block in enumerate(model.blocks):
         attn, seen = block.attn, {}
-        if not attn.softmax:  # linear attention has no softmax weights to read (no hook points fire)
+        if not attn.softmax:  # linear attention has no softmax weights to read
             continue
 
         def read_q(module, args, q, seen=seen):
             seen["q"] = q
 
         def read_k(module, args, k, seen=seen, layer=layer, attn=attn):
-            extra = {} if attn.sink_logit is None else {"sink": attn.sink_logit.detach()}
-            if attn.alibi_slopes is not None:
-                extra["alibi"] = attn.alibi_slopes
-            fn(layer, seen.pop("q"), repeat_kv(k, attn.n_head), attn.scale, **extra)
+            fn(layer, attn, seen.pop("q"), k)
 
         handles += [attn.hook_q.register_forward_hook(read_q), attn.hook_k.register_forward_hook(read_k)]
     try:
@@ -87,42 +87,63 @@ def reading_qk(model, fn):
             h.remove()
 
 
+def layer_kinds(model) -> list:
+    """Each layer's attention kind, by its name in model.attn.kind (variants.KINDS)."""
+    names = {cls: name for name, cls in KINDS.items()}
+    return [names.get(type(b.attn), type(b.attn).__name__) for b in model.blocks]
+
+
+def without_softmax(model) -> str:
+    """A line naming the layers whose attention has no softmax weights (no statistics, no maps), or ""."""
+    kinds = layer_kinds(model)
+    none = [f"L{l} ({kind})" for l, (kind, b) in enumerate(zip(kinds, model.blocks)) if not b.attn.softmax]
+    return f"{', '.join(none)}: no softmax weights, so no attention statistics or maps" if none else ""
+
+
+def causal_scores(q, k, scale: float):
+    """The scores of plain causal attention for attention_stats: q, k (B, nh, T, hs) -> a function
+    (start, end) -> (logits (B, nh, end - start, end) of the queries start..end-1, no sink)."""
+    return lambda start, end: (attention_scores(q[:, :, start:end], k[:, :, :end], scale=scale,
+                                                mask=Mask(end - start, end)), None)
+
+
+def layer_scores(attn, q, k, dtype=torch.float32):
+    """The scores of one layer for attention_stats: what its softmax takes of the q (B, T, nh, hs) and
+    k (B, T, n_kv, hs) read at its hook points (CausalSelfAttention.scores), in `dtype`."""
+    q, k = q.to(dtype), k.to(dtype)
+    return lambda start, end: attn.scores(q, k, start, end)
+
+
 @torch.no_grad()
-def attention_stats(q, k, scale: float, block: int = 256, dtype=torch.float32, period=None, offset=0, sink=None,
-                    alibi=None) -> dict:
-    """Statistics of causal softmax(q·kᵀ·scale) for q, k (B, nh, T, hs), computed block-wise.
+def attention_stats(scores, T: int, block: int = 256, period=None, offset=0) -> dict:
+    """Statistics of causal attention weights over T positions, computed block-wise: scores(start,
+    end) gives the logits (B, nh, end - start, end) of the queries start..end-1 (-inf for keys they do
+    not see) and a sink's logits (nh,) or None (causal_scores, layer_scores).
 
     Returns per-head tensors (nh,): `entropy` (nats, mean over rows), `entropy_norm` (each row
     divided by ln(i+1), rows i >= 1 only, since one key has no choice), `peak` (mean largest
-    weight); `logit_max` per head (largest scaled logit any query gives a visible key); and the
-    head's roles, means over rows i >= 1: `prev`, `first`, `self` (weight on key i-1, 0, i) and
-    `dist` (sum_j p_ij (i - j)). With `period` n (the rows are [r, r] repeated, T = 2n, or after
-    `offset` tokens, T = offset + 2n): also `induction`, the mean weight of the second copy's
-    queries t >= offset + n on key t - n + 1. With a sink
-    (its logits (nh,)), the softmax includes it: `sink` is its mean weight, the entropy counts it as
-    one more choice, and the key statistics are the weights keys get beside it. With ALiBi's slopes
-    (nh,), its bias -m_h (i - j) is added to the logits (the queries and keys at positions 0..T-1).
+    weight); `logit_max` per head (largest logit any query gives a visible key); and the head's
+    roles, means over rows i >= 1: `prev`, `first`, `self` (weight on key i-1, 0, i) and `dist`
+    (sum_j p_ij (i - j)). With `period` n (the rows are [r, r] repeated, T = 2n, or after `offset`
+    tokens, T = offset + 2n): also `induction`, the mean weight of the second copy's queries
+    t >= offset + n on key t - n + 1. With a sink, the softmax includes it: `sink` is its mean
+    weight, the entropy counts it as one more choice, and the key statistics are the weights keys
+    get beside it.
     """
-    B, nh, T, _ = q.shape
-    q, k = q.to(dtype), k.to(dtype)
-    positions = torch.arange(T, device=q.device, dtype=dtype)
-    ent_sum = torch.zeros(nh, device=q.device, dtype=dtype)
-    norm_sum = torch.zeros_like(ent_sum)
-    peak_sum = torch.zeros_like(ent_sum)
-    role_sum = {name: torch.zeros_like(ent_sum) for name in ROLE_STATS}
-    induction_sum = torch.zeros_like(ent_sum)
-    sink_sum = torch.zeros_like(ent_sum)
-    logit_max = torch.full((nh,), -math.inf, device=q.device, dtype=dtype)
     for start in range(0, T, block):
         end = min(start + block, T)
-        scores = attention_scores(q[:, :, start:end], k[:, :, :end], scale)  # (B, nh, Tb, end)
-        if alibi is not None:
-            scores = scores + alibi_bias((alibi, positions.long(), positions.long()), slice(start, end), slice(0, end))
+        logits, sink = scores(start, end)  # (B, nh, Tb, end)
+        if start == 0:  # the sums, per head, in the logits' dtype
+            B, nh, dtype = logits.size(0), logits.size(1), logits.dtype
+            positions = torch.arange(T, device=logits.device, dtype=dtype)
+            ent_sum, norm_sum, peak_sum, induction_sum, sink_sum = torch.zeros(5, nh, device=logits.device, dtype=dtype)
+            role_sum = {name: torch.zeros_like(ent_sum) for name in ROLE_STATS}
+            logit_max = torch.full_like(ent_sum, -math.inf)
         if sink is None:
-            logp = F.log_softmax(scores, dim=-1)
+            logp = F.log_softmax(logits, dim=-1)
         else:  # the sink as column 0 of the softmax, then set apart
-            column = sink.to(dtype).view(1, nh, 1, 1).expand(*scores.shape[:-1], 1)
-            logp_all = F.log_softmax(torch.cat([column, scores], dim=-1), dim=-1)
+            column = sink.to(dtype).view(1, nh, 1, 1).expand(*logits.shape[:-1], 1)
+            logp_all = F.log_softmax(torch.cat([column, logits], dim=-1), dim=-1)
             sink_sum += logp_all[..., 0].exp().sum(dim=(0, 2))
             ent_sink = -(logp_all[..., 0].exp() * logp_all[..., 0])
             logp = logp_all[..., 1:]
@@ -135,7 +156,7 @@ def attention_stats(q, k, scale: float, block: int = 256, dtype=torch.float32, p
         rows = log_keys > 0
         norm_sum += (ent[..., rows] / log_keys[rows]).sum(dim=(0, 2))
         peak_sum += p.amax(-1).sum(dim=(0, 2))
-        logit_max = torch.maximum(logit_max, scores.amax(dim=(0, 2, 3)))  # masked keys are -inf
+        logit_max = torch.maximum(logit_max, logits.amax(dim=(0, 2, 3)))  # masked keys are -inf
         for name, per_row in role_rows(p, start).items():
             role_sum[name] += per_row[..., rows].sum(dim=(0, 2))
         if period is not None:  # second-copy queries t >= offset + n, each on key t - n + 1
@@ -144,7 +165,7 @@ def attention_stats(q, k, scale: float, block: int = 256, dtype=torch.float32, p
     n_rows, n_norm_rows = B * T, B * max(T - 1, 1)
     out = {"entropy": ent_sum / n_rows, "entropy_norm": norm_sum / n_norm_rows,
            "peak": peak_sum / n_rows, "logit_max": logit_max}
-    if sink is not None:
+    if sink is not None:  # the layer's sink (the same in every block)
         out["sink"] = sink_sum / n_rows
     out.update({name: total / n_norm_rows for name, total in role_sum.items()})
     if period is not None:
@@ -154,35 +175,30 @@ def attention_stats(q, k, scale: float, block: int = 256, dtype=torch.float32, p
 
 @torch.no_grad()
 def attention_maps(model, idx, block: int = 256):
-    """Every layer's and head's attention weights for one sequence idx (1, T), from the reference
-    path: softmax(q·kᵀ·scale + M) of the q and k the model itself computes (read at its hook
-    points; with GQA k comes one per query head), whatever the model's options. Returns the weights (L, nh, T, T)
-    as a float32 CPU tensor (zero above the diagonal) and each head's statistics {name: (L, nh)}."""
+    """Every layer's and head's attention weights for one sequence idx (1, T): the softmax each layer
+    takes of the q and k it computes itself (read at its hook points; CausalSelfAttention.scores: its
+    mask and window, logit bias and sink; with GQA k comes one per query head). Returns the weights
+    (L, nh, T, T) as a float32 CPU tensor (zero where a query does not see a key; a row sums to 1
+    minus a sink's share) and each head's statistics {name: (L, nh)}; a layer without softmax weights
+    (linear attention: without_softmax) is NaN in both."""
     was_training = model.training
     model.eval()
     maps, stats = {}, {}
 
-    def hook(layer, q, k, scale, sink=None, alibi=None):
-        scores = attention_scores(q.float(), k.float(), scale)  # (1, nh, T, T), -inf above the diagonal
-        if alibi is not None:
-            t = torch.arange(q.size(2), device=q.device)
-            scores = scores + alibi_bias((alibi, t, t))
-        if sink is None:
-            maps[layer] = F.softmax(scores, dim=-1)[0].cpu()
-        else:  # what the keys get beside the sink (a row sums to 1 minus the sink's weight)
-            column = sink.float().view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
-            maps[layer] = F.softmax(torch.cat([column, scores], dim=-1), dim=-1)[0, ..., 1:].cpu()
-        stats[layer] = attention_stats(q, k, scale, block, sink=sink, alibi=alibi)
+    def hook(layer, attn, q, k):
+        logits, sink = attn.scores(q.float(), k.float())  # (1, nh, T, T), -inf where hidden
+        maps[layer] = softmax_with_sink(logits, sink)[0].cpu()
+        stats[layer] = attention_stats(layer_scores(attn, q, k), q.size(1), block)
 
     with reading_qk(model, hook):
         model(idx)
     model.train(was_training)
-    layers = sorted(maps)
-    if not layers:
-        raise ValueError("no layer of this model has softmax attention: there are no attention weights to map")
+    T, nh = idx.size(1), model.config.n_head
     names = ("entropy",) + ROLE_STATS
-    return (torch.stack([maps[l] for l in layers]),
-            {name: torch.stack([stats[l][name].cpu() for l in layers]) for name in names})
+    empty = torch.full((nh, T, T), float("nan"))
+    return (torch.stack([maps.get(l, empty) for l in range(len(model.blocks))]),
+            {name: torch.stack([stats[l][name].cpu() if l in stats else empty[:, 0, 0]
+                                for l in range(len(model.blocks))]) for name in names})
 
 
 def repeated_batch(idx):
@@ -229,8 +245,8 @@ class AttentionProbe:
         model.eval()
         per_layer = {}
 
-        def hook(layer, q, k, scale, **extra):  # called once per layer with that layer's q, k (sink, alibi)
-            per_layer[layer] = attention_stats(q, k, scale, self.block, **extra)
+        def hook(layer, attn, q, k):  # called once per softmax layer with the q, k it computed
+            per_layer[layer] = attention_stats(layer_scores(attn, q, k), q.size(1), self.block)
 
         largest = {}  # the largest |activation| of the residual stream after each block ("massive
         handles = [b.register_forward_hook(  # activations", Sun et al. 2024, arXiv 2402.17762; sinks' partners)
@@ -247,9 +263,9 @@ class AttentionProbe:
             o = self.offset
             n = (self.repeated.size(1) - o) // 2
 
-            def induction_hook(layer, q, k, scale, **extra):
-                per_layer[layer]["induction"] = attention_stats(q, k, scale, self.block, period=n, offset=o,
-                                                                **extra)["induction"]
+            def induction_hook(layer, attn, q, k):
+                per_layer[layer]["induction"] = attention_stats(layer_scores(attn, q, k), q.size(1), self.block,
+                                                                period=n, offset=o)["induction"]
 
             with reading_qk(model, induction_hook):
                 logits = model(self.repeated)

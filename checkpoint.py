@@ -19,9 +19,11 @@ import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
-from common import UserError, first_line
+from common import first_line
+from rules import UserError
 from config import DataConfig, data_seed
 from model import GPT, GPTConfig
+from parallel import load_weights
 
 BEST_NAME = "best.pt"  # lowest val loss so far; what sample.py loads from a run dir
 
@@ -210,18 +212,6 @@ def with_rope_scaling(state: dict, scaling=None, factor=None, longer: bool = Fal
     if longer:
         mc["block_size"] = max(mc["block_size"], int(original * mc["rope_scaling_factor"]))
     return {**state, "model_config": mc}
-
-
-def load_weights(model: GPT, weights: dict):
-    """load_state_dict, with shape mismatches named in one line instead of a traceback."""
-    own = model.state_dict()
-    for name, tensor in weights.items():
-        if name in own and own[name].shape != tensor.shape:
-            raise UserError(f"checkpoint does not fit this model: {name} is {tuple(tensor.shape)} in the "
-                            f"checkpoint but {tuple(own[name].shape)} here (different n_embd/vocab/...)")
-    missing, unexpected = model.load_state_dict(weights, strict=False)
-    if missing or unexpected:
-        raise UserError(f"checkpoint does not fit this model: missing {missing[:3]}, unexpected {unexpected[:3]}")
 
 
 # ----------------------------------------------------------------------------- resuming

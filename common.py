@@ -1,13 +1,11 @@
-"""What the commands share (nanochat keeps the same nanochat/common.py): the one error type and how
-it ends a command, the one check of config values against their schemas' tables, file modes and
-temporary files, the device, dtype and autocast, the memory check, peak FLOP/s for MFU, the compile
-rule, distributed setup, a timer that waits for the GPU, and a training process's own helpers: its
-record of code and hardware, the signals that stop it, and the lock on its run dir."""
-import dataclasses
+"""What the commands share (nanochat keeps the same nanochat/common.py): how the one error type
+(rules.UserError) ends a command, file modes and temporary files, the device, dtype and autocast,
+the memory check, peak FLOP/s for MFU, the compile rule, distributed setup, a timer that waits for
+the GPU, and a training process's own helpers: its record of code and hardware, the signals that
+stop it, and the lock on its run dir."""
 import fcntl
 import functools
 import logging
-import math
 import os
 import platform
 import signal
@@ -22,12 +20,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from rules import UserError
+
 log = logging.getLogger("attnlab")
 STARTED = time.time()  # this process's start, as near as an import gets: what it created is newer
-
-
-class UserError(Exception):
-    """Bad input (config value, data file, checkpoint, prompt); the message says how to fix it."""
 
 
 class Terminated(KeyboardInterrupt):
@@ -147,134 +143,6 @@ def run_app(app):
         sys.exit(1)
     finally:
         del os.environ["HYDRA_FULL_ERROR"]
-
-
-# ----------------------------------------------------------------------------- config values
-
-@dataclass(frozen=True)
-class Range:
-    """The legal values of a numeric key: finite, between lo and hi (each bound included unless
-    marked open). None (unset) is always legal where the schema allows it."""
-    lo: float = -math.inf
-    hi: float = math.inf
-    lo_open: bool = False
-    hi_open: bool = False
-    why: str = ""  # what the bound protects, added to the error
-
-    def contains(self, v) -> bool:
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-            return False
-        if isinstance(v, int) and abs(v) > 2**53:  # every count fits int64 and converts to float exactly
-            return False
-        return (v > self.lo if self.lo_open else v >= self.lo) and (v < self.hi if self.hi_open else v <= self.hi)
-
-    def error(self, name: str, v, optional: bool) -> str:
-        integer = isinstance(v, int) and not isinstance(v, bool)
-        if integer and abs(v) > 2**53:
-            return f"{name}={v} is beyond any sensible size (2**53): {self.describe(integer)}"
-        return f"{name}={v} must be {self.describe(integer)}{' (or unset)' if optional else ''}" + \
-            (f": {self.why}" if self.why else "")
-
-    def describe(self, integer: bool) -> str:
-        lo = f"{'>' if self.lo_open else '>='} {self.lo:g}" if self.lo > -math.inf else ""
-        hi = f"{'<' if self.hi_open else '<='} {self.hi:g}" if self.hi < math.inf else ""
-        what = "an integer" if integer else "a finite number"
-        return f"{what} {lo}{' and ' if lo and hi else ''}{hi}".rstrip()
-
-
-@dataclass(frozen=True)
-class OneOf:
-    """The legal values of a key that names a choice."""
-    choices: tuple
-    why: str = ""
-
-    def contains(self, v) -> bool:
-        return v in self.choices
-
-    def error(self, name: str, v, optional: bool) -> str:
-        return f"{name}={v!r} is unknown: use one of {', '.join(map(str, self.choices))}" + \
-            (f" ({self.why})" if self.why else "")
-
-
-@dataclass(frozen=True)
-class Rule:
-    """Any other test of one value: `test(v)` is True when legal; `legal` says what is."""
-    test: object
-    legal: str
-
-    def contains(self, v) -> bool:
-        return bool(self.test(v))
-
-    def error(self, name: str, v, optional: bool) -> str:
-        return f"{name}={v} is invalid: use {self.legal}"
-
-
-POSITIVE, NON_NEGATIVE = Range(1), Range(0)
-FRACTION = Range(0, 1, hi_open=True)  # [0, 1)
-SEED = Range(0, why="seeds are non-negative")
-
-
-@dataclass(frozen=True)
-class Needs:
-    """A key that acts only when other keys of its schema say so: `test(node)` is True then. Set to
-    anything but its default while it cannot act, it is refused: the user asked for an effect the
-    run would not have. `what` names the condition, {p} standing for the schema's prefix."""
-    test: object
-    what: str
-
-
-def schema_nodes(node, prefix: str = ""):
-    """(node, schema, prefix) of a config node and of every schema nested in it, parents first. A
-    dataclass (a model's own config) needs no omegaconf; a DictConfig is read through it."""
-    is_cfg = not dataclasses.is_dataclass(node)
-    if is_cfg:
-        from omegaconf import OmegaConf
-    schema = OmegaConf.get_type(node) if is_cfg else type(node)
-    yield node, schema, prefix
-    for f in dataclasses.fields(schema):
-        value = getattr(node, f.name)
-        if dataclasses.is_dataclass(value) or (is_cfg and OmegaConf.is_dict(value)):
-            yield from schema_nodes(value, f"{prefix}.{f.name}" if prefix else f.name)
-
-
-def check_values(node, prefix: str = ""):
-    """Every value of a config node in its schema's table, nested schemas included: a one-line
-    UserError for the first that breaks its rule, naming the key as `prefix.key`; then every key
-    that cannot act in this config (its schema's NEEDS table) yet was set.
-
-    Each schema (a dataclass: a config group, a tool's settings, GPTConfig) declares its table as
-    the class attribute RULES, {field: Range | OneOf | Rule}, and NEEDS, {field: Needs}; `node` may
-    be the dataclass itself or the DictConfig Hydra composed from it. None (unset) is legal wherever
-    the schema allows it."""
-    nodes = list(schema_nodes(node, prefix))
-    for node, schema, prefix in nodes:
-        is_cfg, rules = not dataclasses.is_dataclass(node), getattr(schema, "RULES", {})
-        if is_cfg:
-            from omegaconf import OmegaConf
-        for f in dataclasses.fields(schema):
-            value, rule = getattr(node, f.name), rules.get(f.name)
-            if rule is None or value is None:
-                continue
-            name = f"{prefix}.{f.name}" if prefix else f.name
-            listed = isinstance(value, (list, tuple)) or (is_cfg and OmegaConf.is_list(value))
-            for v in (value if listed else [value]):  # a list's rule applies to each element
-                if not rule.contains(v):
-                    optional = not listed and (node._get_node(f.name)._is_optional() if is_cfg else f.default is None)
-                    raise UserError(rule.error(name, v, optional))
-    for node, schema, prefix in nodes:
-        defaults = {f.name: f.default for f in dataclasses.fields(schema)}
-        for key, need in getattr(schema, "NEEDS", {}).items():
-            value = getattr(node, key)
-            if value != defaults[key] and not need.test(node):
-                dot = f"{prefix}." if prefix else ""
-                raise UserError(f"{dot}{key}={value!r} has no effect unless {need.what.format(p=dot)}: drop it (its "
-                                f"default is {defaults[key]!r}) or change that")
-
-
-def check_value(name: str, value, rule):
-    """One value against its rule (a library function's argument): a one-line UserError if illegal."""
-    if value is not None and not rule.contains(value):
-        raise UserError(rule.error(name, value, False))
 
 
 # ----------------------------------------------------------------------------- files

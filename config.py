@@ -4,8 +4,8 @@ Each YAML under configs/ names its schema first in its defaults list (`- /model_
 misspelt key or a wrong type fails at composition, before anything runs. The model schema is
 model.GPTConfig itself: one definition of the architecture's knobs.
 
-Each schema declares the legal values of its keys in its RULES table (common.Range, OneOf, Rule:
-key, allowed values, why), and common.check_values checks any config against its schemas' tables;
+Each schema declares the legal values of its keys in its RULES table (rules.Range, OneOf, Rule:
+key, allowed values, why), and rules.check_values checks any config against its schemas' tables;
 every entry point calls it before doing anything (check_train_config for training). A numeric key
 without a rule fails a test by name.
 """
@@ -15,9 +15,10 @@ from typing import ClassVar, List, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
 
-from common import DTYPES, FRACTION, NON_NEGATIVE, POSITIVE, SEED, Needs, OneOf, Range, UserError, check_values
-from attention import ROPE_SCALINGS
+from common import DTYPES
+from rules import FRACTION, NON_NEGATIVE, POSITIVE, SEED, Needs, OneOf, Range, UserError, check_values
 from model import GPTConfig
+from variants import ROPE_SCALINGS
 from optim import LR_SCHEDULES, MUON_ADJUST_LR, MUON_NS_DTYPES, OPTIMIZERS
 from parallel import PARALLEL
 from tracking import WANDB_MODES, check_wandb_mode
@@ -189,7 +190,7 @@ class SampleConfig:
         "max_new_tokens": NON_NEGATIVE, "num_samples": POSITIVE, "temperature": Range(0, why="0 is greedy"),
         "top_k": POSITIVE, "top_p": Range(0, 1, lo_open=True), "seed": SEED, "threads": Range(1, 4096),
         "dtype": OneOf(DTYPE_NAMES), "kv_dtype": OneOf((*DTYPE_NAMES, "int8")), "kv_sinks": NON_NEGATIVE,
-        "rope_scaling": OneOf(ROPE_SCALINGS), "rope_scaling_factor": Range(1, why="1 is no scaling"),
+        "rope_scaling": OneOf(tuple(ROPE_SCALINGS)), "rope_scaling_factor": Range(1, why="1 is no scaling"),
     }
     SAMPLING: ClassVar[Needs] = Needs(lambda c: c.temperature > 0, "temperature > 0 (0 is greedy: the likeliest token)")
     CACHE: ClassVar[Needs] = Needs(lambda c: c.kv_cache, "kv_cache=true")

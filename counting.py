@@ -23,7 +23,7 @@ def mlp_matrices(c) -> int:
 
 
 def mla_dims(c) -> tuple:
-    """(d_c, d_r, q latent width or 0) of an MLA layer (attention.LatentAttention)."""
+    """(d_c, d_r, q latent width or 0) of an MLA layer (variants/mla.py)."""
     a = c.attn
     return a.kv_lora_rank or 4 * c.head_dim, (a.rope_head_dim or c.head_dim // 2) if c.pos == "rope" else 0, \
         a.q_lora_rank or 0
@@ -93,7 +93,7 @@ def attention_macs(c, seq_len, layer: int) -> tuple:
     attention does (n_head * hs * L each): independent of N beyond one chunk."""
     a, hs = c.attn, c.head_dim
     if a.kind == "linear":
-        from attention import LINEAR_CHUNK
+        from variants.linear import LINEAR_CHUNK
         local = c.n_head * hs * min(seq_len, LINEAR_CHUNK)
         return c.n_kv_head * hs * (hs + 1) + local, c.n_head * hs * (hs + 1) + local
     pattern = a.window_pattern
@@ -153,20 +153,22 @@ def crossovers(c) -> dict:
 
 # ----------------------------------------------------------------------------- bytes
 
-INT8_SCALE_BYTES = 4  # an int8 cache's fp32 scale per token and head (attention.Int8KVCache)
+INT8_SCALE_BYTES = 4  # an int8 cache's fp32 scale per token and head (variants/int8_cache.py)
 
 
 def kv_cache_bytes(c, tokens: int = 1, batch: int = 1, dtype_bytes: int = 4, n_kv_head=None, int8: bool = False) -> int:
     """What generation caches for `tokens` positions of `batch` sequences in every layer: K and V,
     2 * n_kv_head * head_dim numbers per token (n_kv_head: another head count for the same shape, e.g.
     MHA's); int8 stores each head's k and v as head_dim bytes plus one fp32 scale; MLA caches its
-    latent and RoPE key, d_c + d_r numbers per token shared by every head; linear attention caches
-    nothing per token (its state's size, linear_state_bytes, does not grow)."""
+    latent and RoPE key, d_c + d_r numbers per token shared by every head (int8: d_c + d_r bytes and
+    a scale for each); linear attention caches nothing per token (its state's size,
+    linear_state_bytes, does not grow)."""
     if c.attn.kind == "linear" and n_kv_head is None:
         return 0
     if c.attn.kind == "mla" and n_kv_head is None:
         d_c, d_r, _ = mla_dims(c)
-        return c.n_layer * (d_c + d_r) * dtype_bytes * tokens * batch
+        per_token = d_c + d_r + 2 * INT8_SCALE_BYTES if int8 else (d_c + d_r) * dtype_bytes
+        return c.n_layer * per_token * tokens * batch
     per_head = c.head_dim + INT8_SCALE_BYTES if int8 else c.head_dim * dtype_bytes
     return 2 * c.n_layer * (n_kv_head or c.n_kv_head) * per_head * tokens * batch
 
@@ -230,7 +232,7 @@ def attention_variants(c, seq_len: int, batch: int = 1, dtype_bytes: int = 4) ->
       keeps each chunk's L x L table of φ(q)·φ(k) and the state each chunk starts from,
       B*(h*N*L + h_kv*ceil(N/L)*hs*hs): O(N), less compute than full attention for
       N > L + (h + h_kv)*hs*(hs + 1)/(2*d)."""
-    from attention import LINEAR_CHUNK
+    from variants.linear import LINEAR_CHUNK
 
     d, h, hkv, hs, N, B = c.n_embd, c.n_head, c.n_kv_head, c.head_dim, seq_len, batch
     W = c.attn.window or max(1, N // 8)
@@ -258,7 +260,7 @@ def cache_table(c, lengths=(8192, 131072), batch: int = 1) -> list:
     where it exists: bytes per token (all layers) and at each length."""
     from dataclasses import replace
 
-    from attention import AttnConfig
+    from variants import AttnConfig
 
     gqa = c.n_kv_head if c.n_kv_head not in (c.n_head, 1) else \
         next((g for g in (c.n_head // 4, c.n_head // 2) if g > 1 and c.n_head % g == 0), None)  # none: no GQA row

@@ -1,26 +1,23 @@
-"""A decoder-only Transformer (GPT) written to be read, trained and taken apart: its config, the
-norms, MLPs, blocks, position schemes and the GPT that stacks them. Attention, with its options and
-caches, is attention.py.
+"""A decoder-only Transformer (GPT) written to be read, trained and taken apart: its config (one
+table of every knob), the MLP and norm, the Pre-LN block and the GPT that stacks them. Attention is
+attention.py; every other kind, path, position scheme and add-on is a small file in variants/.
 
 Architecture choices, and why:
 - Pre-LN blocks, x + attn(ln(x)) then x + mlp(ln(x)), with a final norm before the LM head:
   the residual stream stays an identity path, so training is stable without warmup tricks
-  (Xiong et al. 2020, arXiv 2002.04745).
+  (Xiong et al. 2020, arXiv 2002.04745). Post-LN, the original Transformer's order, is one class
+  below, for comparing the two.
 - Rotary position embeddings (RoPE, Su et al. 2021, arXiv 2104.09864) rotate q and k, never v,
   and there is no learned position table (attention.py).
 - The attention logit scale and QK-Norm are config values (`model.attn.*`, attention.py).
 - The LM head is tied to the token embedding (Press & Wolf 2017, arXiv 1608.05859).
 - Teacher forcing: forward(idx, targets) predicts every position's successor in one pass.
 
-The variants the texts discuss are one override each, every one a small piece chosen once at
-construction (a norm, an MLP class, a block class, a position module, an attention path):
-grouped-query / multi-query attention (`n_kv_head`), Post-LN blocks (the original Transformer,
-Vaswani et al. 2017), RMSNorm (Zhang & Sennrich 2019, arXiv 1910.07467), SwiGLU (Shazeer 2020,
-arXiv 2002.05202) and ReLU² MLPs (So et al. 2021, arXiv 2109.08668), learned, sinusoidal or no
-positions (NoPE, Kazemnejad et al. 2023, arXiv 2305.19466), an untied head, a tanh logit soft-cap
-(Gemma 2), zero-initialised output projections and value embeddings (modded-nanogpt). forward
-branches only on what a call brings (targets, a KV cache, a window) and on the two optional
-additions (a position table, value embeddings).
+Every option is a small piece chosen once at construction (variants/__init__.py's table): RMSNorm
+(Zhang & Sennrich 2019, arXiv 1910.07467), SwiGLU (Shazeer 2020, arXiv 2002.05202) and ReLU² MLPs
+(So et al. 2021, arXiv 2109.08668), an untied head, a tanh logit soft-cap (Gemma 2),
+zero-initialised output projections and value embeddings (modded-nanogpt) here; positions, kinds,
+paths and add-ons in variants/.
 """
 import math
 from dataclasses import dataclass, field
@@ -30,14 +27,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from attention import ATTENTION_KINDS, ROPE_SCALINGS, AttnConfig, check_attention_options, resolve_scale, rope_freqs
-from common import FRACTION, POSITIVE, Needs, OneOf, Range, UserError, check_values
+from attention import resolve_scale, rope_freqs
 from counting import flops_per_token
+from rules import FRACTION, POSITIVE, Needs, OneOf, Range, UserError, check_values
+from variants import ACTIVATIONS, POSITIONS, ROPE_SCALINGS, AttnConfig, check, kv_cache, make_attention
 
-NORMS = ("layernorm", "rmsnorm")
-NORM_POSITIONS = ("pre", "post")
-MLPS = ("gelu", "swiglu", "relu2")
-POSITIONS = ("rope", "learned", "sinusoidal", "none", "alibi")
+NORMS, NORM_POSITIONS = ("layernorm", "rmsnorm"), ("pre", "post")
 NORM_EPS = 1e-5  # LayerNorm's and RMSNorm's epsilon (PyTorch's LayerNorm default)
 
 
@@ -70,15 +65,14 @@ class GPTConfig:
     logit_softcap: float = 0.0  # > 0: output logits = c * tanh(logits / c); 0 = off
     zero_init_proj: bool = False  # residual output projections (attn and MLP c_proj) start at zero
     value_embed: bool = False  # each layer adds a learned embedding of the token to its values (modded-nanogpt)
-    attn: AttnConfig = field(default_factory=AttnConfig)
+    attn: AttnConfig = field(default_factory=AttnConfig)  # model.attn.*: variants/__init__.py, with the pieces they pick
 
     RULES: ClassVar[dict] = {
         "vocab_size": POSITIVE, "block_size": POSITIVE, "n_layer": POSITIVE, "n_head": POSITIVE,
         "n_embd": POSITIVE, "n_kv_head": POSITIVE, "d_ff": POSITIVE, "dropout": FRACTION,
-        "norm": OneOf(NORMS), "norm_position": OneOf(NORM_POSITIONS), "mlp": OneOf(MLPS), "pos": OneOf(POSITIONS),
-        "rope_base": Range(1, lo_open=True, why="the RoPE frequency base"),
-        "rope_scaling": OneOf(ROPE_SCALINGS), "rope_scaling_factor": Range(1, why="1 is no scaling"),
-        "rope_original_length": POSITIVE,
+        "norm": OneOf(NORMS), "norm_position": OneOf(NORM_POSITIONS), "mlp": OneOf(tuple(ACTIVATIONS)), "pos": OneOf(tuple(POSITIONS)),
+        "rope_base": Range(1, lo_open=True, why="the RoPE frequency base"), "rope_scaling": OneOf(tuple(ROPE_SCALINGS)),
+        "rope_scaling_factor": Range(1, why="1 is no scaling"), "rope_original_length": POSITIVE,
         "logit_softcap": Range(0, why="0 turns the soft-cap off"),
     }
     ROPE: ClassVar[Needs] = Needs(lambda c: c.pos == "rope", "{p}pos=rope")
@@ -106,56 +100,28 @@ class GPTConfig:
         if self.d_ff is None:
             self.d_ff = 64 * math.ceil(8 * self.n_embd / 3 / 64) if self.mlp == "swiglu" else 4 * self.n_embd
         self.attn_scale = resolve_scale(self.attn.scale, self.head_dim)
-        # the channels RoPE rotates: a head's, or MLA's decoupled RoPE part (attention.LatentAttention)
+        # the channels RoPE rotates: a head's, or MLA's decoupled RoPE part (variants/mla.py)
         self.rope_dim = (self.attn.rope_head_dim or self.head_dim // 2) if self.attn.kind == "mla" else self.head_dim
         if self.rope_original_length is None:
             self.rope_original_length = self.block_size
-        if self.rope_dim % 2:
-            raise ConfigError(f"MLA's RoPE part head_dim/2={self.rope_dim} is odd, but RoPE rotates pairs of channels: "
-                              "set model.attn.rope_head_dim to an even number")
-        check_attention_options(self)
+        check(self)  # what each chosen piece cannot take
 
 
-# ----------------------------------------------------------------------------- MLPs, norms, blocks
+# ----------------------------------------------------------------------------- MLP, norm, blocks
 
 class MLP(nn.Module):
-    """GPT-2's MLP: c_proj(gelu(c_fc(x))), hidden width d_ff (4 * n_embd by default)."""
+    """GPT-2's MLP, c_proj(act(c_fc(x))), hidden width d_ff (4 * n_embd by default): act is gelu, or
+    ReLU² or SwiGLU (variants/mlps.py; SwiGLU's c_fc makes its gate and up side by side)."""
 
-    def __init__(self, config: GPTConfig, fc_out=None):
+    def __init__(self, config: GPTConfig):
         super().__init__()
-        self.c_fc = nn.Linear(config.n_embd, fc_out or config.d_ff, bias=config.bias)
+        self.act, parts = ACTIVATIONS[config.mlp]
+        self.c_fc = nn.Linear(config.n_embd, parts * config.d_ff, bias=config.bias)
         self.c_proj = nn.Linear(config.d_ff, config.n_embd, bias=config.bias)
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x):
         return self.dropout(self.c_proj(self.act(self.c_fc(x))))
-
-    @staticmethod
-    def act(h):
-        return F.gelu(h)
-
-
-class ReLU2MLP(MLP):
-    """relu(h)², the Primer activation (So et al. 2021), as modded-nanogpt uses it."""
-
-    @staticmethod
-    def act(h):
-        return F.relu(h).square()
-
-
-class SwiGLUMLP(MLP):
-    """c_proj(silu(gate(x)) * up(x)), the Llama MLP; gate and up are one matmul, laid out [gate | up]."""
-
-    def __init__(self, config: GPTConfig):
-        super().__init__(config, fc_out=2 * config.d_ff)
-
-    @staticmethod
-    def act(h):
-        gate, up = h.chunk(2, dim=-1)  # (B, T, d_ff) each
-        return F.silu(gate) * up
-
-
-MLP_CLASSES = {"gelu": MLP, "relu2": ReLU2MLP, "swiglu": SwiGLUMLP}
 
 
 def make_norm(config: GPTConfig) -> nn.Module:
@@ -171,9 +137,9 @@ class Block(nn.Module):
     def __init__(self, config: GPTConfig, layer: int):
         super().__init__()
         self.ln_1 = make_norm(config)
-        self.attn = ATTENTION_KINDS[config.attn.kind](config, layer)
+        self.attn = make_attention(config, layer)  # the layer's kind, its slots filled (variants/)
         self.ln_2 = make_norm(config)
-        self.mlp = MLP_CLASSES[config.mlp](config)
+        self.mlp = MLP(config)
 
     def forward(self, x, **kw):
         """kw: what the attention needs (rope, kv_cache, pos, window, ve; CausalSelfAttention.forward)."""
@@ -191,40 +157,6 @@ class PostNormBlock(Block):
         return self.ln_2(x + self.mlp(x))
 
 
-# ----------------------------------------------------------------------------- positions
-
-def sinusoidal_table(length: int, dim: int):
-    """Vaswani et al.'s fixed positions: PE[p, 2i] = sin(p / 10000^(2i/d)), PE[p, 2i+1] = cos(same)."""
-    angles = torch.outer(torch.arange(length, dtype=torch.float32),
-                         1.0 / 10000 ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))  # (L, d/2)
-    return torch.stack((angles.sin(), angles.cos()), dim=-1).flatten(1)  # (L, d): sin, cos interleaved
-
-
-class LearnedPositions(nn.Module):
-    """A trained table of block_size position vectors added to the token embeddings (GPT-2)."""
-
-    def __init__(self, config: GPTConfig):
-        super().__init__()
-        self.wpe = nn.Embedding(config.block_size, config.n_embd)
-
-    def forward(self, start, T: int):
-        return self.wpe.weight.index_select(0, torch.arange(T, device=self.wpe.weight.device) + start)  # (T, C)
-
-
-class SinusoidalPositions(nn.Module):
-    """The fixed sinusoidal table added to the token embeddings (Vaswani et al. 2017)."""
-
-    def __init__(self, config: GPTConfig):
-        super().__init__()
-        self.register_buffer("table", sinusoidal_table(config.block_size, config.n_embd), persistent=False)
-
-    def forward(self, start, T: int):
-        return self.table.index_select(0, torch.arange(T, device=self.table.device) + start)  # (T, C)
-
-
-ABSOLUTE_POSITIONS = {"learned": LearnedPositions, "sinusoidal": SinusoidalPositions}
-
-
 # ----------------------------------------------------------------------------- the model
 
 class GPT(nn.Module):
@@ -232,8 +164,8 @@ class GPT(nn.Module):
         super().__init__()
         self.config = config
         self.wte = nn.Embedding(config.vocab_size, config.n_embd)
-        # absolute positions are added to the embeddings; RoPE acts inside attention; NoPE has none
-        self.positions = ABSOLUTE_POSITIONS[config.pos](config) if config.pos in ABSOLUTE_POSITIONS else None
+        # absolute positions are added to the embeddings (variants/positions.py); RoPE acts inside attention
+        self.positions = POSITIONS[config.pos](config) if POSITIONS[config.pos] else None
         self.drop = nn.Dropout(config.dropout)
         block = PostNormBlock if config.norm_position == "post" else Block
         self.blocks = nn.ModuleList(block(config, i) for i in range(config.n_layer))
@@ -275,11 +207,15 @@ class GPT(nn.Module):
             self.rope = self.rope_table(self.rope.size(0), self.rope.device)
         return self
 
-    def rope_table(self, length: int, device=None):
-        """cos and sin of RoPE's angles for positions 0..length-1, scaled as model.rope_scaling says."""
+    def rope_theta(self, device=None):
+        """RoPE's frequencies and temperature, scaled as model.rope_scaling says (variants/rope_scaling.py)."""
         c = self.config
-        return rope_freqs(c.rope_dim, length, c.rope_base, device, c.rope_scaling, c.rope_scaling_factor,
-                          c.rope_original_length)
+        scaling = ROPE_SCALINGS[c.rope_scaling if c.rope_scaling_factor != 1 else "none"]
+        return scaling(c.rope_dim, c.rope_base, c.rope_scaling_factor, c.rope_original_length, device)
+
+    def rope_table(self, length: int, device=None):
+        """cos and sin of RoPE's angles for positions 0..length-1."""
+        return rope_freqs(self.config.rope_dim, length, self.config.rope_base, device, *self.rope_theta(device))
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())  # a tied embedding counts once
@@ -311,7 +247,7 @@ class GPT(nn.Module):
     def forward(self, idx, targets=None, *, kv_cache=None, pos: int = 0, window=None):
         """idx (B, T) token ids -> logits (B, T, vocab), plus the mean next-token loss if targets.
 
-        kv_cache: a list of KVCache (one per layer); idx then holds positions pos..pos+T-1.
+        kv_cache: a list of caches (one per layer); idx then holds positions pos..pos+T-1.
         window: each query sees only the latest `window` positions, in every layer; this is what a
         sliding KV cache computes past block_size, so a longer idx is allowed with it.
         """
@@ -340,21 +276,14 @@ class GPT(nn.Module):
         return logits, loss
 
     def new_kv_cache(self, batch_size: int, length: int, device=None, dtype=None, static=False, sinks: int = 0,
-                     absorbed: bool = True):
+                     **options):
         """One cache per layer for generation, as its attention keeps one: K and V of up to `length`
-        positions (a windowed layer's window; StaticKVCache, fixed shapes, for a compiled decode step;
-        Int8KVCache for dtype=torch.int8; SinkKVCache keeping `sinks` first tokens when it slides),
-        MLA's latents (absorbed: decode without expanding them), or linear attention's state."""
+        positions (a windowed layer's window), in the cache the settings ask for (variants.kv_cache:
+        fixed shapes for a compiled decode step, int8 for dtype=torch.int8, keeping `sinks` first
+        tokens when it slides), MLA's latents (options: absorbed), or a linear layer's state."""
         p = self.wte.weight
-        table = self.rope_at(0, length) if self.rotary and sinks else None
-        return [block.attn.new_cache(batch_size, length, device or p.device, dtype or p.dtype, static, sinks=sinks,
-                                     rope_table=table, absorbed=absorbed) for block in self.blocks]
-
-    def configure_optimizer(self, lr, weight_decay, betas=(0.9, 0.95), fused=False):
-        """AdamW with weight decay on matrices (Linear weights, embedding) only, not on biases,
-        norm weights or QK gains (Loshchilov & Hutter 2019)."""
-        named = list(self.named_parameters())
-        decay = [p for n, p in named if n.endswith("weight") and p.dim() == 2]
-        no_decay = [p for n, p in named if not (n.endswith("weight") and p.dim() == 2)]
-        groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-        return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=fused)
+        device = device or p.device
+        make = kv_cache(dtype, static, sinks, self.rope_theta(device)[0] if self.rotary and sinks else None)
+        dtype = p.dtype if dtype in (None, torch.int8) else dtype  # an int8 cache returns the model's dtype
+        return [block.attn.new_cache(batch_size, length, device=device, dtype=dtype, make=make, **options)
+                for block in self.blocks]

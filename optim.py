@@ -1,7 +1,7 @@
 """The optimizer step and the learning-rate schedule, shared by train.py and bench.py.
 
 `train.optimizer` picks the optimizer (build_optimizer):
-- adamw: AdamW with weight decay on matrices only (GPT.configure_optimizer).
+- adamw: AdamW with weight decay on matrices only (adamw).
 - muon: torch.optim.Muon (Jordan et al. 2024, https://kellerjordan.github.io/posts/muon/) on the 2-D
   weights of every nn.Linear inside the blocks (attention and MLP matrices), AdamW on everything else
   (token embedding, an untied head, position table, norms, QK gains, biases), as Muon's authors
@@ -20,7 +20,8 @@ from contextlib import nullcontext
 import torch
 import torch.nn as nn
 
-from common import UserError, all_ranks_agree, has_native_bf16
+from common import all_ranks_agree, has_native_bf16
+from rules import UserError
 
 OPTIMIZERS = ("adamw", "muon")
 MUON_ADJUST_LR = ("match_rms_adamw", "original")
@@ -33,7 +34,7 @@ def build_optimizer(model, tcfg, device):
     config an AdamW step takes 0.55 ms fused against 1.8 ms, ~3% of a training step)."""
     fused = device.type in ("cuda", "cpu")
     if tcfg.optimizer == "adamw":
-        return model.configure_optimizer(tcfg.lr, tcfg.weight_decay, (tcfg.beta1, tcfg.beta2), fused=fused)
+        return adamw(model, tcfg.lr, tcfg.weight_decay, (tcfg.beta1, tcfg.beta2), fused=fused)
     muon_params, decay, no_decay = split_params(model)
     muon_lr = tcfg.lr if tcfg.muon_lr is None else tcfg.muon_lr
     wd = tcfg.weight_decay if tcfg.muon_weight_decay is None else tcfg.muon_weight_decay
@@ -50,10 +51,20 @@ def build_optimizer(model, tcfg, device):
     muon = Muon(groups, lr=muon_lr, weight_decay=wd,
                 momentum=tcfg.muon_momentum, nesterov=True, ns_steps=tcfg.muon_ns_steps,
                 adjust_lr_fn=tcfg.muon_adjust_lr, ns_dtype=MUON_NS_DTYPES[ns_dtype])
-    adamw = torch.optim.AdamW([{"params": decay, "weight_decay": tcfg.weight_decay},
-                               {"params": no_decay, "weight_decay": 0.0}],
-                              lr=tcfg.lr, betas=(tcfg.beta1, tcfg.beta2), fused=fused)
-    return MuonAdamW(muon, adamw, tcfg.muon_momentum_start, tcfg.muon_momentum_warmup)
+    rest = torch.optim.AdamW([{"params": decay, "weight_decay": tcfg.weight_decay},
+                              {"params": no_decay, "weight_decay": 0.0}],
+                             lr=tcfg.lr, betas=(tcfg.beta1, tcfg.beta2), fused=fused)
+    return MuonAdamW(muon, rest, tcfg.muon_momentum_start, tcfg.muon_momentum_warmup)
+
+
+def adamw(model, lr, weight_decay, betas=(0.9, 0.95), fused=False):
+    """AdamW with weight decay on matrices (Linear weights, embedding) only, not on biases, norm
+    weights or QK gains (Loshchilov & Hutter 2019)."""
+    named = list(model.named_parameters())
+    decay = [p for n, p in named if n.endswith("weight") and p.dim() == 2]
+    no_decay = [p for n, p in named if not (n.endswith("weight") and p.dim() == 2)]
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=fused)
 
 
 def split_params(model):

@@ -30,12 +30,24 @@ import logging
 import torch
 import torch.nn as nn
 
-from common import UserError
+from rules import UserError
 
 log = logging.getLogger("attnlab")
 
 PARALLEL = ("ddp", "fsdp")
 CHECKPOINT_PREFIX = "_checkpoint_wrapped_module."  # what checkpoint_wrapper adds to a parameter's name
+
+
+def load_weights(model, weights: dict):
+    """load_state_dict, with shape mismatches named in one line instead of a traceback."""
+    own = model.state_dict()
+    for name, tensor in weights.items():
+        if name in own and own[name].shape != tensor.shape:
+            raise UserError(f"checkpoint does not fit this model: {name} is {tuple(tensor.shape)} in the "
+                            f"checkpoint but {tuple(own[name].shape)} here (different n_embd/vocab/...)")
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    if missing or unexpected:
+        raise UserError(f"checkpoint does not fit this model: missing {missing[:3]}, unexpected {unexpected[:3]}")
 
 
 def checkpoint_blocks(model):
@@ -76,7 +88,6 @@ class Replicated:
         return optimizer.state_dict()
 
     def load_model(self, model, weights: dict):
-        from checkpoint import load_weights  # checkpoint imports config, which imports this module
         load_weights(model, weights)
 
     def load_optimizer(self, model, optimizer, state: dict):

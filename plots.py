@@ -18,7 +18,7 @@ import torch
 matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
 
-from attnstats import attention_maps, entropy_grid, head_keys, layer_keys  # noqa: E402
+from attnstats import attention_maps, entropy_grid, head_keys, layer_keys, layer_kinds  # noqa: E402
 from tracking import read_metrics  # noqa: E402
 
 VIEWER = Path(__file__).with_name("viewer.html")  # the viewer's page; write_html fills in the data
@@ -211,10 +211,14 @@ def top_keys(maps, query: int, k: int) -> list:
             for l in range(maps.size(0))]
 
 
-def format_top_keys(maps, labels, query: int, k: int) -> str:
-    """The lines visualize.py prints: one per head, its top-k keys as weight 'token'@position."""
+def format_top_keys(maps, labels, query: int, k: int, kinds=None) -> str:
+    """The lines visualize.py prints: one per head, its top-k keys as weight 'token'@position (a
+    layer without softmax weights, one line that says so)."""
     lines = [f"query {query} {labels[query]!r} (of {len(labels)} tokens): top {min(k, query + 1)} keys per head"]
     for l, heads in enumerate(top_keys(maps, query, k)):
+        if torch.isnan(maps[l]).all():
+            lines.append(f"L{l}  {kinds[l] if kinds else ''} attention: no softmax weights")
+            continue
         for h, keys in enumerate(heads):
             lines.append(f"L{l} H{h}  " + "  ".join(f"{w:.3f} {labels[j]!r}@{j}" for w, j in keys))
     return "\n".join(lines)
@@ -222,9 +226,10 @@ def format_top_keys(maps, labels, query: int, k: int) -> str:
 
 # ----------------------------------------------------------------------------- PNG
 
-def write_png(maps, stats, labels, path, title=""):
+def write_png(maps, stats, labels, path, title="", kinds=None):
     """A layer x head grid of heatmaps (query rows, key columns; above the diagonal, which no query
-    may see, in grey), each titled with its head's mean entropy; token labels when short."""
+    may see, in grey), each titled with its head's mean entropy; token labels when short. A layer
+    without softmax weights (NaN maps) says so, with its kind (kinds: one name per layer)."""
     from matplotlib.colors import PowerNorm
     L, nh, T, _ = maps.shape
     labelled = T <= LABEL_TOKENS
@@ -240,6 +245,9 @@ def write_png(maps, stats, labels, path, title=""):
             ax = axes[l][h]
             im = ax.imshow(masked[l, h], cmap=cmap, norm=norm, interpolation="nearest")
             ax.set_title(f"L{l} H{h}  entropy {stats['entropy'][l, h]:.2f}", fontsize=8)
+            if torch.isnan(maps[l, h]).all():  # a kind without softmax weights
+                ax.set_title(f"L{l} H{h}  {kinds[l] if kinds else ''}", fontsize=8)
+                ax.text(0.5, 0.5, "no softmax weights", transform=ax.transAxes, ha="center", va="center", fontsize=8)
             if labelled:
                 ticks = range(T)
                 ax.set_xticks(ticks, [labels[j] for j in ticks], fontsize=font, rotation=90, family="monospace")
@@ -264,18 +272,21 @@ def pack_weights(maps) -> str:
     """The lower triangles of maps (L, nh, T, T), row by row, as base64 little-endian uint16 w * 65535."""
     T = maps.size(-1)
     rows, cols = torch.tril_indices(T, T)  # row-major: (0,0), (1,0), (1,1), (2,0), ...
-    fixed = (maps[..., rows, cols].double() * 65535).round().clamp(0, 65535).to(torch.int32).numpy()
+    fixed = (maps[..., rows, cols].double().nan_to_num(0.0) * 65535).round().clamp(0, 65535).to(torch.int32).numpy()
     return base64.b64encode(fixed.astype("<u2").tobytes()).decode("ascii")
 
 
-def write_html(maps, stats, pieces, path, title="", meta="", query=None):
-    """The viewer: attention.html, the page viewer.html with the data inline."""
+def write_html(maps, stats, pieces, path, title="", meta="", query=None, kinds=None):
+    """The viewer: attention.html, the page viewer.html with the data inline. kinds: each layer's
+    attention kind (the viewer names it, and says where a layer has no softmax weights)."""
     L, nh, T, _ = maps.shape
+    weighted = [l for l in range(L) if not torch.isnan(maps[l]).all()]
     data = {"title": title or "attention", "meta": meta, "n_layer": L, "n_head": nh,
             "tokens": [{"text": p, "label": label(p)} for p in pieces],
-            "weights": pack_weights(maps),
-            "stats": {name: [[round(float(v), 4) for v in row] for row in t.tolist()] for name, t in stats.items()},
-            "initial": {"layer": L - 1, "head": 0, "query": T - 1 if query is None else query}}
+            "weights": pack_weights(maps), "kinds": kinds or ["softmax"] * L, "weighted": [l in weighted for l in range(L)],
+            "stats": {name: [[None if v != v else round(float(v), 4) for v in row] for row in t.tolist()]
+                      for name, t in stats.items()},  # NaN (no weights) as null: JSON has no NaN
+            "initial": {"layer": weighted[-1] if weighted else L - 1, "head": 0, "query": T - 1 if query is None else query}}
     blob = json.dumps(data, ensure_ascii=False).replace("<", "\\u003c")  # no "</script>" or "<!--" in the script
     html = VIEWER.read_text(encoding="utf-8").replace("__DATA__", blob, 1).replace("__TITLE__", _escape(data["title"]), 1)
     Path(path).write_text(html, encoding="utf-8")
@@ -295,6 +306,7 @@ def write_views(model, idx, tok, out_dir, title="", meta="", query=None) -> dict
     ids = idx[0].tolist()
     pieces = token_pieces(tok, ids)
     labels = [label(p) for p in pieces]
-    png = write_png(maps, stats, labels, out_dir / "attention.png", title)
-    html = write_html(maps, stats, pieces, out_dir / "attention.html", title, meta, query)
-    return {"png": png, "html": html, "maps": maps, "stats": stats, "labels": labels}
+    kinds = layer_kinds(model)
+    png = write_png(maps, stats, labels, out_dir / "attention.png", title, kinds)
+    html = write_html(maps, stats, pieces, out_dir / "attention.html", title, meta, query, kinds)
+    return {"png": png, "html": html, "maps": maps, "stats": stats, "labels": labels, "kinds": kinds}

@@ -16,8 +16,9 @@ import hydra
 import torch
 
 from checkpoint import find_checkpoint, load_checkpoint, model_from_checkpoint, with_rope_scaling
-from common import (UserError, check_memory, check_value, check_values, cli, compile_wanted, first_line,
-                    interruption, is_oom, pick_dtype, read_prompt, run_app, setup_runtime)
+from common import (check_memory, cli, compile_wanted, first_line, interruption, is_oom, pick_dtype, read_prompt,
+                    run_app, setup_runtime)
+from rules import UserError, check_value, check_values
 from config import SampleConfig  # also registers the config schema with Hydra
 from counting import generation_bytes
 from data.tokenizer import StreamDecoder, tokenizer_from_dict

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from common import UserError
+from rules import UserError
 
 log = logging.getLogger("attnlab")
 

@@ -30,13 +30,14 @@ import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
-from attnstats import AttentionProbe
+from attnstats import AttentionProbe, without_softmax
 from checkpoint import (BEST_NAME, check_resumable, context_extension, last_good_checkpoint, latest_checkpoint,
                         load_checkpoint, prune_checkpoints, resume_source, rng_state, save_checkpoint, set_rng_state,
                         step_name)
-from common import (Dist, Runtime, StopRequest, UserError, all_ranks_agree, check_memory, check_output_dir, cli,
-                    compile_wanted, dir_mode, first_line, forget_hydra_run_dir, init_distributed, is_oom, lock_run_dir,
-                    new_run_dir, peak_flops, remove_new_run_dir, remove_stale_temps, run_app, run_info, setup_runtime)
+from common import (Dist, Runtime, StopRequest, all_ranks_agree, check_memory, check_output_dir, cli, compile_wanted,
+                    dir_mode, first_line, forget_hydra_run_dir, init_distributed, is_oom, lock_run_dir, new_run_dir,
+                    peak_flops, remove_new_run_dir, remove_stale_temps, run_app, run_info, setup_runtime)
+from rules import UserError
 from config import check_train_config, data_seed, model_config
 from counting import training_bytes
 from data.loader import TokenData
@@ -329,6 +330,8 @@ def record(run: Run, run_name=None, run_group=None, overrides=None, early_log=()
         px, _ = run.data.get_batch("val", cfg.train.probe_batch_size, run.mcfg.block_size,
                                    torch.Generator().manual_seed(data_seed(cfg) + 7))
         run.probe = AttentionProbe(px.to(run.rt.device), bos=run.data.bos is not None)
+        if without_softmax(run.model):
+            log.info("attention probe: %s", without_softmax(run.model))
 
 
 def open_run_log(out_dir: Path, earlier) -> logging.Handler:

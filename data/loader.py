@@ -6,7 +6,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from common import UserError, file_digest
+from common import file_digest
+from rules import UserError
 from data.tokenizer import WithBos, tokenizer_from_dict
 
 SPLITS = ("train", "val")

@@ -18,7 +18,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from common import UserError
+from rules import UserError
 
 EOT = "<|endoftext|>"
 
@@ -75,8 +75,8 @@ class TiktokenTokenizer:
                             f"({', '.join(tiktoken.list_encoding_names())})") from None
         except Exception as e:  # no network and no cached file
             raise UserError(f"cannot load the tiktoken encoding {name!r} ({type(e).__name__}): offline? point "
-                            "TIKTOKEN_CACHE_DIR at a cache that holds it (e.g. ../shared/data/tiktoken "
-                            "for r50k_base, the GPT-2 BPE)") from None
+                            "TIKTOKEN_CACHE_DIR at a directory that holds its file (one run with the network "
+                            "fills tiktoken's own cache), or use data.tokenizer=char or bpe") from None
         return cls(enc, {"kind": "tiktoken", "name": name})
 
     @classmethod

@@ -39,7 +39,7 @@ TINY = ["model=debug", "device=cpu", "logger.wandb.mode=disabled", "train.max_it
 
 
 def requires_shared(path):
-    return pytest.mark.skipif(not Path(path).exists(), reason=f"{path} absent (a fresh clone has no ../shared)")
+    return pytest.mark.skipif(not Path(path).exists(), reason=f"{path} absent: these tests read a local copy of it")
 
 
 def corpus_text(n=200):
@@ -126,6 +126,56 @@ def run_chromium(*args, timeout=90):
                         "--user-data-dir=" + args[0], *args[1:]], capture_output=True, text=True, timeout=timeout)
     assert r.returncode == 0, r.stderr[-2000:]
     return r.stdout
+
+
+# ----------------------------------------------------------------------------- formulas written out
+
+def plain_attention(q, k, v, scale, causal=True, window=None, sink=None, bias=None):
+    """softmax(q·kᵀ·scale + bias + M)·v written out in float64, K/V repeated per query-head group;
+    queries are the last Tq of the Tk positions; M hides later keys and, with a window, keys W or more
+    back; a sink (nh,) is one more logit per head whose value is zero; bias (nh, Tq, Tk) is added."""
+    import torch
+
+    q, k, v = q.double(), k.double(), v.double()
+    g = q.size(1) // k.size(1)
+    k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+    Tq, Tk = q.size(2), k.size(2)
+    s = q @ k.transpose(-2, -1) * scale
+    if bias is not None:
+        s = s + bias.double()
+    if causal:
+        i = torch.arange(Tq)[:, None] + (Tk - Tq)
+        j = torch.arange(Tk)[None, :]
+        band = (j <= i) & ((j > i - window) if window is not None else True)
+        s = s.masked_fill(~band, float("-inf"))
+    if sink is not None:
+        s = torch.cat([sink.double().view(1, -1, 1, 1).expand(*s.shape[:-1], 1), s], dim=-1)
+        return torch.softmax(s, dim=-1)[..., 1:] @ v
+    return torch.softmax(s, dim=-1) @ v
+
+
+def grads(fn, *xs):
+    """(fn(*xs), d/dxs of a fixed random projection of it): outputs and gradients to compare."""
+    import torch
+
+    xs = [x.detach().requires_grad_(True) for x in xs]
+    out = fn(*xs)
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(9), dtype=torch.float64).to(out.dtype)
+    return (out, *torch.autograd.grad((out * g).sum(), xs))
+
+
+def saved_bytes(fn):
+    """Bytes of the tensors autograd keeps for the backward pass while fn() runs, each storage once."""
+    import torch
+
+    seen = {}
+
+    def pack(t):
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return sum(seen.values())
 
 
 # ----------------------------------------------------------------------------- models and training runs

@@ -1,12 +1,13 @@
-"""The attention logit scale and QK-Norm: the seeds' arithmetic, path parity, bounds, errors."""
+"""The attention logit scale and QK-Norm: the variance arithmetic, path parity, bounds, errors."""
 
 import pytest
 import torch
 
-from common import UserError
-from attention import apply_rope, attention, attention_scores, qk_normalize, resolve_scale
+from rules import UserError
+from attention import attention_scores, qk_normalize, resolve_scale, rotate
 from attnstats import reading_qk
 from model import GPT, GPTConfig
+from variants import attention
 
 SCALES = ["sqrt_dk", "none", "dk", "0.5"]
 NORMS = [dict(qk_norm=False)] + [dict(qk_norm=True, qk_norm_type=t, qk_norm_gain=g)
@@ -22,8 +23,8 @@ def test_raw_score_variance_is_dk_and_sqrt_dk_scaling_makes_it_one(d_k, std):
     g = torch.Generator().manual_seed(d_k)
     q = torch.randn(1, 1, 4000, d_k, generator=g, dtype=torch.float64)
     k = torch.randn(1, 1, 50, d_k, generator=g, dtype=torch.float64)
-    raw = attention_scores(q, k, resolve_scale("none", d_k), causal=False)
-    scaled = attention_scores(q, k, resolve_scale("sqrt_dk", d_k), causal=False)
+    raw = attention_scores(q, k, scale=resolve_scale("none", d_k))
+    scaled = attention_scores(q, k, scale=resolve_scale("sqrt_dk", d_k))
     assert raw.std().item() == pytest.approx(std, rel=0.03)
     assert scaled.var().item() == pytest.approx(1.0, rel=0.05)
 
@@ -68,7 +69,7 @@ def test_qk_norm_bounds_logits_for_any_input_magnitude(norm):
         model.wte.weight.mul_(1000)  # inputs 1000x larger
     attn = model.blocks[0].attn
     seen = {}
-    with reading_qk(model, lambda layer, q, k, s: seen.update(logits=attention_scores(q, k, s))):
+    with reading_qk(model, lambda layer, attn, q, k: seen.update(logits=attn.scores(q, k)[0])):
         model(torch.randint(30, (2, 16)))
     logits = seen["logits"][torch.isfinite(seen["logits"])]
     bound = attn.logit_bound()
@@ -84,7 +85,7 @@ def test_without_qk_norm_logits_grow_with_the_input():
     for factor in (1, 1000):
         seen = {}
         model.blocks[0].ln_1.weight.data.fill_(factor)  # the attention input, factor x larger
-        with reading_qk(model, lambda layer, q, k, s: seen.update(m=attention_scores(q, k, s).nan_to_num(0, 0, 0).abs().max())):
+        with reading_qk(model, lambda layer, attn, q, k: seen.update(m=attn.scores(q, k)[0].nan_to_num(0, 0, 0).abs().max())):
             model(idx)
         peaks.append(seen["m"].item())
     assert model.blocks[0].attn.logit_bound() is None
@@ -102,11 +103,11 @@ def test_qk_norm_comes_before_rope():
         attn.q_gain.uniform_(0.2, 3.0)
     x = torch.randn(1, 8, 32)
     freqs = model.rope_at(0, 8)
-    q, _, _ = attn.qkv(x, freqs)  # (1, nh, T, hs)
-    q_raw = (x @ attn.c_attn.weight[:32].T).view(1, 8, 2, 16).transpose(1, 2)  # (1, nh, T, hs)
-    gain = attn.q_gain.view(2, 1, 16)
-    norm_then_rope = apply_rope(gain * qk_normalize(q_raw, "rms"), freqs)
-    rope_then_norm = gain * qk_normalize(apply_rope(q_raw, freqs), "rms")
+    q, _, _ = attn.qkv(x, freqs)  # (1, T, nh, hs)
+    q_raw = (x @ attn.c_attn.weight[:32].T).view(1, 8, 2, 16)  # (1, T, nh, hs)
+    gain = attn.q_gain.view(2, 16)
+    norm_then_rope = rotate(gain * qk_normalize(q_raw, "rms"), freqs)
+    rope_then_norm = gain * qk_normalize(rotate(q_raw, freqs), "rms")
     assert torch.allclose(q, norm_then_rope, atol=1e-5)
     assert not torch.allclose(q, rope_then_norm, atol=1e-2)
 

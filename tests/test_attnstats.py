@@ -5,13 +5,15 @@ import pytest
 import torch
 
 import attention as attention_module
-from attnstats import AttentionProbe, attention_stats, copy_losses, reading_qk, repeated_batch, role_rows
-from attention import attention
+from attention import repeat_kv
+from attnstats import (AttentionProbe, attention_stats, causal_scores, copy_losses, reading_qk, repeated_batch,
+                       role_rows)
 from helpers import compose_cfg, wandb_summary
 from model import GPT, GPTConfig
 from tools.report import report
 from tracking import read_metrics
 from train import train
+from variants import attention
 
 
 def full_matrix_stats(q, k, scale):
@@ -30,24 +32,34 @@ def full_matrix_stats(q, k, scale):
     return ent.mean(dim=(0, 2)), norm, p.amax(-1).mean(dim=(0, 2))
 
 
+def plain_stats(q, k, scale, dtype=torch.float32, **kw):
+    """attention_stats of plain causal softmax(q·kᵀ·scale) for q, k (B, nh, T, hs), in dtype."""
+    return attention_stats(causal_scores(q.to(dtype), k.to(dtype), scale), q.size(2), **kw)
+
+
 def test_uniform_rows_have_entropy_ln_keys_and_one_hot_rows_zero():
     T, hs = 12, 16
     zeros = torch.zeros(1, 1, T, hs)  # all scores 0: each row uniform over its i+1 keys
-    s = attention_stats(zeros, torch.randn(1, 1, T, hs), 1.0, dtype=torch.float64)
+    s = plain_stats(zeros, torch.randn(1, 1, T, hs), 1.0, dtype=torch.float64)
     want = sum(math.log(i + 1) for i in range(T)) / T
     assert s["entropy"].item() == pytest.approx(want, abs=1e-9)
     assert s["entropy_norm"].item() == pytest.approx(1.0, abs=1e-9)
     assert s["peak"].item() == pytest.approx(sum(1 / (i + 1) for i in range(T)) / T, abs=1e-9)
     e = torch.eye(T, hs).view(1, 1, T, hs) * 100  # q_i . k_j = 1e4 * [i == j]: one-hot on the diagonal
-    s = attention_stats(e, e, 1.0, dtype=torch.float64)
+    s = plain_stats(e, e, 1.0, dtype=torch.float64)
     assert s["entropy"].item() == pytest.approx(0.0, abs=1e-9)
     assert s["peak"].item() == pytest.approx(1.0, abs=1e-9)
     assert s["logit_max"].item() == pytest.approx(1e4)
 
 
 def capture_qk(model, idx):
+    """{layer: (q, k, scale)} each softmax layer computed for idx, as (B, nh, T, hs), k repeated to one
+    per query head."""
     seen = {}
-    with reading_qk(model, lambda layer, q, k, scale: seen.setdefault(layer, (q, k, scale))):
+
+    def read(layer, attn, q, k):
+        seen.setdefault(layer, (q.transpose(1, 2), repeat_kv(k.transpose(1, 2), attn.n_head), attn.scale))
+    with reading_qk(model, read):
         model(idx)
     return seen
 
@@ -59,7 +71,7 @@ def test_blockwise_stats_equal_full_matrix_in_float64(T, block):
     with torch.no_grad():
         model.blocks[1].attn.c_attn.weight.mul_(8)  # a sharper layer too
     for layer, (q, k, scale) in capture_qk(model, torch.randint(30, (2, T))).items():
-        got = attention_stats(q, k, scale, block=block, dtype=torch.float64)
+        got = plain_stats(q, k, scale, block=block, dtype=torch.float64)
         ent, norm, peak = full_matrix_stats(q, k, scale)
         for name, a, b in [("entropy", got["entropy"], ent), ("norm", got["entropy_norm"], norm), ("peak", got["peak"], peak)]:
             assert torch.allclose(a, b, atol=1e-5), f"layer {layer} {name}: max diff {(a - b).abs().max():.2e}"
@@ -103,9 +115,10 @@ def test_training_steps_never_build_the_attention_matrix(train_cfg, tmp_path, mo
     calls = []
     real = attention_module.attention_scores
     monkeypatch.setattr(attention_module, "attention_scores", lambda *a, **k: calls.append(1) or real(*a, **k))
-    train(train_cfg("train.max_iters=20", "train.log_attn_interval=10"))
-    assert calls == []  # the reference path never ran; the probe has its own import
-    train(train_cfg("train.max_iters=2", "model.attn.impl=reference", f"out_dir={tmp_path / 'reference'}"))
+    train(train_cfg("train.max_iters=20", "train.log_attn_interval=0"))  # the probe (which does) off
+    assert calls == []  # training steps and evaluations never built the table
+    train(train_cfg("train.max_iters=2", "model.attn.impl=reference", "train.log_attn_interval=0",
+                    f"out_dir={tmp_path / 'reference'}"))
     assert calls  # and the counter does see the reference path when it is used
 
 
@@ -141,7 +154,7 @@ def test_wandb_offline_run_holds_entropy_and_loss_keys(train_cfg, tmp_path, monk
 
 
 def test_unknown_wandb_mode_fails_before_writing_metrics(train_cfg, tmp_path):
-    from common import UserError
+    from rules import UserError
     with pytest.raises(UserError, match="logger.wandb.mode='banana'"):
         train(train_cfg("logger.wandb.mode=banana"))
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
@@ -166,7 +179,7 @@ def one_hot_head(targets, T, c=40.0):
 def test_previous_token_head_has_prev_one_and_distance_one():
     T = 12
     q, k = one_hot_head([0] + list(range(T - 1)), T)
-    s = attention_stats(q, k, 1.0, block=5, dtype=torch.float64)
+    s = plain_stats(q, k, 1.0, block=5, dtype=torch.float64)
     assert s["prev"].item() == pytest.approx(1.0, abs=1e-9)
     assert s["dist"].item() == pytest.approx(1.0, abs=1e-9)
     assert s["self"].item() == pytest.approx(0.0, abs=1e-9)
@@ -175,10 +188,10 @@ def test_previous_token_head_has_prev_one_and_distance_one():
 
 def test_sink_and_self_heads():
     T = 10
-    s = attention_stats(*one_hot_head([0] * T, T), 1.0, block=3, dtype=torch.float64)
+    s = plain_stats(*one_hot_head([0] * T, T), 1.0, block=3, dtype=torch.float64)
     assert s["first"].item() == pytest.approx(1.0, abs=1e-9)
     assert s["dist"].item() == pytest.approx(sum(range(1, T)) / (T - 1), abs=1e-9)  # row i looks i back
-    s = attention_stats(*one_hot_head(list(range(T)), T), 1.0, block=3, dtype=torch.float64)
+    s = plain_stats(*one_hot_head(list(range(T)), T), 1.0, block=3, dtype=torch.float64)
     assert s["self"].item() == pytest.approx(1.0, abs=1e-9) and s["dist"].item() == pytest.approx(0.0, abs=1e-9)
 
 
@@ -192,7 +205,7 @@ def test_uniform_head_looks_i_over_2_back_in_every_row():
         assert torch.allclose(rows["dist"][0, 0], i / 2)
         assert torch.allclose(rows["self"][0, 0], 1 / (i + 1)) and torch.allclose(rows["first"][0, 0], 1 / (i + 1))
         assert torch.allclose(rows["prev"][0, 0], torch.where(i > 0, 1 / (i + 1), 0.0))
-    s = attention_stats(torch.zeros(1, 1, T, 4), torch.randn(1, 1, T, 4), 1.0, block=4, dtype=torch.float64)
+    s = plain_stats(torch.zeros(1, 1, T, 4), torch.randn(1, 1, T, 4), 1.0, block=4, dtype=torch.float64)
     assert s["dist"].item() == pytest.approx(sum(i / 2 for i in range(1, T)) / (T - 1), abs=1e-9)
 
 
@@ -210,10 +223,10 @@ def test_copying_head_on_a_repeated_sequence_has_induction_score_one(block):
     n, vocab = 10, 16
     r = torch.randperm(vocab, generator=torch.Generator().manual_seed(0))[:n]
     x = torch.cat([r, r])
-    s = attention_stats(*copying_head(x, vocab), 1.0, block=block, dtype=torch.float64, period=n)
+    s = plain_stats(*copying_head(x, vocab), 1.0, block=block, dtype=torch.float64, period=n)
     assert s["induction"].item() == pytest.approx(1.0, abs=1e-9)
     # a previous-token head on the same sequence copies nothing
-    s = attention_stats(*one_hot_head([0] + list(range(2 * n - 1)), 2 * n), 1.0, block=block, period=n)
+    s = plain_stats(*one_hot_head([0] + list(range(2 * n - 1)), 2 * n), 1.0, block=block, period=n)
     assert s["induction"].item() == pytest.approx(0.0, abs=1e-6)
 
 
@@ -242,7 +255,7 @@ def test_blockwise_roles_equal_full_matrix_in_float64(block):
     for offset in (0, 1):  # 1: a bos token before the repeated span (data.bos=true)
         x = torch.cat([torch.zeros(2, offset, dtype=torch.long), r, r], 1)
         for layer, (q, k, scale) in capture_qk(model, x).items():
-            got = attention_stats(q, k, scale, block=block, dtype=torch.float64, period=11, offset=offset)
+            got = plain_stats(q, k, scale, block=block, dtype=torch.float64, period=11, offset=offset)
             for name, want in full_matrix_roles(q, k, scale, 11, offset).items():
                 d = (got[name] - want).abs()
                 assert d.max() < 1e-6, f"offset {offset} layer {layer} {name}: max diff {d.max():.2e}"

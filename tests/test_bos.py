@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from checkpoint import find_checkpoint, load_checkpoint, model_from_checkpoint
-from common import UserError
+from rules import UserError
 from data.loader import TokenData
 from data.prepare import prepare
 from data.tokenizer import CharTokenizer, StreamDecoder, TiktokenTokenizer, WithBos, tokenizer_from_dict

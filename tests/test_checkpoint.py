@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import checkpoint as ck
-from common import UserError
+from rules import UserError
 from model import GPT, GPTConfig
 
 

@@ -68,8 +68,8 @@ def test_removing_the_scale_fails_a1_and_a3(monkeypatch):
 
 
 def test_a_leaking_mask_fails_c6(monkeypatch):
-    monkeypatch.setattr(attention, "visible", lambda Tq, Tk, window=None, device=None:
-                        attention.torch.ones(Tq, Tk, dtype=attention.torch.bool, device=device))
+    monkeypatch.setattr(attention.Mask, "__call__", lambda self, device=None, q0=0, q1=None, k0=0, k1=None:
+                        attention.torch.ones((q1 or self.Tq) - q0, (k1 or self.Tk) - k0, dtype=attention.torch.bool))
     (row,) = claims.run_claims(quick=True, only=["C6"])
     assert row["status"] == "fails" and row["figures"]["earlier"]["reference"] > 1e-5
 

@@ -2,13 +2,14 @@
 models (num_params, flops_per_token, torch's FlopCounterMode, a real KV cache), the crossovers
 plugged back in, and one-line errors."""
 import json
+import math
 from fractions import Fraction
 
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from common import UserError
+from rules import UserError
 from config import model_config
 from counting import (activation_bytes, attention_variants, count_params, crossovers, flops_per_token,
                       macs_per_token, memory_breakdown, per_gpu_bytes)
@@ -344,3 +345,70 @@ def test_cache_table_gqa_row_is_between_mha_and_mqa():
         kinds = {r["kind"] for r in cache_table(GPTConfig(vocab_size=10, n_head=n_head, n_embd=8 * n_head))}
         gqa = [k for k in kinds if k.startswith("GQA")]
         assert gqa == ([want] if want else []), (n_head, kinds)
+
+
+# ----------------------------------------------------------------------------- the N² wall: each attention kind's counts
+
+def test_counts_of_each_kind_against_the_formulas_by_hand():
+    """4 heads of 32 in 128, 2 kv heads, N = 1024: the texts' accounting per layer and token."""
+    c = GPTConfig(vocab_size=64, block_size=1024, n_layer=2, n_head=4, n_kv_head=2, n_embd=128)
+    rows = {r["name"].split()[0]: r for r in attention_variants(c, 1024, batch=2, dtype_bytes=2)}
+    assert rows["reference"]["macs"] == rows["tiled"]["macs"] == 2 * 1024 * 128  # same dot products
+    assert rows["reference"]["memory"] == 2 * 4 * 1024 * 1024 * 2
+    assert rows["tiled"]["memory"] == 2 * 4 * 1024 * 33 * 2  # output + log-sum-exp per row: O(N)
+    assert rows["window"]["macs"] == 2 * 128 * 128  # W = N/8 when the config sets none
+    # linear, chunks of 64: the states' (4 + 2) heads x 32 x 33, plus q.k and the weighted sum with 64 keys
+    assert rows["linear"]["macs"] == (4 + 2) * 32 * 33 + 2 * 64 * 128 and rows["linear"]["beats_full_from"] == 89
+    assert rows["linear"]["memory"] == 2 * (4 * 1024 * 64 + 2 * 16 * 32 * 32) * 2  # chunk tables + 16 states
+    window = GPTConfig(vocab_size=64, block_size=1024, n_layer=2, n_head=4, n_embd=128,
+                       attn={"window": 100, "window_pattern": "LG"})
+    full = GPTConfig(vocab_size=64, block_size=1024, n_layer=2, n_head=4, n_embd=128)
+    m, f = macs_per_token(window, 1024), macs_per_token(full, 1024)
+    assert f["attn"] == 2 * 1024 * 128 and m["attn"] == (2 * 100 * 128 + 2 * 1024 * 128) // 2  # local + global: the mean
+    assert flops_per_token(full, 1024) - flops_per_token(window, 1024) == 6 * 2 * (1024 - 100) * 128 // 2 * 2
+    lin = GPTConfig(vocab_size=64, block_size=1024, n_layer=2, n_head=4, n_embd=128, attn={"kind": "linear"})
+    assert macs_per_token(lin, 1024)["attn"] == macs_per_token(lin, 64)["attn"] == 2 * 4 * 32 * 33 + 2 * 64 * 128
+    assert macs_per_token(lin, 16)["attn"] == 2 * 4 * 32 * 33 + 2 * 16 * 128  # one chunk of 16 positions
+
+
+def test_flops_per_token_of_a_windowed_model_count_its_real_parameters():
+    """6 x (the real model's matmul weights) + the attention term with each layer's own keys."""
+    c = GPTConfig(vocab_size=64, block_size=256, n_layer=3, n_head=4, n_embd=64,
+                  attn={"window": 16, "window_pattern": "LLG"})
+    model = GPT(c)
+    keys = [16, 16, 256]
+    assert model.flops_per_token() == 6 * model.num_params() + sum(12 * k * 64 for k in keys)
+
+
+def test_cost_prints_the_four_ways(tmp_path, capsys):
+    from helpers import compose_cfg
+    from tools.cost import cost
+    out = cost(compose_cfg("cost", ["model=cpu_small", "seq_len=4096", "plot=null"]))
+    text = capsys.readouterr().out
+    for name in ("reference (full table)", "tiled (FlashAttention)", "window W=512", "linear (elu + 1)"):
+        assert name in text
+    assert [r["name"] for r in out["attention_variants"]][1] == "tiled (FlashAttention)"
+    assert math.isclose(out["attention_variants"][0]["memory"] / out["attention_variants"][1]["memory"], 4096 / 33,
+                        rel_tol=1e-9)
+
+
+def test_bench_attention_measures_each_path_against_its_own_prediction(tmp_path):
+    """tools/bench_attention.py at two lengths: what the reference keeps for its backward grows ~4x when N
+    doubles (the table), the tiled paths' ~2x (no table); each row's predicted MACs are counting's for
+    that path's own config (the window path's W, not a default), and the plot is written."""
+    from helpers import compose_cfg
+    from tools.bench_attention import bench_attention
+    cfg = compose_cfg("bench_attention", ["lengths=[512,1024]", "repeats=1", "window=32", "block=64",
+                                          f"out={tmp_path / 'n2.png'}"])
+    rows = {(r["path"], r["N"]): r for r in bench_attention(cfg)["rows"]}
+    assert {p for p, _ in rows} == {"sdpa", "reference", "tiled", "window", "tiled_window", "linear"}
+    grow = {p: rows[(p, 1024)]["saved_bytes"] / rows[(p, 512)]["saved_bytes"] for p, _ in rows}
+    assert 3.0 < grow["reference"] < 4.2, grow  # the table, plus the O(N) projections it also keeps
+    assert grow["tiled"] < 2.3 and grow["tiled_window"] < 2.3, grow
+    d = cfg.n_embd
+    assert rows[("window", 1024)]["predicted_macs_per_token"] == 2 * 32 * d
+    assert rows[("tiled_window", 1024)]["predicted_macs_per_token"] == 2 * 32 * d
+    assert rows[("tiled", 1024)]["predicted_macs_per_token"] == rows[("reference", 1024)]["predicted_macs_per_token"] \
+        == 2 * 1024 * d
+    assert all(r["ms"] > 0 for r in rows.values())
+    assert (tmp_path / "n2.png").read_bytes()[:4] == b"\x89PNG"

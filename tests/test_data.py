@@ -9,7 +9,7 @@ import torch
 from helpers import SHAKESPEARE, compose_cfg, requires_shared
 from data.loader import TokenData
 from data.prepare import prepare, python_docs_text, token_dtype
-from common import UserError
+from rules import UserError
 from data.tokenizer import CharTokenizer
 
 

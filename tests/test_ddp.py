@@ -34,7 +34,7 @@ def test_torchrun_two_processes_equal_one_process_with_the_same_global_batch(tmp
 
 
 def test_grad_accum_must_split_evenly_across_processes(train_cfg, monkeypatch):
-    from common import UserError
+    from rules import UserError
     import train as train_module
     from common import Dist
     monkeypatch.setattr(train_module, "init_distributed", lambda device: Dist(0, 2, None))

@@ -154,7 +154,7 @@ def test_sample_kv_dtype(run_dir, sample_cfg, monkeypatch):
     """sample.py kv_dtype=bfloat16 generates, and is what auto means for 3 samples on a CPU (the cache
     it builds is bf16, tokens equal); auto for one sample builds an fp32 cache (tokens equal to
     kv_dtype=float32); an unknown kv_dtype is a one-line error."""
-    from common import UserError
+    from rules import UserError
     from sample import sample
     built = []  # the dtype of every cache sample.py builds (the real method runs)
     new_kv_cache = GPT.new_kv_cache

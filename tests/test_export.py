@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tools import export  # registers its config schema
 from checkpoint import model_from_checkpoint
-from common import UserError
+from rules import UserError
 from helpers import (SHAKESPEARE, TIKTOKEN_CACHE, compose_cfg, corpus_text, export_chars, export_model, load_export,
                      requires_shared, run_export, write_checkpoint)
 from data.prepare import prepare
@@ -28,7 +28,7 @@ CHARS = export_chars()
 BLOCK = 64  # a 5-token prompt and 50 new tokens fit: both sides then see the same context
 LLAMA = dict(norm="rmsnorm", mlp="swiglu")
 
-# the three families the issue names, then variants of each (bias, GQA/MQA, relu2, tied or not, scales)
+# the three stock families, then variants of each (bias, GQA/MQA, relu2, tied or not, scales)
 MAIN = {
     "default": ({}, "GPTNeoXForCausalLM"),
     "llama_gqa": (dict(norm="rmsnorm", mlp="swiglu", n_kv_head=2, tie_embeddings=False), "LlamaForCausalLM"),
@@ -190,8 +190,8 @@ SIZES = {"vocab_size", "block_size", "n_layer", "n_head", "n_embd"}  # shapes ev
 def test_code_variants_cover_every_option():
     """A new model option (a GPTConfig or AttnConfig field) fails here, by name, until a custom-code
     variant sets it (every value of a choice): then test_code_export_equals_attnlab covers it."""
-    from attention import AttnConfig
-    from common import OneOf
+    from rules import OneOf
+    from variants import AttnConfig
 
     seen = [export.flat_fields(GPTConfig(vocab_size=CHARS.vocab_size, block_size=BLOCK, n_layer=2, n_head=4, n_embd=32,
                                          **kw)) for kw in CODE_VARIANTS.values()]

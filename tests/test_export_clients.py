@@ -97,7 +97,7 @@ def test_lm_eval_bits_per_byte_equals_attnlab_val_bpc(name, overrides, train_cfg
     bpb = harness_bits_per_byte(out, local_task(tmp_path / "task", text), code)
     print(f"{name}: lm-eval bits_per_byte {bpb:.6f}, attnlab val/bpc_full {bpc:.6f}, relative difference "
           f"{abs(bpb - bpc) / bpc:.1e} ({n * T} characters)")
-    assert bpb == pytest.approx(bpc, rel=1e-4), f"lm-eval {bpb:.5f} vs attnlab {bpc:.5f}"  # the issue asks 1%
+    assert bpb == pytest.approx(bpc, rel=1e-4), f"lm-eval {bpb:.5f} vs attnlab {bpc:.5f}"  # within 1%
 
 
 # ----------------------------------------------------------------------------- TransformerLens

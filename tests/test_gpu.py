@@ -75,7 +75,7 @@ def test_bf16_compiled_training_on_the_flash_kernel_then_resume(device, train_cf
 def test_flash_attention_matches_the_reference_in_bf16(device):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from attention import attention
+    from variants import attention
     q, k, v = (torch.randn(2, 4, 512, 64, device=device, dtype=torch.bfloat16) for _ in range(3))
     with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
         fast = attention(q, k, v, 0.125, impl="sdpa").float()

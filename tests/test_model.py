@@ -6,9 +6,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from common import UserError
-from attention import apply_rope, attention, rope_freqs
+from rules import UserError
+from attention import apply_rope, rope_freqs
 from model import GPT, GPTConfig
+from optim import adamw
+from variants import attention
 
 
 def diff(a, b):
@@ -104,7 +106,7 @@ def test_rope_never_touches_v():
     attn = model.blocks[0].attn
     x = torch.randn(2, 8, 16)
     _, _, v = attn.qkv(x, model.rope_at(0, 8))
-    v_manual = (x @ attn.c_attn.weight[32:].T).view(2, 8, 2, 8).transpose(1, 2)
+    v_manual = (x @ attn.c_attn.weight[32:].T).view(2, 8, 2, 8)  # (B, T, n_kv, hs), as qkv gives it
     assert torch.allclose(v, v_manual, atol=1e-6)
 
 
@@ -152,7 +154,7 @@ def test_loss_at_init_is_ln_vocab_and_targets_shift_the_same_pass():
 def test_tiny_model_overfits_one_batch():
     torch.manual_seed(9)
     model = tiny()
-    opt = model.configure_optimizer(lr=3e-3, weight_decay=0.0)
+    opt = adamw(model, lr=3e-3, weight_decay=0.0)
     x = torch.randint(50, (4, 16))
     y = torch.randint(50, (4, 16))
     for _ in range(300):

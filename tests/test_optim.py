@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from checkpoint import load_checkpoint, step_name
-from common import UserError, setup_runtime
+from common import setup_runtime
+from rules import UserError
 from helpers import assert_same_training, cli_args, compose_cfg, metrics_without_timing
 from model import GPT, GPTConfig
 from optim import MUON_NS_DTYPES, Muon, MuonAdamW, build_optimizer, lr_at, newton_schulz, set_lr, split_params, train_step

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from common import UserError
+from rules import UserError
 from helpers import TINY, assert_one_line_error, compose_cfg, one_line
 
 

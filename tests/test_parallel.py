@@ -14,7 +14,8 @@ import torch
 import torch.distributed as dist
 
 from checkpoint import load_checkpoint, step_name
-from common import Dist, Runtime, UserError
+from common import Dist, Runtime
+from rules import UserError
 from config import check_train_config
 from counting import activation_bytes, per_gpu_bytes
 from helpers import assert_same_training, compose_cfg, metrics_without_timing, variant_model

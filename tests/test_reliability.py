@@ -1,5 +1,5 @@
-"""Nothing lost, nothing silently wrong: one test per hostile case of the reliability passes, each
-reproducing the original failure ("Was: ..."), one test that walks every numeric config key through
+"""Nothing lost, nothing silently wrong: one test per hostile case found by using every command as a
+new user would, each naming the failure it reproduces ("Was: ..."), one test that walks every numeric config key through
 its bad values (0, negative, huge, nan, inf, wrong type), and one that sets every key where it has
 no effect. Output paths are tests/test_output_paths.py's, exports' overwrite tests/test_export.py's."""
 import dataclasses
@@ -22,7 +22,8 @@ from omegaconf.errors import OmegaConfBaseException
 import checkpoint as ck
 import model as model_module
 import train as train_module
-from common import OneOf, UserError, check_values, hydra_error_line, schema_nodes
+from common import hydra_error_line
+from rules import OneOf, UserError, check_values, schema_nodes
 from helpers import REPO, TINY, assert_one_line_error, compose_cfg, corpus_text, interruptible, one_line
 from data.loader import TokenData
 from data.prepare import cache_key, prepare
@@ -755,7 +756,7 @@ def test_bad_values_through_the_real_cli_are_one_line(tmp_path, script, args, ne
     assert not (tmp_path / "run").exists()
 
 
-# ----------------------------------------------------------------------------- third pass
+# ----------------------------------------------------------------------------- interruptions, changed data, values at their limits
 
 def test_sigterm_while_sampling_prints_what_was_generated(tiny_run, tmp_path, cli):
     """Was: `timeout 6 python sample.py max_new_tokens=3000000 > out.txt` left 0 bytes and no message."""

@@ -6,7 +6,7 @@ import struct
 import pytest
 import torch
 
-from common import UserError
+from rules import UserError
 from helpers import wandb_run_record
 from tools.report import report
 

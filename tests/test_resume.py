@@ -1,4 +1,5 @@
-"""Never lose a run: exact resume after SIGKILL, SIGTERM checkpoints, the NaN guard."""
+"""Never lose a run: exact resume after SIGKILL, SIGTERM checkpoints, the NaN guard, and a resume that
+lengthens the context (and nothing else)."""
 import json
 import signal
 import time
@@ -7,7 +8,7 @@ import pytest
 import torch
 
 from checkpoint import BEST_NAME, load_checkpoint, save_checkpoint, step_name
-from common import UserError
+from rules import UserError
 from helpers import cli_args, metrics_without_timing, poison_training_loss, wandb_run_record
 from train import train
 
@@ -151,3 +152,56 @@ def test_a_checkpoint_from_before_an_option_existed_resumes_as_that_options_defa
     # an option the old checkpoint lacks, set to other than its default, is still a different model
     with pytest.raises(UserError, match=r"cannot resume: model.attn.gate is .head. here but .none. in the checkpoint"):
         train(train_cfg("train.max_iters=14", "resume=true", "model.attn.gate=head"))
+
+
+# ----------------------------------------------------------------------------- lengthening the context
+
+def test_a_resume_may_lengthen_the_context_keeping_every_weight_and_nothing_else(train_cfg, tmp_path):
+    import checkpoint as ck
+    import train as train_module
+    train_module.train(train_cfg("train.max_iters=4", "train.eval_interval=2"))
+    before = ck.load_checkpoint(tmp_path / "run" / "ckpt_0000004.pt")
+    longer = ["model.block_size=64", "model.rope_scaling=yarn", "model.rope_scaling_factor=2", "resume=true"]
+    with pytest.raises(UserError, match="model.n_head is 4 here but 2"):
+        train_module.train(train_cfg("train.max_iters=6", *longer, "model.n_head=4"))  # any other change is refused
+    run = train_module.setup(train_cfg("train.max_iters=6", *longer))
+    try:  # the resumed model: every weight as saved, the longer block with YaRN from the trained 32
+        assert all(torch.equal(before["model"][k], v) for k, v in run.model.state_dict().items())
+        c = run.model.config
+        assert (c.block_size, c.rope_scaling, c.rope_scaling_factor, c.rope_original_length) == (64, "yarn", 2.0, 32)
+    finally:
+        run.tracker.close()
+        run.lock.close()
+    train_module.train(train_cfg("train.max_iters=6", *longer))
+    after = ck.load_checkpoint(tmp_path / "run" / "ckpt_0000006.pt")  # stated in the checkpoint
+    ext = after["context_extensions"]
+    assert len(ext) == 1 and ext[0]["step"] == 4 and ext[0]["block_size"] == [32, 64]
+    assert ext[0]["rope_scaling"] == ["none", "yarn"] and after["model_config"]["rope_original_length"] == 32
+
+
+def test_lengthening_another_runs_context_is_a_new_run_that_leaves_the_first_as_it_was(train_cfg, tmp_path):
+    """resume=OTHER_RUN/ckpt with a longer block and hydra.run.dir=NEW is a fine-tune: it runs in the dir
+    it is given, from the other run's weights, and leaves the other run byte for byte (its config,
+    metrics, best.pt and checkpoints)."""
+    from train import train
+    train(train_cfg("train.max_iters=4", "train.eval_interval=2"))
+    first = tmp_path / "run"
+    before = {p.name: p.read_bytes() for p in first.iterdir() if p.is_file()}
+    new = tmp_path / "finetune"
+    longer = ["model.block_size=64", "model.rope_scaling=ntk", "model.rope_scaling_factor=2"]
+    result = train(train_cfg("train.max_iters=6", *longer, f"resume={first / 'ckpt_0000004.pt'}", f"out_dir={new}"))
+    assert result["out_dir"] == str(new) and result["steps"] == 6
+    assert {p.name: p.read_bytes() for p in first.iterdir() if p.is_file()} == before
+    import checkpoint as ck
+    state = ck.load_checkpoint(new / "ckpt_0000006.pt")
+    assert state["model_config"]["block_size"] == 64 and state["context_extensions"][0]["block_size"] == [32, 64]
+    assert [json.loads(line)["step"] for line in (new / "metrics.jsonl").read_text().splitlines()][0] >= 4
+    with pytest.raises(UserError, match="already holds a run"):  # and never into a dir that holds another run
+        train(train_cfg("train.max_iters=6", *longer, f"resume={first / 'ckpt_0000004.pt'}", f"out_dir={new}"))
+
+
+def test_a_position_table_cannot_be_lengthened(train_cfg):
+    from train import train
+    train(train_cfg("train.max_iters=2", "train.eval_interval=2", "model.pos=learned"))
+    with pytest.raises(UserError, match="model.pos=learned has a table of 32 positions"):
+        train(train_cfg("train.max_iters=4", "model.pos=learned", "model.block_size=64", "resume=true"))

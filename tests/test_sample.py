@@ -4,7 +4,7 @@ import io
 import pytest
 import torch
 
-from common import UserError
+from rules import UserError
 from model import GPT, GPTConfig
 from sample import generate, next_tokens
 

@@ -9,7 +9,7 @@ import tiktoken
 from helpers import SHAKESPEARE, TIKTOKEN_CACHE, compose_cfg, requires_shared
 from data.loader import TokenData
 from data.prepare import prepare, split_points
-from common import UserError
+from rules import UserError
 from data.tokenizer import EOT, TiktokenTokenizer, tokenizer_from_dict
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from checkpoint import load_checkpoint, model_from_checkpoint
-from common import UserError
+from rules import UserError
 from helpers import REPO, compose_cfg
 from sample import sample
 from tracking import read_metrics

@@ -1,6 +1,7 @@
-"""The architecture variants (GQA/MQA, Post-LN, RMSNorm, SwiGLU/ReLU², positions, untied head,
-soft-cap, zero-init, value embeddings): each against its formula written out, and every one through the fast and
-reference paths, the KV cache and a short training run."""
+"""The architecture variants together: GQA/MQA, Post-LN, RMSNorm, an untied head, soft-cap, zero-init and
+value embeddings against their formulas written out (the pieces of variants/ have their own files in
+tests/variants/), and every variant and combination through the fast and reference paths, the KV
+cache and a short training run."""
 import itertools
 import math
 
@@ -8,10 +9,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from common import UserError
+from rules import UserError
 from helpers import variant_model as make  # a model of any variant, trained-looking weights
-from attention import attention
-from model import GPT, GPTConfig, sinusoidal_table
+from model import GPT, GPTConfig
+from variants import PATHS, attention
 from sample import generate
 
 VARIANTS = [
@@ -79,7 +80,8 @@ def test_gqa_equals_mha_with_kv_weights_repeated_per_group():
     mha.load_state_dict(state)
     idx = torch.randint(40, (3, 16))
     for impl in ("sdpa", "reference"):
-        gqa.blocks[0].attn.attn_cfg.impl = mha.blocks[0].attn.attn_cfg.impl = impl
+        for block in (*gqa.blocks, *mha.blocks):
+            block.attn.attend = PATHS[impl](128)
         a, b = gqa(idx), mha(idx)
         assert torch.allclose(a, b, atol=1e-4), f"{impl}: {max_diff(a, b)}"
 
@@ -123,37 +125,6 @@ def test_rmsnorm_equals_f_rms_norm_and_the_formula():
     assert torch.allclose(norm(x), by_hand, atol=1e-5), max_diff(norm(x), by_hand)
 
 
-def test_swiglu_and_relu2_are_the_formulas_written_out():
-    mlp = make(mlp="swiglu", n_layer=1).blocks[0].mlp
-    d_ff = 64 * math.ceil(8 * 32 / 3 / 64)  # 8/3 * 32 = 85.3 -> 128
-    assert mlp.c_fc.out_features == 2 * d_ff and mlp.c_proj.in_features == d_ff
-    gate_w, up_w = mlp.c_fc.weight[:d_ff], mlp.c_fc.weight[d_ff:]
-    x = torch.randn(3, 32)
-    want = (F.silu(x @ gate_w.T) * (x @ up_w.T)) @ mlp.c_proj.weight.T  # down(silu(gate(x)) * up(x))
-    assert torch.allclose(mlp(x), want, atol=1e-4), max_diff(mlp(x), want)
-    relu2 = make(mlp="relu2", d_ff=96, n_layer=1).blocks[0].mlp
-    want = (torch.clamp(x @ relu2.c_fc.weight.T, min=0) ** 2) @ relu2.c_proj.weight.T
-    assert relu2.c_fc.out_features == 96 and torch.allclose(relu2(x), want, atol=1e-4)
-
-
-def test_d_ff_defaults_keep_parameter_counts_close():
-    """SwiGLU has three matrices, so its default width is 2/3 of 4*n_embd (rounded up to 64):
-    the same MLP parameters where 8/3*n_embd is a multiple of 64 (768 -> 2048), a little more at
-    small widths (128 -> 384, +12.5% of the MLP)."""
-    mlp_params = lambda m: sum(p.numel() for n, p in m.named_parameters() if ".mlp." in n)
-    for n_embd, ratio in ((768, 1.0), (128, 3 * 384 / (2 * 512))):
-        n = {mlp: mlp_params(make(mlp=mlp, n_embd=n_embd, n_head=4, n_layer=1)) for mlp in ("gelu", "swiglu", "relu2")}
-        assert n["swiglu"] / n["gelu"] == pytest.approx(ratio) and n["relu2"] == n["gelu"]
-
-
-def test_sinusoidal_table_equals_the_formula():
-    table = sinusoidal_table(50, 16)
-    for p, i in itertools.product((0, 1, 7, 49), range(8)):
-        angle = p / 10000 ** (2 * i / 16)
-        assert table[p, 2 * i].item() == pytest.approx(math.sin(angle), abs=1e-6)
-        assert table[p, 2 * i + 1].item() == pytest.approx(math.cos(angle), abs=1e-6)
-
-
 def test_untied_head_softcap_and_zero_init():
     untied = make(tie_embeddings=False)
     assert untied.lm_head.weight.data_ptr() != untied.wte.weight.data_ptr()
@@ -193,7 +164,7 @@ def test_value_embedding_is_added_to_v(n_kv_head):
     for impl in ("sdpa", "reference"):
         for m in (ve, plain):
             for block in m.blocks:
-                block.attn.attn_cfg.impl = impl
+                block.attn.attend = PATHS[impl](128)
         a, b = ve(idx), plain(idx)
         assert torch.allclose(a, b, atol=1e-5), f"{impl}: {max_diff(a, b)}"
     bare = make(n_kv_head=n_kv_head)
@@ -205,34 +176,12 @@ def test_value_embedding_is_added_to_v(n_kv_head):
     assert tables <= {id(p) for p in decay} and not tables & {id(p) for p in muon}
 
 
-# ----------------------------------------------------------------------------- positions
-
-def test_nope_one_layer_ignores_the_order_of_earlier_tokens():
-    """With no positions and one causal layer, the last query attends to a *set* of keys (softmax
-    weights and a sum are order-free), so permuting the earlier tokens leaves its logits unchanged.
-    This fails from two layers on: an earlier position's layer-1 output depends on which tokens
-    precede it (the causal mask is itself a position signal), so the layer-2 keys change."""
-    idx = torch.randint(40, (1, 12))
-    perm = torch.cat([torch.randperm(11), torch.tensor([11])])
-    for pos, changes in (("none", False), ("rope", True), ("learned", True), ("sinusoidal", True)):
-        model = make(pos=pos, n_layer=1)
-        a, b = model(idx)[0, -1], model(idx[:, perm])[0, -1]
-        assert (not torch.allclose(a, b, atol=1e-5)) == changes, f"pos={pos}: {max_diff(a, b)}"
-    deep = make(pos="none", n_layer=2)
-    assert not torch.allclose(deep(idx)[0, -1], deep(idx[:, perm])[0, -1], atol=1e-5)
-
-
-def test_absolute_positions_refuse_positions_past_their_table():
-    with pytest.raises(ValueError, match="table of 16"):
-        make(pos="learned")(torch.randint(40, (1, 4)), kv_cache=make(pos="learned").new_kv_cache(1, 20), pos=14)
-
-
 # ----------------------------------------------------------------------------- every variant
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=IDS)
 def test_fast_path_equals_reference_and_is_causal(variant):
     """The variant's path (sdpa or tiled) equals the plain-math reference; linear attention has one
-    path (its formula is tests/test_attention_kinds.py's)."""
+    path (its formula is tests/variants/test_linear.py's)."""
     fast = make(**variant)
     idx = torch.randint(40, (2, 16))
     a = fast(idx)

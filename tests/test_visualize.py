@@ -65,7 +65,7 @@ def independent_maps(model, idx):
     for l, block in enumerate(model.blocks):
         attn = block.attn
         with torch.no_grad():
-            q, k, _ = attn.qkv(*inputs[l])  # (1, nh, T, hs), (1, n_kv, T, hs)
+            q, k, _ = (t.transpose(1, 2) for t in attn.qkv(*inputs[l]))  # (1, nh, T, hs), (1, n_kv, T, hs)
         group = attn.n_head // attn.n_kv_head
         heads = []
         for h in range(attn.n_head):

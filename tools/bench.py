@@ -21,8 +21,8 @@ from hydra.core.config_store import ConfigStore
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as tools/X.py: the repo's modules
 
-from common import (NON_NEGATIVE, POSITIVE, Needs, Range, Timer, UserError, check_memory, cli, compile_wanted, is_oom,
-                    peak_flops, run_app, setup_runtime)
+from common import Timer, check_memory, cli, compile_wanted, is_oom, peak_flops, run_app, setup_runtime  # noqa: E402
+from rules import NON_NEGATIVE, POSITIVE, Needs, Range, UserError  # noqa: E402
 from counting import training_bytes
 from config import Config, check_train_config, model_config
 from model import GPT

@@ -26,10 +26,12 @@ from hydra.core.config_store import ConfigStore
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as tools/X.py: the repo's modules
 
-from attention import ATTENTION_KINDS  # noqa: E402
-from common import POSITIVE, Needs, OneOf, Range, check_output_file, check_values, cli, run_app  # noqa: E402
+from attention import rope_freqs  # noqa: E402
+from common import check_output_file, cli, run_app  # noqa: E402
+from rules import POSITIVE, Needs, OneOf, Range, check_values  # noqa: E402
 from counting import attention_variants  # noqa: E402
 from model import GPTConfig  # noqa: E402
+from variants import make_attention  # noqa: E402
 
 PATHS = ("sdpa", "reference", "tiled", "window", "tiled_window", "linear")
 PREDICTED = {"sdpa": "reference", "reference": "reference", "tiled": "tiled", "window": "window",
@@ -64,12 +66,12 @@ ConfigStore.instance().store(name="base_bench_attention", node=BenchAttentionCon
 
 
 def layer_for(path: str, cfg, N: int):
-    """One attention layer (attention.py's own class for the path) at the benchmark's width."""
+    """One attention layer (the model's own, as variants.make_attention builds it) at the benchmark's width."""
     attn = {"sdpa": {}, "reference": {"impl": "reference"}, "tiled": {"impl": "tiled", "block": cfg.block},
             "window": {"window": cfg.window}, "tiled_window": {"impl": "tiled", "block": cfg.block, "window": cfg.window},
             "linear": {"kind": "linear"}}[path]
     c = GPTConfig(vocab_size=2, block_size=N, n_layer=1, n_head=cfg.n_head, n_embd=cfg.n_embd, attn=attn)
-    return ATTENTION_KINDS[c.attn.kind](c, layer=0), c
+    return make_attention(c, layer=0), c
 
 
 def saved_bytes(fn) -> int:
@@ -98,7 +100,6 @@ def bench_attention(cfg) -> dict:
         check_output_file(cfg.out, "out")
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    from attention import rope_freqs
     rows = {}
     for N in cfg.lengths:
         torch.manual_seed(0)

@@ -29,8 +29,8 @@ from omegaconf import MISSING, OmegaConf
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as tools/X.py: the repo's modules
 
-from common import (DTYPES, POSITIVE, SEED, Needs, OneOf, Range, Timer, UserError, check_values, cli, run_app,
-                    setup_runtime)
+from common import DTYPES, Timer, cli, run_app, setup_runtime  # noqa: E402
+from rules import POSITIVE, SEED, Needs, OneOf, Range, UserError, check_values  # noqa: E402
 from config import model_config
 from counting import decode_bytes
 from model import GPT, GPTConfig

@@ -6,8 +6,8 @@
     python tools/claims.py --format json --json claims.json   # JSON on stdout and in a file
     python tools/claims.py --format markdown       # the table of docs/claims.md
 
-attnlab is built from three teaching texts on attention (A, B, C; ../shared/CLAIMS.md lists, in our
-words, what they claim that a program can check). Each claim here is one small function that
+attnlab is built from three teaching texts on attention (A, B, C; docs/claims.md lists, in our words,
+what they claim that a program can check). Each claim here is one small function that
 measures its figure at run time, through the code the texts describe in attnlab: the attention
 function (its sdpa, reference and tiled paths), the model, counting.py's counts, the KV caches, linear
 attention, and small models trained by train.train on the embedded corpus. A row prints what the text
@@ -44,9 +44,11 @@ from torch.utils.flop_counter import FlopCounterMode
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run as tools/X.py: the repo's modules
 
-import attention as attn_lib  # noqa: E402  (called through the module: a test may break one of its functions)
-from attnstats import attention_maps, attention_stats, reading_qk  # noqa: E402
-from common import UserError, cli  # noqa: E402
+import attention as attn_lib  # noqa: E402  (called through the modules: a test may break one of their functions)
+import variants  # noqa: E402
+from attnstats import attention_maps, attention_stats, layer_scores, reading_qk  # noqa: E402
+from common import cli  # noqa: E402
+from rules import UserError  # noqa: E402
 from counting import (attention_variants, count_params, crossovers, kv_cache_bytes, macs_per_token,  # noqa: E402
                       memory_breakdown)
 from model import GPT, GPTConfig  # noqa: E402
@@ -55,7 +57,7 @@ from tools.bench_attention import saved_bytes  # noqa: E402
 STATUSES = {  # status -> how a row shows it
     "holds": "holds", "fails": "FAILS", "partial": "holds in part", "not_shown": "not shown at this size",
     "not_yet": "not checkable yet", "skipped": "skipped (--quick)"}
-IMPLS = attn_lib.IMPLS  # sdpa, reference, tiled
+IMPLS = tuple(variants.PATHS)  # sdpa, reference, tiled
 
 
 @dataclass
@@ -140,8 +142,8 @@ def max_logit(model, idx) -> float:
     """The largest scaled logit q·k·scale any query gives a visible key, over every layer and head."""
     found = []
 
-    def read(layer, q, k, scale):
-        found.append(attention_stats(q, k, scale)["logit_max"].max().item())
+    def read(layer, attn, q, k):
+        found.append(attention_stats(layer_scores(attn, q, k), q.size(1))["logit_max"].max().item())
     with torch.no_grad(), reading_qk(model, read):
         model(idx)
     return max(found)
@@ -293,7 +295,7 @@ def check_a1(ctx):
     weights = torch.softmax(scaled + mask, dim=-1)  # 4. softmax
     five = weights @ v  # 5. weighted sum of V
     scale = attn_lib.resolve_scale("sqrt_dk", d)
-    diffs = {impl: max_diff(attn_lib.attention(q, k, v, scale, impl=impl), five) for impl in IMPLS}
+    diffs = {impl: max_diff(variants.attention(q, k, v, scale, impl=impl), five) for impl in IMPLS}
     return Result(verdict(max(diffs.values()) <= 1e-10),
                   "the five steps written out in float64 vs attention(): max |diff| "
                   + ", ".join(f"{impl} {d_:.0e}" for impl, d_ in diffs.items()),
@@ -310,10 +312,10 @@ def check_a2(ctx):
     stds, ratios, scaled = [], [], []
     for d in (8, 128, 1024):
         q, k = rand(gen, n, 1, 1, d), rand(gen, n, 1, 1, d)  # 8192 pairs, one score each
-        raw = attn_lib.attention_scores(q, k, attn_lib.resolve_scale("none", d), causal=False).flatten()
+        raw = attn_lib.attention_scores(q, k, scale=attn_lib.resolve_scale("none", d)).flatten()
         stds.append(raw.std().item())
         ratios.append(raw.var().item() / d)
-        scaled.append(attn_lib.attention_scores(q, k, attn_lib.resolve_scale("sqrt_dk", d), causal=False).var().item())
+        scaled.append(attn_lib.attention_scores(q, k, scale=attn_lib.resolve_scale("sqrt_dk", d)).var().item())
     roots = [math.sqrt(d) for d in (8, 128, 1024)]
     ok = all(abs(s / r - 1) <= 0.05 for s, r in zip(stds, roots)) and all(abs(v - 1) <= 0.1 for v in scaled)
     spread = math.sqrt((2 + 6 / 1024) / (4 * n))  # relative sd of a sample std of q·k (kurtosis 3 + 6/d_k)
@@ -341,7 +343,7 @@ def six_score_rows(gen, n=8192, d=128):
 def check_a3(ctx):
     q, k = six_score_rows(ctx.gen())
     eye = torch.eye(6, dtype=q.dtype).expand(q.size(0), 1, 6, 6)  # weights @ I: the weights themselves
-    peaks = {s: attn_lib.attention(q, k, eye, attn_lib.resolve_scale(s, 128), causal=False,
+    peaks = {s: variants.attention(q, k, eye, attn_lib.resolve_scale(s, 128), causal=False,
                                    impl="reference").amax(-1).mean().item() for s in ("none", "sqrt_dk")}
     ok = abs(peaks["none"] - 0.92) <= 0.02 and abs(peaks["sqrt_dk"] - 0.42) <= 0.02
     return Result(verdict(ok), f"mean peak weight {fmt(peaks['none'], 3)} unscaled, {fmt(peaks['sqrt_dk'], 3)} "
@@ -356,7 +358,7 @@ def softmax_jacobian_norms(scores):
     n, m = scores.shape
     s = scores.reshape(n, 1, 1, m).clone().requires_grad_()
     eye = torch.eye(m, dtype=s.dtype).expand(n, 1, m, m)
-    w = attn_lib.attention(s, eye, eye, 1.0, causal=False, impl="reference")  # (n, 1, 1, m)
+    w = variants.attention(s, eye, eye, 1.0, causal=False, impl="reference")  # (n, 1, 1, m)
     jac = torch.stack([torch.autograd.grad(w[..., j].sum(), s, retain_graph=True)[0] for j in range(m)], -2)
     return jac.reshape(n, m * m).norm(dim=1)
 
@@ -365,7 +367,7 @@ def qkv_grads(q, k, scale, gen):
     """Median per-row gradient norms of q, k and v for a random linear function of attention's output."""
     q, k = q.clone().requires_grad_(), k.clone().requires_grad_()
     v = rand(gen, *k.shape).requires_grad_()
-    out = attn_lib.attention(q, k, v, scale, causal=False, impl="reference")
+    out = variants.attention(q, k, v, scale, causal=False, impl="reference")
     (out * rand(gen, *out.shape)).sum().backward()
     return {name: t.grad.flatten(1).norm(dim=1).median().item() for name, t in (("q", q), ("k", k), ("v", v))}
 
@@ -497,7 +499,7 @@ def check_a7(ctx):
     per_layer, all_layers, weights = mem["attn_weights_per_layer"], mem["attn_weights_all_layers"], mem["weights"]
     B, H, N, hs = 1, 4, 256, 16  # the reference path at a small size: what it keeps for backward
     q, k, v = (torch.randn(B, H, N, hs, requires_grad=True) for _ in range(3))
-    kept = saved_bytes(lambda: attn_lib.attention(q, k, v, 0.25, impl="reference"))
+    kept = saved_bytes(lambda: variants.attention(q, k, v, 0.25, impl="reference"))
     table = B * H * N * N * 4
     ok = per_layer == 4 * 2**30 and all_layers == 128 * 2**30 and abs(weights / 16e9 - 1) <= 0.05 and kept >= table
     return Result(verdict(ok),
@@ -520,7 +522,7 @@ def check_a8(ctx):
     q, k, v = (rand(gen, 1, 2, 192, 16).requires_grad_() for _ in range(3))
     outs, grads = {}, {}
     for impl in ("reference", "tiled"):
-        outs[impl] = attn_lib.attention(q, k, v, 0.25, impl=impl, block=64)
+        outs[impl] = variants.attention(q, k, v, 0.25, impl=impl, block=64)
         grads[impl] = torch.autograd.grad(outs[impl].sum(), (q, k, v))
     diff = max([max_diff(outs["reference"], outs["tiled"])]
                + [max_diff(a, b) for a, b in zip(grads["reference"], grads["tiled"])])
@@ -529,8 +531,8 @@ def check_a8(ctx):
         x = [torch.randn(1, 2, N, 16, requires_grad=True) for _ in range(3)]
         for impl in ("reference", "tiled"):
             for causal in (False, True):
-                fl[(impl, causal, N)] = flops(lambda: attn_lib.attention(*x, 0.25, causal=causal, impl=impl, block=64))
-            mem[(impl, N)] = saved_bytes(lambda: attn_lib.attention(*x, 0.25, impl=impl, block=64))
+                fl[(impl, causal, N)] = flops(lambda: variants.attention(*x, 0.25, causal=causal, impl=impl, block=64))
+            mem[(impl, N)] = saved_bytes(lambda: variants.attention(*x, 0.25, impl=impl, block=64))
     same = all(fl[("tiled", False, N)] == fl[("reference", False, N)] for N in (256, 512))
     growth = {impl: fl[(impl, True, 512)] / fl[(impl, True, 256)] for impl in ("reference", "tiled")}
     mem_growth = {impl: mem[(impl, 512)] / mem[(impl, 256)] for impl in ("reference", "tiled")}
@@ -557,8 +559,8 @@ def check_a9(ctx):
     B, H, N, hs = 1, 2, 256, 16
     table = B * H * N * N
     fns = {"checkpointed reference": lambda q, k, v: checkpoint(
-               lambda a, b, c: attn_lib.attention(a, b, c, 0.25, impl="reference"), q, k, v, use_reentrant=False),
-           "tiled": lambda q, k, v: attn_lib.attention(q, k, v, 0.25, impl="tiled", block=64)}
+               lambda a, b, c: variants.attention(a, b, c, 0.25, impl="reference"), q, k, v, use_reentrant=False),
+           "tiled": lambda q, k, v: variants.attention(q, k, v, 0.25, impl="tiled", block=64)}
     kept, largest = {}, {}
     for name, fn in fns.items():
         x = [torch.randn(B, H, N, hs, requires_grad=True) for _ in range(3)]
@@ -591,12 +593,12 @@ def check_a10(ctx):
         for N in (256, 512):
             if name == "linear":
                 c = GPTConfig(vocab_size=2, block_size=N, n_layer=1, n_head=H, n_embd=H * hs, attn={"kind": "linear"})
-                layer, x = attn_lib.LinearAttention(c, 0), torch.randn(1, N, H * hs)
+                layer, x = variants.make_attention(c, 0), torch.randn(1, N, H * hs)
                 counts.append(flops(lambda: layer(x)))  # the whole layer: projections and the prefix sums' products
             else:
                 x = [torch.randn(1, H, N, hs) for _ in range(3)]
                 window = W if name == "window" else None
-                counts.append(flops(lambda: attn_lib.attention(*x, 0.25, impl="tiled", block=64, window=window)))
+                counts.append(flops(lambda: variants.attention(*x, 0.25, impl="tiled", block=64, window=window)))
         growth[name] = counts[1] / counts[0]
     c = GPTConfig(vocab_size=2, block_size=4096, n_layer=1, n_head=4, n_embd=128, attn={"window": W})
     per_token = {N: {r["name"].split()[0]: r["macs"] for r in attention_variants(c, N)} for N in (1024, 4096)}
@@ -624,7 +626,7 @@ def check_a11(ctx):
     model = small_model(n_layer=2, vocab=40)
     prompt = torch.randint(40, (1, 12), generator=ctx.gen())
     rows = []
-    hook = model.blocks[0].attn.hook_q.register_forward_hook(lambda m, a, q: rows.append(q.size(2)))
+    hook = model.blocks[0].attn.hook_q.register_forward_hook(lambda m, a, q: rows.append(q.size(1)))  # (B, T, nh, hs)
     cached = generate(model, prompt, 8, temperature=0, kv_cache=True)
     hook.remove()
     recomputed = generate(model, prompt, 8, temperature=0, kv_cache=False)
@@ -643,7 +645,7 @@ def check_a11(ctx):
 def check_b1(ctx):
     scores = torch.tensor([[[[0.5, 0.2, 2.5, 3.0]]]], dtype=torch.float64)  # one query whose q·k_j are the scores
     eye = torch.eye(4, dtype=torch.float64).view(1, 1, 4, 4)
-    w = attn_lib.attention(scores, eye, eye, 1.0, causal=False).flatten().tolist()
+    w = variants.attention(scores, eye, eye, 1.0, causal=False).flatten().tolist()
     text = [0.05, 0.03, 0.35, 0.57]
     ok = all(abs(a - b) <= 0.005 for a, b in zip(w, text)) and abs(w[2] + w[3] - 0.92) <= 0.005
     return Result(verdict(ok), f"attention() weights {slash(w, 4)}; the two strong ones {100 * (w[2] + w[3]):.1f}%",
@@ -656,7 +658,7 @@ def check_b2(ctx):
     c = GPTConfig(vocab_size=2, block_size=16, n_layer=1, n_head=1, n_embd=8)
     pairs = {N: macs_per_token(c, N)["scores"] * N // c.n_embd for N in (100, 10**4, 10**6)}  # q·k per sequence
     x = {N: [torch.randn(1, 1, N, 8) for _ in range(3)] for N in (100, 1000)}
-    fl = {N: flops(lambda: attn_lib.attention(*x[N], 1.0, causal=False, impl="reference")) for N in x}
+    fl = {N: flops(lambda: variants.attention(*x[N], 1.0, causal=False, impl="reference")) for N in x}
     ok = all(p == N * N for N, p in pairs.items()) and fl[1000] == 100 * fl[100]
     return Result(verdict(ok), "counted q·k pairs (counting.macs_per_token) "
                   + ", ".join(f"{power10(N)} → {power10(p)}" for N, p in pairs.items())
@@ -670,8 +672,8 @@ def check_b2(ctx):
 def check_b3(ctx):
     gen, H, T, hs = ctx.gen(), 4, 10, 8
     q, k, v = (rand(gen, 1, H, T, hs) for _ in range(3))
-    together = attn_lib.attention(q, k, v, hs ** -0.5, impl="reference")
-    apart = torch.cat([attn_lib.attention(q[:, h:h + 1], k[:, h:h + 1], v[:, h:h + 1], hs ** -0.5, impl="reference")
+    together = variants.attention(q, k, v, hs ** -0.5, impl="reference")
+    apart = torch.cat([variants.attention(q[:, h:h + 1], k[:, h:h + 1], v[:, h:h + 1], hs ** -0.5, impl="reference")
                        for h in range(H)], dim=1)
     torch.manual_seed(ctx.seed)
     model = small_model(n_layer=1, n_head=4, n_embd=32)
@@ -727,7 +729,7 @@ def check_c1(ctx):
     (rnn,) = torch.autograd.grad(h, x)
     v = torch.zeros(1, 1, 51, 4, dtype=torch.float64, requires_grad=True)
     q = torch.zeros(1, 1, 51, 4, dtype=torch.float64)  # equal scores: uniform causal weights
-    y = attn_lib.attention(q, q, v, 0.5, impl="reference")
+    y = variants.attention(q, q, v, 0.5, impl="reference")
     (attn,) = torch.autograd.grad(y[0, 0, 50, 0], v)
     ok = abs(rnn[0].item() - 0.005) < 0.0005
     return Result(verdict(ok),
@@ -747,12 +749,12 @@ def check_c2(ctx):
     q = torch.tensor([[[[1.0, 0, 1]]]], dtype=torch.float64)
     k = torch.tensor([[[[1.0, 0, 1], [0, 1, 0], [1, 0, 0]]]], dtype=torch.float64)
     v = torch.tensor([[[[10.0], [0], [2]]]], dtype=torch.float64)
-    raw = attn_lib.attention_scores(q, k, attn_lib.resolve_scale("none", 3), causal=False).flatten().tolist()
+    raw = attn_lib.attention_scores(q, k, scale=attn_lib.resolve_scale("none", 3)).flatten().tolist()
     scale = attn_lib.resolve_scale("sqrt_dk", 3)
-    scaled = attn_lib.attention_scores(q, k, scale, causal=False).flatten().tolist()
+    scaled = attn_lib.attention_scores(q, k, scale=scale).flatten().tolist()
     eye = torch.eye(3, dtype=q.dtype).view(1, 1, 3, 3)  # weights @ I: the weights themselves
-    weights = attn_lib.attention(q, k, eye, scale, causal=False).flatten().tolist()
-    out = attn_lib.attention(q, k, v, scale, causal=False).item()
+    weights = variants.attention(q, k, eye, scale, causal=False).flatten().tolist()
+    out = variants.attention(q, k, v, scale, causal=False).item()
     near = lambda xs, ys: all(abs(a - b) <= 0.005 for a, b in zip(xs, ys))  # noqa: E731  the text's two decimals
     ok = (raw == [2, 0, 1] and near(scaled, [1.15, 0, 0.58]) and near(weights, [0.53, 0.17, 0.30])
           and abs(out - 5.9) <= 0.05 and min(weights) > 0)
@@ -770,7 +772,7 @@ def check_c3(ctx):
     for heads in (8, 1):
         c = GPTConfig(vocab_size=2, block_size=N, n_layer=1, n_head=heads, n_embd=512, attn={"impl": "reference"})
         counted[heads] = macs_per_token(c, N)["layer"]
-        layer = attn_lib.CausalSelfAttention(c, 0)
+        layer = variants.make_attention(c, 0)
         measured[heads] = flops(lambda: layer(x))
     ok = counted[8] == counted[1] and abs(measured[8] / measured[1] - 1) <= 0.01
     return Result(verdict(ok), f"one attention layer at N = {N}: {measured[8] / 1e6:.1f} MFLOPs with 8 heads of 64, "
@@ -806,13 +808,13 @@ def shuffled_last_logits(model, idx, gen):
 @claim("C5", "Without position information attention cannot tell \"dog bites man\" from \"man bites dog\": it is "
              "permutation-equivariant; positions (e.g. RoPE) break that.",
        "没有位置信息，注意力分不清“狗咬人”和“人咬狗”：它对排列等变；位置编码（如 RoPE）打破了这一点。",
-       trains=True, tests=("tests/test_variants.py::test_nope_one_layer_ignores_the_order_of_earlier_tokens",))
+       trains=True, tests=("tests/variants/test_positions.py::test_nope_one_layer_ignores_the_order_of_earlier_tokens",))
 def check_c5(ctx):
     gen, T = ctx.gen(), 48
     q, k, v = (rand(gen, 1, 2, 12, 8) for _ in range(3))
     perm = torch.randperm(12, generator=gen)
-    out = attn_lib.attention(q, k, v, 8 ** -0.5, causal=False)
-    equivariant = max_diff(out[:, :, perm], attn_lib.attention(q[:, :, perm], k[:, :, perm], v[:, :, perm],
+    out = variants.attention(q, k, v, 8 ** -0.5, causal=False)
+    equivariant = max_diff(out[:, :, perm], variants.attention(q[:, :, perm], k[:, :, perm], v[:, :, perm],
                                                                8 ** -0.5, causal=False))
     torch.manual_seed(ctx.seed)
     deep = shuffled_last_logits(small_model(n_layer=2, pos="none"), torch.randint(40, (4, T), generator=gen), gen)
@@ -891,7 +893,7 @@ def check_c8(ctx):
     c = GPTConfig(vocab_size=2, block_size=16, n_layer=1, n_head=1, n_embd=8)
     counted = (macs_per_token(c, 32768)["scores"] * 32768) / (macs_per_token(c, 2048)["scores"] * 2048)
     x = {N: [torch.randn(1, 1, N, 8) for _ in range(3)] for N in (64, 1024)}
-    fl = {N: flops(lambda: attn_lib.attention(*x[N], 1.0, causal=False, impl="reference")) for N in x}
+    fl = {N: flops(lambda: variants.attention(*x[N], 1.0, causal=False, impl="reference")) for N in x}
     ok = counted == 256 and fl[1024] == 256 * fl[64]
     return Result(verdict(ok), f"counted (counting.macs_per_token) 2048 → 32768: {float(counted):g}x; measured "
                   f"reference-path FLOPs 64 → 1024 tokens (16x): {fl[1024] / fl[64]:g}x", "256 exactly, both",
@@ -929,9 +931,9 @@ def check_c9(ctx):
 @claim("C10", "The KV cache is fought on several fronts: GQA/MQA/MLA compression, quantisation, eviction.",
        "KV 缓存有多条战线：GQA/MQA/MLA 压缩、量化、淘汰。",
        tests=("tests/test_decode.py::test_bf16_kv_cache_follows_the_reference_to_bf16_rounding",
-              "tests/test_kv_cache_fronts.py::test_mla_cache_holds_only_the_latent_and_the_rope_key",
-              "tests/test_kv_cache_fronts.py::test_int8_cache_dequantises_within_half_a_scale_and_weighs_what_cost_py_says",
-              "tests/test_kv_cache_fronts.py::test_sink_eviction_equals_attention_over_exactly_the_kept_positions"))
+              "tests/variants/test_mla.py::test_mla_cache_holds_only_the_latent_and_the_rope_key",
+              "tests/variants/test_int8_cache.py::test_int8_cache_dequantises_within_half_a_scale_and_weighs_what_cost_py_says",
+              "tests/variants/test_sink_cache.py::test_sink_eviction_equals_attention_over_exactly_the_kept_positions"))
 def check_c10(ctx):
     base = dict(vocab_size=40, block_size=64, n_layer=2, n_head=8, n_embd=64)
     size = {h: sum(c.nbytes() for c in GPT(GPTConfig(**base, n_kv_head=h)).new_kv_cache(1, 64)) for h in (8, 2, 1)}
@@ -959,8 +961,8 @@ def check_c10(ctx):
 
 @claim("C11", "RoPE has limits when extrapolating past the trained length.",
        "RoPE 外推到超过训练长度时能力有限。", trains=True,
-       tests=("tests/test_positions.py::test_each_rope_scaling_is_its_formula_and_factor_one_is_none",
-              "tests/test_positions.py::test_alibi_attention_is_the_biased_softmax_written_out"))
+       tests=("tests/variants/test_rope_scaling.py::test_each_rope_scaling_is_its_formula_and_factor_one_is_none",
+              "tests/variants/test_alibi.py::test_alibi_attention_is_the_biased_softmax_written_out"))
 def check_c11(ctx):
     if ctx.quick:
         return skipped("a trained model")

@@ -36,11 +36,11 @@ from hydra.core.config_store import ConfigStore
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as tools/X.py: the repo's modules
 
-from attention import ROPE_SCALINGS  # noqa: E402
+from variants import ROPE_SCALINGS  # noqa: E402
 from attnstats import copy_losses  # noqa: E402
 from checkpoint import find_checkpoint, load_checkpoint, model_from_checkpoint, with_rope_scaling  # noqa: E402
-from common import (POSITIVE, OneOf, Range, UserError, check_output_file, check_values, cli, pick_device,  # noqa: E402
-                    run_app)
+from common import check_output_file, cli, pick_device, run_app  # noqa: E402
+from rules import POSITIVE, OneOf, Range, UserError, check_values  # noqa: E402
 from data.tokenizer import tokenizer_from_dict  # noqa: E402
 from tools.eval_stream import stream_tokens  # noqa: E402
 
@@ -58,7 +58,7 @@ class EvalLengthsConfig:
     device: str = "cpu"
     out: Optional[str] = "lengths.png"  # the plot; null: none
 
-    RULES: ClassVar[dict] = {"lengths": Range(2, 2**20), "tokens": Range(2), "rope_scaling": OneOf(ROPE_SCALINGS),
+    RULES: ClassVar[dict] = {"lengths": Range(2, 2**20), "tokens": Range(2), "rope_scaling": OneOf(tuple(ROPE_SCALINGS)),
                              "rope_scaling_factor": Range(1, why="1 is no scaling"), "batch_size": POSITIVE}
 
 

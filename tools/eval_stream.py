@@ -10,7 +10,7 @@ Policies (`policies=`), each with a cache of block_size positions:
 - ring: the KV ring buffer sample.py uses (window only): the oldest key is overwritten, keys keep
   their RoPE positions;
 - sinks: the first `sinks` tokens stay, the rest is a ring of the latest (StreamingLLM, Xiao et al.
-  2023, arXiv 2309.17453; attention.SinkKVCache, positions given within the cache).
+  2023, arXiv 2309.17453; variants/sink_cache.py, positions given within the cache).
 A model trained with data.bos=true streams from its bos token, which ring and recompute drop once
 the stream passes block_size and sinks keeps. StreamingLLM's claim: dropping the first tokens breaks
 a model that parks attention on them (a "sink"), and keeping ~4 restores it. Prints the mean loss
@@ -38,8 +38,8 @@ from hydra.core.config_store import ConfigStore
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as tools/X.py: the repo's modules
 
 from checkpoint import find_checkpoint, load_checkpoint, model_from_checkpoint  # noqa: E402
-from common import (POSITIVE, OneOf, Range, UserError, check_output_file, check_values, cli, pick_device,  # noqa: E402
-                    run_app)
+from common import check_output_file, cli, pick_device, run_app  # noqa: E402
+from rules import POSITIVE, OneOf, Range, UserError, check_values  # noqa: E402
 from data.tokenizer import tokenizer_from_dict  # noqa: E402
 
 POLICIES = ("recompute", "ring", "sinks")

@@ -22,8 +22,8 @@ computes the model and says which in one line):
     (every row: bias or not, tied or untied head, any attn.scale, rope_base and d_ff)
 
 - code (`format=code`): the Hub's convention for a new architecture. The directory also holds
-  attnlab's own model files (model.py, attention.py, and what they import from common.py and
-  counting.py, trimmed to that; their imports made relative) and tools/export_code/'s wrapper
+  attnlab's own model files, whole (model.py, attention.py, rules.py, counting.py and variants/, its
+  files side by side; their imports made relative) and tools/export_code/'s wrapper
   (configuration_attnlab.py, modeling_attnlab.py: a PreTrainedModel + GenerationMixin around
   attnlab's GPT), registered for the Auto classes in config.json's auto_map and loaded with
   `trust_remote_code=True`. Every model option, present or future, exports exactly by construction:
@@ -76,7 +76,8 @@ from hydra.core.config_store import ConfigStore
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as tools/X.py: the repo's modules
 
 from checkpoint import find_checkpoint, load_checkpoint, model_from_checkpoint
-from common import OneOf, UserError, check_output_dir, check_values, cli, dir_mode, private_mode, run_app, temp_suffix
+from common import check_output_dir, cli, dir_mode, private_mode, run_app, temp_suffix  # noqa: E402
+from rules import OneOf, UserError, check_values  # noqa: E402
 from attention import qk_normalize
 from model import GPT, NORM_EPS, GPTConfig
 from data.tokenizer import EOT, tokenizer_from_dict
@@ -119,7 +120,7 @@ def no_counterpart(option: str, why: str):
 
 # ----------------------------------------------------------------------------- which architecture
 
-# The model options the stock mappings below read. Any other option (one that landed after these
+# The model options the stock mappings below read. Any other option (one added after these
 # mappings were written, too) set away from its default has no stock mapping: format=auto then
 # writes custom code, which computes every option by construction.
 STOCK_OPTIONS = {"vocab_size", "block_size", "n_layer", "n_head", "n_embd", "n_kv_head", "dropout", "bias", "norm",
@@ -368,99 +369,53 @@ def hf_model(c: GPTConfig, model: GPT, target: str, bos, eos):
 
 REPO = Path(__file__).resolve().parents[1]
 WRAPPER = Path(__file__).with_name("export_code")  # configuration_attnlab.py, modeling_attnlab.py
-WHOLE_MODULES = ("model", "attention")  # the model itself, copied whole; the helpers they import are trimmed
 CODE_CLASSES = {"AutoConfig": "configuration_attnlab.AttnlabConfig",
                 "AutoModelForCausalLM": "modeling_attnlab.AttnlabForCausalLM"}
 
 
-def repo_imports(nodes, module: str) -> dict:
-    """{attnlab root module: names} that the statements `nodes` of `module` import from attnlab."""
-    found = {}
-    for node in (n for stmt in nodes for n in ast.walk(stmt)):
-        if isinstance(node, ast.Import) and any((REPO / f"{a.name.split('.')[0]}.py").is_file() for a in node.names):
-            raise UserError(f"{module}.py imports an attnlab module with `import X`: the custom-code export "
+def module_file(module: str):
+    """The repo file of an attnlab module (`variants` is its package's __init__.py), or None."""
+    path = REPO / Path(*module.split("."))
+    return next((f for f in (path.with_suffix(".py"), path / "__init__.py") if f.is_file()), None)
+
+
+def flat_name(module: str) -> str:
+    """The module's name in the export's one directory: transformers' loader follows relative
+    imports within one directory only, so a package's files lie flat (variants.tiled: variants_tiled)."""
+    return module.replace(".", "_")
+
+
+def repo_imports(source: str, module: str) -> set:
+    """The attnlab modules `source` (module `module`) imports, at any depth (a function's own import
+    too). Only `from X import ...` is rewritten on export: `import X` of an attnlab module is refused."""
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import) and any(module_file(a.name) for a in node.names):
+            raise UserError(f"{module}'s file imports an attnlab module with `import X`: the custom-code export "
                             "rewrites `from X import ...` only; please report this")
-        if not (isinstance(node, ast.ImportFrom) and node.level == 0 and node.module):
-            continue
-        top = node.module.split(".")[0]
-        if (REPO / f"{node.module}.py").is_file():
-            found.setdefault(node.module, set()).update(a.name for a in node.names)
-        elif (REPO / top).is_dir() and any((REPO / top).glob("*.py")):
-            raise UserError(f"{module}.py imports {node.module} from the package {top}/: the custom-code export "
-                            "copies attnlab's root modules only; please report this")
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module and module_file(node.module):
+            found.add(node.module)
     return found
-
-
-def defined_names(stmt) -> set:
-    """The names a top-level statement binds."""
-    if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-        return {stmt.name}
-    if isinstance(stmt, (ast.Import, ast.ImportFrom)):
-        return {(a.asname or a.name).split(".")[0] for a in stmt.names}
-    targets = stmt.targets if isinstance(stmt, ast.Assign) else [getattr(stmt, "target", None)]
-    return {n.id for t in targets if t is not None for n in ast.walk(t) if isinstance(n, ast.Name)}
-
-
-def needed_statements(tree, names: set, module: str) -> list:
-    """The top-level statements of `tree` that define `names`, and those that these use, in order."""
-    definers = {}
-    for stmt in tree.body:
-        for name in defined_names(stmt):
-            definers.setdefault(name, []).append(stmt)
-    missing = sorted(names - definers.keys())
-    if missing:
-        raise UserError(f"{module}.py does not define {', '.join(missing)}; please report this")
-    keep, todo = set(), list(names)
-    while todo:
-        for stmt in definers.get(todo.pop(), ()):
-            if id(stmt) not in keep:
-                keep.add(id(stmt))
-                todo += [n.id for n in ast.walk(stmt) if isinstance(n, ast.Name)]
-    return [s for s in tree.body if id(s) in keep or (isinstance(s, ast.ImportFrom) and s.module == "__future__")]
 
 
 def code_modules() -> dict:
     """{file name: source} of attnlab's model as importable files of one directory: model.py and,
-    transitively, the attnlab modules it imports, their imports of each other made relative
-    (`from .attention import ...`), which is how transformers' remote-code loader finds and copies
-    them. model.py and attention.py are copied whole; any other module (common.py, counting.py) is
-    cut down to the definitions imported from it and what they use (common.py's signals, locks and
-    distributed setup are not the model's, and its fcntl would not import on Windows)."""
-    wanted, trees = {"model": None}, {}  # module -> the names needed from it (None: all of it)
-    while True:
-        grown = False
-        for module, names in list(wanted.items()):
-            tree = trees.setdefault(module, ast.parse((REPO / f"{module}.py").read_text(encoding="utf-8")))
-            body = tree.body if names is None else needed_statements(tree, names, module)
-            for dep, dep_names in repo_imports(body, module).items():
-                new = None if dep in WHOLE_MODULES else (wanted.get(dep) or set()) | dep_names
-                if dep not in wanted or new != wanted[dep]:
-                    wanted[dep], grown = new, True
-        if not grown:
-            break
-    return {f"{module}.py": module_source(module, trees[module], names) for module, names in wanted.items()}
-
-
-def module_source(module: str, tree, names) -> str:
-    lines = (REPO / f"{module}.py").read_text(encoding="utf-8").splitlines()
-    body = tree.body if names is None else needed_statements(tree, names, module)
-    for dep in repo_imports(body, module):  # `from common import` -> `from .common import`, in place
-        pattern = re.compile(rf"^(\s*from\s+){re.escape(dep)}(\s+import\b)")
-        lines = [pattern.sub(rf"\1.{dep}\2", line) for line in lines]
-    if names is None:
-        head = f"# attnlab's {module}.py, copied by tools/export.py (format=code); imports of attnlab made relative\n"
-        return head + "\n".join(lines) + "\n"
-    out = [f'"""What attnlab\'s model files import from its {module}.py ({", ".join(sorted(names))}), and what\n'
-           f'that uses: written by tools/export.py (format=code)."""']
-    after_block = True
-    for stmt in body:
-        start = min([stmt.lineno, *(d.lineno for d in getattr(stmt, "decorator_list", ()))]) - 1
-        while start > 0 and lines[start - 1].lstrip().startswith("#"):  # the comment above it
-            start -= 1
-        block = isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
-        out += ["\n\n\n" if block or after_block else "\n", "\n".join(lines[start:stmt.end_lineno])]
-        after_block = block
-    return "".join(out) + "\n"
+    transitively, every attnlab module it imports (attention.py, rules.py, counting.py, variants/),
+    each copied whole, its imports of the others made relative (`from .attention import ...`), which
+    is how transformers' remote-code loader finds and copies them."""
+    sources, todo = {}, ["model"]
+    while todo:
+        module = todo.pop()
+        if module not in sources:
+            sources[module] = module_file(module).read_text(encoding="utf-8")
+            todo += sorted(repo_imports(sources[module], module))
+    out = {}
+    for module, text in sources.items():
+        for dep in sorted(sources, key=len, reverse=True):  # `from variants.tiled import` before `from variants import`
+            text = re.sub(rf"^(\s*from\s+){re.escape(dep)}(\s+import\b)", rf"\1.{flat_name(dep)}\2", text, flags=re.M)
+        head = f"# attnlab's {module_file(module).relative_to(REPO)}, copied by tools/export.py (format=code); imports made relative\n"
+        out[f"{flat_name(module)}.py"] = head + text
+    return out
 
 
 def code_model(c: GPTConfig, model: GPT, bos, eos, tmp: Path):
@@ -628,8 +583,8 @@ def model_card(state: dict, model: GPT, target_cls: str, ckpt: Path, tok, code: 
             ("val loss", f"{val:.4f}" if isinstance(val, (int, float)) else "unknown")]
     table = "\n".join(f"| {k} | {v} |" for k, v in rows)
     if code:
-        how = ("as custom code: this directory holds attnlab's own model files (model.py, attention.py and what "
-               "they import) and a transformers wrapper (modeling_attnlab.py), so load it with "
+        how = ("as custom code: this directory holds attnlab's own model files (model.py, attention.py, variants/ "
+               "and what they import) and a transformers wrapper (modeling_attnlab.py), so load it with "
                "`trust_remote_code=True`;")
         past = (f"this wrapper recomputes the context each step, its last {c.block_size} tokens once longer "
                 "(sample.py with kv_cache=false)")

@@ -14,7 +14,7 @@
 # Expected on one H100/H200 with cold compile caches: about 6-7 minutes (imports ~20 s, GPU tests
 # ~100 s, train/stop/resume ~40 s, sampling ~70 s, figures ~250 s). BUDGET_S (default 540 s on a
 # GPU) bounds the whole script: each step gets what is left of it, at most its own limit, so a hung
-# step cannot take the session's last minutes. On CPU the limits are 5x and the budget 3000 s.
+# step cannot take the time the others need. On CPU the limits are 5x and the budget 3000 s.
 # When $OUT is set (the device tool's output folder), what the check produced is copied there:
 # steps.log (every step's own log), samples.txt and gpu_figures.json (checkpoints stay behind).
 set -uo pipefail

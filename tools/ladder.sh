@@ -2,7 +2,7 @@
 # The ladder: nanoGPT's CPU config (4 layers x 4 heads x 128, block 64, batch 12, 2000 steps,
 # tiny shakespeare), one change added per row on top of the best row before it, 2 seeds each, one
 # training process at a time. Then the README table and the plot of the val curves.
-#   bash tools/ladder.sh [path/to/tinyshakespeare.txt] [out dir] [row ...]
+#   bash tools/ladder.sh path/to/tinyshakespeare.txt [out dir] [row ...]
 # Rows already finished (their run dir has step 2000's val loss) are kept, so the ladder can be run
 # row by row; an unfinished run dir is started again. SEEDS="1337 1338" by default.
 # Table and plot alone: python tools/ladder_table.py OUT_DIR
@@ -10,7 +10,11 @@
 # `OMP_NUM_THREADS=1 nice -n 10`: two spinning OpenMP threads on busy cores ran ~7x slower than one.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-DATA=${1:-../shared/data/tinyshakespeare.txt}
+DATA=${1:-}
+if [ -z "$DATA" ] || [ ! -f "$DATA" ]; then
+  echo "usage: bash tools/ladder.sh path/to/tinyshakespeare.txt [out dir] [row ...]  (a local copy of tiny shakespeare; got: '${DATA}')" >&2
+  exit 2
+fi
 OUT=${2:-outputs/ladder}
 shift $(( $# < 2 ? $# : 2 ))
 SEEDS=${SEEDS:-"1337 1338"}

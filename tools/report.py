@@ -30,7 +30,8 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as tools/X.py: the repo's modules
 
-from common import UserError, check_output_dir, cli  # noqa: E402
+from common import check_output_dir, cli  # noqa: E402
+from rules import UserError  # noqa: E402
 from plots import plot_bands, plot_head_roles_compare, series  # noqa: E402
 from tracking import read_metrics  # noqa: E402
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # How far seeds move a result, and which results survive them (docs/ablations.md). Each study is one
 # or more sweeps, one run after another, then tools/report.py over each sweep:
-#   bash tools/seed_evidence.sh [path/to/tinyshakespeare.txt] [out dir] [study ...]
+#   bash tools/seed_evidence.sh path/to/tinyshakespeare.txt [out dir] [study ...]
 # studies (default: all):
 #   spread   experiment=nanogpt_cpu with seeds 1-5: varying everything, only the initialisation
 #            (train.data_seed=1), only the data (seed=1, train.data_seed=1-5)
@@ -12,7 +12,11 @@
 # On a shared machine prefix `OMP_NUM_THREADS=1 nice -n 10`; two of these can run side by side.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-DATA=${1:-../shared/data/tinyshakespeare.txt}
+DATA=${1:-}
+if [ -z "$DATA" ] || [ ! -f "$DATA" ]; then
+  echo "usage: bash tools/seed_evidence.sh path/to/tinyshakespeare.txt [out dir] [study ...]  (a local copy of tiny shakespeare; got: '${DATA}')" >&2
+  exit 2
+fi
 OUT=${2:-outputs/seeds}
 shift $(( $# < 2 ? $# : 2 ))
 STUDIES=${*:-spread dk128 dk32 default}

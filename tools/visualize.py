@@ -3,10 +3,10 @@
     python tools/visualize.py prompt="ROMEO: But soft"                      # newest checkpoint under outputs/
     python tools/visualize.py ckpt=outputs/runs/X prompt_file=p.txt out=maps query=5 top_k=3
 
-Runs the prompt once through the model; its probe hook hands over each layer's q and k, and the
-weights are the reference path's softmax(q·kᵀ·scale + mask) of those (attnstats.attention_maps),
-so every model option (scale, QK-Norm, GQA, positions, norms) is covered with no second copy of
-the model. Writes `out`/attention.png (a layer x head grid of heatmaps) and `out`/attention.html
+Runs the prompt once through the model; its probe hook hands over each layer's q and k, and each
+layer says what its softmax takes of them (its scale, mask and window, logit bias and sink:
+attnstats.attention_maps), so every model option is covered with no second copy of the model; a
+layer without softmax weights (linear attention) says so. Writes `out`/attention.png (a layer x head grid of heatmaps) and `out`/attention.html
 (one self-contained file: opens from disk, no network), and prints the top-k keys of the last
 query (or `query=INDEX`) for every head on stdout.
 """
@@ -25,8 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as tools/X.p
 
 from plots import format_top_keys, write_views
 from checkpoint import find_checkpoint, load_checkpoint, model_from_checkpoint
-from common import (POSITIVE, Needs, Range, UserError, check_output_dir, check_values, cli, pick_device, read_prompt,
-                    run_app)
+from common import check_output_dir, cli, pick_device, read_prompt, run_app  # noqa: E402
+from rules import POSITIVE, Needs, Range, UserError, check_values  # noqa: E402
 from data.tokenizer import tokenizer_from_dict
 
 log = logging.getLogger("attnlab")
@@ -97,7 +97,7 @@ def visualize(cfg, out=None) -> dict:
     views = write_views(model, torch.as_tensor(ids, dtype=torch.long, device=device)[None], tok, cfg.out,
                         title=f"attention: {len(ids)} tokens", meta=meta, query=query)
     views.update(query=query, seconds=time.perf_counter() - t0)
-    print(format_top_keys(views["maps"], views["labels"], query, cfg.top_k), file=out or sys.stdout)
+    print(format_top_keys(views["maps"], views["labels"], query, cfg.top_k, views["kinds"]), file=out or sys.stdout)
     log.info("wrote %s and %s (%.1f MB) in %.2f s", views["png"], views["html"],
              views["html"].stat().st_size / 1e6, views["seconds"])
     return views

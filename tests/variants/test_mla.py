@@ -1,0 +1,129 @@
+"""variants/mla.py, multi-head latent attention (model.attn.kind=mla): the layer against its
+up-projections written out, naive and absorbed decoding against the whole sequence, what its cache
+holds (the latent and the RoPE key, in any of the KV caches: plain, fixed-shape, int8, sink-keeping),
+counts, and the options it refuses."""
+import math
+
+import pytest
+import torch
+
+from attention import rope_freqs, rotate
+from counting import count_params, kv_cache_bytes
+from helpers import plain_attention
+from helpers import variant_model as make
+from model import GPTConfig
+from rules import UserError
+from variants.int8_cache import Int8KVCache
+from variants.sink_cache import SinkKVCache
+
+
+@pytest.mark.parametrize("q_lora", [None, 16], ids=["q-from-x", "q-latent"])
+def test_mla_equals_attention_from_the_latent_with_its_up_projections_written_out(q_lora):
+    model = make(attn={"kind": "mla", "q_lora_rank": q_lora, "kv_lora_rank": 12, "rope_head_dim": 4})
+    attn = model.blocks[0].attn
+    B, T, C, nh, hs, dc, dr = 2, 11, 32, 4, 8, 12, 4
+    x = torch.randn(B, T, C)
+    rope = rope_freqs(dr, T, 10000.0)
+    with torch.no_grad():
+        h = attn.q_norm(attn.q_down(x)) if q_lora else x
+        q = (h @ attn.q_up.weight.T).view(B, T, nh, hs + dr)
+        qc, qr = q[..., :hs], rotate(q[..., hs:], rope)
+        latent = x @ attn.kv_down.weight.T
+        c = attn.kv_norm(latent[..., :dc])  # the cached latent
+        kr = rotate(latent[..., dc:].unsqueeze(2), rope)  # the one RoPE key, shared by the heads
+        kc = (c @ attn.k_up.weight.T).view(B, T, nh, hs)
+        v = (c @ attn.v_up.weight.T).view(B, T, nh, hs)
+        qh = torch.cat([qc, qr], -1).transpose(1, 2)
+        kh = torch.cat([kc, kr.expand(B, T, nh, dr)], -1).transpose(1, 2)
+        y = plain_attention(qh, kh, v.transpose(1, 2), 1 / math.sqrt(hs + dr))
+        want = y.transpose(1, 2).reshape(B, T, nh * hs).float() @ attn.c_proj.weight.T
+        got = attn(x, rope=rope)
+    assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
+
+
+def decode(model, idx, prefill, **cache_options):
+    """The logits of idx decoded through a cache: a prefill of `prefill` tokens, then one at a time."""
+    cache = model.new_kv_cache(idx.size(0), idx.size(1), **cache_options)
+    static = cache_options.get("static", False)
+    steps = [model(idx[:, :prefill], kv_cache=cache, pos=0)]
+    steps += [model(idx[:, t:t + 1], kv_cache=cache, pos=torch.tensor([t]) if static else t)
+              for t in range(prefill, idx.size(1))]
+    return torch.cat(steps, 1)
+
+
+@pytest.mark.parametrize("pos", ["rope", "none"])
+@pytest.mark.parametrize("absorbed", [False, True], ids=["naive", "absorbed"])
+@pytest.mark.parametrize("static", [False, True], ids=["eager", "fixed-shape"])
+def test_mla_decoding_equals_the_whole_sequence(pos, absorbed, static):
+    """Absorbed (W_uk folded into the query, attention over the latents, W_uv after) equals naive
+    (keys and values expanded from the latents) equals running the whole sequence, step by step, in
+    the plain cache and in the fixed-shape one a compiled decode step uses."""
+    model = make(block_size=32, pos=pos, attn={"kind": "mla"})
+    idx = torch.randint(40, (2, 32))
+    with torch.no_grad():
+        got = decode(model, idx, 5, absorbed=absorbed, static=static)
+        assert torch.allclose(got, model(idx), atol=1e-5)
+
+
+def test_mla_cache_holds_only_the_latent_and_the_rope_key():
+    model = make(block_size=32, attn={"kind": "mla", "kv_lora_rank": 12, "rope_head_dim": 4})
+    cache = model.new_kv_cache(3, 32)
+    assert all(c.k.shape == (3, 1, 32, 4) and c.v.shape == (3, 1, 32, 12) for c in cache)  # RoPE key, latent
+    assert sum(c.nbytes() for c in cache) == kv_cache_bytes(model.config, 32, 3, 4) == 2 * 3 * 32 * 16 * 4
+    mha = make(block_size=32)  # the same shape with per-head K and V: 2 x 4 heads x 8 = 64 numbers a token
+    assert sum(c.nbytes() for c in mha.new_kv_cache(3, 32)) == kv_cache_bytes(mha.config, 32, 3, 4) == 2 * 2 * 4 * 8 * 4 * 32 * 3
+
+
+@pytest.mark.parametrize("absorbed", [False, True], ids=["naive", "absorbed"])
+def test_an_int8_latent_cache_stays_within_its_rounding(absorbed):
+    """MLA with kv_dtype=int8: the latent and the RoPE key stored per token with one scale each, read
+    back within half a scale; decoding then follows the fp32 latent cache within the rounding of what
+    it reads (the attention over n latents moves each logit by at most |q̃| times the latent's error)."""
+    model = make(block_size=32, attn={"kind": "mla", "kv_lora_rank": 12, "rope_head_dim": 4})
+    idx = torch.randint(40, (2, 32))
+    with torch.no_grad():
+        caches = model.new_kv_cache(2, 32, dtype=torch.int8, absorbed=absorbed)
+        assert all(isinstance(c, Int8KVCache) and c.k.dtype == c.v.dtype == torch.int8 for c in caches)
+        kr, c = model.blocks[0].attn.latents(model.wte(idx[:, :7]), rope_freqs(4, 7, 10000.0))
+        got_kr, got_c, _ = caches[0].update(0, kr, c)
+        for x, got, scale in ((kr, got_kr, caches[0].k_scale[:, :, :7]), (c, got_c, caches[0].v_scale[:, :, :7])):
+            assert torch.allclose(scale, x.abs().amax(-1, keepdim=True) / 127)
+            assert ((got - x).abs() <= scale / 2 + 1e-6).all()
+        full, int8 = decode(model, idx, 5, absorbed=absorbed), decode(model, idx, 5, dtype=torch.int8, absorbed=absorbed)
+    assert (int8 - full).abs().max() < 0.05 * full.abs().max()
+    assert (int8 - full).abs().max() > 0  # it did quantise
+    assert sum(c.nbytes() for c in caches) == kv_cache_bytes(model.config, 32, 2, int8=True) \
+        == 2 * 2 * 32 * (12 + 4 + 2 * 4)  # layers x batch x tokens x (latent + RoPE key + two fp32 scales)
+
+
+def test_mla_sink_eviction_equals_attention_over_exactly_the_kept_positions():
+    """MLA decoding far past its cache with kv_sinks: each step's logits equal the model run on just
+    the kept tokens (the first 4, then the latest) at positions 0..n-1, as for a plain KV cache."""
+    model = make(n_layer=1, block_size=12, attn={"kind": "mla"})
+    ids = torch.randint(40, (1, 40))
+    cache = model.new_kv_cache(1, 12, sinks=4)
+    assert all(isinstance(c, SinkKVCache) for c in cache)
+    with torch.no_grad():
+        model(ids[:, :3], kv_cache=cache, pos=0)
+        for t in range(3, 40):
+            got = model(ids[:, t:t + 1], kv_cache=cache, pos=t)[0, -1]
+            kept = list(range(t + 1)) if t < 12 else [0, 1, 2, 3] + list(range(t - 7, t + 1))
+            assert torch.allclose(got, model(ids[:, kept])[0, -1], atol=1e-5), t
+
+
+def test_mla_counts_equal_the_built_model():
+    for attn in ({"kind": "mla"}, {"kind": "mla", "q_lora_rank": 16, "gate": "channel", "sink": "learned"}):
+        model = make(bias=True, attn=attn)
+        assert count_params(model.config)["total"] == model.num_params()
+
+
+@pytest.mark.parametrize("attn,n_kv,needle", [
+    ({"kind": "mla"}, 2, "model.n_kv_head=2 has no effect with model.attn.kind=mla"),
+    ({"kind": "mla", "qk_norm": True}, None, "qk_norm=true with model.attn.kind=mla is not implemented"),
+    ({"kind": "mla", "rope_head_dim": 3}, None, "MLA's RoPE part .* is 3, odd"),
+    ({"kv_lora_rank": 8}, None, "model.attn.kv_lora_rank=8 has no effect unless model.attn.kind=mla"),
+])
+def test_latent_options_that_would_do_nothing_are_refused(attn, n_kv, needle):
+    with pytest.raises(UserError, match=needle) as e:
+        GPTConfig(vocab_size=40, n_layer=2, n_head=4, n_embd=32, n_kv_head=n_kv, attn=attn)
+    assert "\n" not in str(e.value)

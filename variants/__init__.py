@@ -1,0 +1,143 @@
+"""Every piece beyond the default path, one small file each, and the one table that picks them.
+
+attention.py and model.py hold the default path (softmax attention on SDPA, RoPE, QK-Norm, a KV
+cache, Pre-LN blocks). Each file here adds one piece and opens by naming the core method or slot it
+fills, its paper and its test file:
+
+    file             chosen by                             fills
+    tiled.py         model.attn.impl=tiled                 the attention module's path slot
+    alibi.py         model.pos=alibi                       its logit-bias slot
+    sinks.py         model.attn.sink=zero|learned          its sink slot
+    gates.py         model.attn.gate=head|channel          its output-gate slot
+    linear.py        model.attn.kind=linear                a kind: forward, new_cache
+    mla.py           model.attn.kind=mla                   a kind: make_projections, forward, new_cache
+    rope_scaling.py  model.rope_scaling=linear|ntk|yarn    RoPE's frequencies (GPT.rope_table)
+    positions.py     model.pos=learned|sinusoidal          the model's position table (GPT.positions)
+    mlps.py          model.mlp=relu2|swiglu                the MLP's activation (model.MLP.act)
+    int8_cache.py    sample.py kv_dtype=int8               a KV cache (new_cache's make)
+    sink_cache.py    sample.py kv_sinks=S                  a KV cache (new_cache's make)
+
+The tables below map each config value to its piece. model.py reads them once, at construction
+(make_attention, GPT.__init__, GPT.rope_table, GPT.new_kv_cache), and a key's legal values are its
+table's keys. To add an attention kind: write variants/NAME.py with a subclass of
+attention.CausalSelfAttention that overrides the methods it changes (forward, make_projections,
+new_cache; `softmax = False` if it has no softmax weights for the probe to read; a static
+`check(config)` that refuses, in one line, the options it cannot take), open it as the others open,
+and add one row to KINDS. An add-on fills a slot instead: a row in PATHS, BIASES, SINKS or GATES.
+"""
+from dataclasses import dataclass
+from functools import partial
+from typing import ClassVar, Optional
+
+import torch
+import torch.nn.functional as F
+
+from attention import CausalSelfAttention, KVCache, Mask, StaticKVCache, reference_attention, sdpa_attention
+from rules import Needs, OneOf, Range, Rule, UserError, positive_number
+from variants.alibi import ALiBi
+from variants.gates import ChannelGate, HeadGate
+from variants.int8_cache import Int8KVCache
+from variants.linear import LinearAttention
+from variants.mlps import relu2, swiglu
+from variants.mla import LatentAttention
+from variants.positions import LearnedPositions, SinusoidalPositions
+from variants.rope_scaling import linear, ntk, unscaled, yarn
+from variants.sink_cache import SinkKVCache
+from variants.sinks import learned_sink, zero_sink
+from variants.tiled import tiled_attention
+
+# ----------------------------------------------------------------------------- the table
+
+KINDS = {"softmax": CausalSelfAttention, "linear": LinearAttention, "mla": LatentAttention}  # model.attn.kind
+PATHS = {  # model.attn.impl: the path, given the tile size (model.attn.block)
+    "sdpa": lambda block: sdpa_attention,
+    "reference": lambda block: reference_attention,
+    "tiled": lambda block: partial(tiled_attention, block=block),
+}
+SINKS = {"none": None, "zero": zero_sink, "learned": learned_sink}  # model.attn.sink
+GATES = {"none": None, "head": HeadGate, "channel": ChannelGate}  # model.attn.gate
+POSITIONS = {"rope": None, "none": None, "alibi": None,  # model.pos: a table added to the embeddings,
+             "learned": LearnedPositions, "sinusoidal": SinusoidalPositions}
+BIASES = {"alibi": ALiBi}  # model.pos: or a bias on the logits
+ROPE_SCALINGS = {"none": unscaled, "linear": linear, "ntk": ntk, "yarn": yarn}  # model.rope_scaling
+ACTIVATIONS = {"gelu": (F.gelu, 1), "relu2": (relu2, 1), "swiglu": (swiglu, 2)}  # model.mlp: (act, c_fc's parts)
+
+
+@dataclass
+class AttnConfig:
+    """The attention's options, `model.attn.*` (GPTConfig.attn): each picks a piece of the tables
+    above, or shapes the default path (the scale, QK-Norm and windows: attention.py)."""
+    scale: str = "sqrt_dk"  # sqrt_dk (1/sqrt(d_k)) | none (1.0) | dk (1/d_k) | a positive number
+    qk_norm: bool = False  # normalise q and k per head before RoPE
+    qk_norm_type: str = "rms"  # rms | layer | l2 (all parameter-free unless qk_norm_gain is set)
+    qk_norm_gain: str = "none"  # none | head (one scalar per head) | channel (one per head dim)
+    impl: str = "sdpa"  # sdpa (fast) | reference (plain math) | tiled (FlashAttention's algorithm, variants/tiled.py)
+    block: int = 128  # impl=tiled: queries and keys per tile
+    window: Optional[int] = None  # each query sees only the latest `window` keys (itself included); unset: all
+    window_pattern: str = "L"  # with a window: L (local) or G (global) per layer, repeated over the layers (LG: alternating)
+    kind: str = "softmax"  # softmax | linear (phi(q).phi(k): linear in N, a state when decoding) | mla (latent KV)
+    gate: str = "none"  # none | head | channel: sigmoid gate from the layer input on each head's output
+    sink: str = "none"  # none | zero (softmax with an extra zero logit, "off by one") | learned (a logit per head)
+    kv_lora_rank: Optional[int] = None  # kind=mla: the latent's width d_c; unset: 4 * head_dim
+    q_lora_rank: Optional[int] = None  # kind=mla: a query latent's width too; unset: queries straight from x
+    rope_head_dim: Optional[int] = None  # kind=mla: the decoupled RoPE key/query width; unset: head_dim / 2
+
+    RULES: ClassVar[dict] = {
+        "scale": Rule(lambda v: str(v) in ("sqrt_dk", "none", "dk") or positive_number(v),
+                      "sqrt_dk, none, dk or a positive number"),
+        "qk_norm_type": OneOf(("rms", "layer", "l2")), "qk_norm_gain": OneOf(("none", "head", "channel")), "impl": OneOf(tuple(PATHS)),
+        "block": Range(1, 65536), "window": Range(1, why="keys a query sees, itself included"),
+        "window_pattern": Rule(lambda v: bool(v) and set(str(v)) <= {"L", "G"}, "a string of L (local) and G (global)"),
+        "kind": OneOf(tuple(KINDS)), "gate": OneOf(tuple(GATES)), "sink": OneOf(tuple(SINKS)),
+        "kv_lora_rank": Range(1), "q_lora_rank": Range(1), "rope_head_dim": Range(2, why="RoPE rotates pairs of channels"),
+    }
+    # each option must change what the model computes
+    SOFTMAX: ClassVar[Needs] = Needs(lambda a: a.kind != "linear", "{p}kind is softmax or mla (linear attention "
+                                     "has no softmax, no logits, no N x N table)")
+    QK_NORM: ClassVar[Needs] = Needs(lambda a: a.qk_norm, "{p}qk_norm=true")
+    MLA: ClassVar[Needs] = Needs(lambda a: a.kind == "mla", "{p}kind=mla")
+    NEEDS: ClassVar[dict] = {
+        "impl": SOFTMAX, "scale": SOFTMAX, "window": SOFTMAX, "sink": SOFTMAX, "qk_norm_type": QK_NORM,
+        "qk_norm_gain": QK_NORM, "kv_lora_rank": MLA, "q_lora_rank": MLA, "rope_head_dim": MLA,
+        "block": Needs(lambda a: a.impl == "tiled", "{p}impl=tiled"),
+        "window_pattern": Needs(lambda a: a.window is not None, "{p}window=W"),
+    }
+
+
+def make_attention(config, layer: int) -> CausalSelfAttention:
+    """Layer `layer`'s attention: its kind, with its slots filled from the table."""
+    a = config.attn
+    return KINDS[a.kind](config, layer, path=PATHS[a.impl](a.block), bias=BIASES.get(config.pos),
+                         sink=SINKS[a.sink], gate=GATES[a.gate])
+
+
+def check(config):
+    """The options a piece cannot take, each refused in one line, before anything is built."""
+    kind = KINDS[config.attn.kind]
+    if hasattr(kind, "check"):
+        kind.check(config)
+    if config.attn.impl == "tiled" and config.dropout > 0:
+        raise UserError(f"model.attn.impl=tiled does not drop attention weights: set model.dropout=0 (now "
+                        f"{config.dropout}) or use impl=sdpa")
+
+
+def kv_cache(dtype=None, static: bool = False, sinks: int = 0, theta=None):
+    """The KV cache sample.py's settings ask for, as a maker for new_cache: StaticKVCache for a
+    compiled decode step, Int8KVCache for dtype=torch.int8, SinkKVCache keeping `sinks` first tokens
+    (theta: RoPE's frequencies, to move its keys), else KVCache."""
+    if static and (sinks or dtype == torch.int8):
+        raise UserError("a compiled decode step supports neither an int8 cache nor sink tokens: use compile=false")
+    if dtype == torch.int8 and sinks:
+        raise UserError("an int8 cache does not keep sink tokens: use kv_dtype=auto with kv_sinks, or no kv_sinks")
+    if sinks:
+        return partial(SinkKVCache, sinks=sinks, theta=theta)
+    return StaticKVCache if static else Int8KVCache if dtype == torch.int8 else KVCache
+
+
+def attention(q, k, v, scale: float, *, impl: str = "sdpa", block: int = 128, causal: bool = True, window=None,
+              **keys):
+    """Any path by name, as tests and tools compare them: softmax(q·kᵀ·scale + M)·v for q (B, nh, Tq,
+    hs) and k, v (B, n_kv, Tk, hs), M causal (the queries the last Tq positions; within `window` if
+    given) or nothing (causal=False); keys: what else every path takes (bias, sink, dropout_p)."""
+    mask = Mask(q.size(-2), k.size(-2), window) if causal else None
+    return PATHS[impl](block)(q, k, v, scale=scale, mask=mask, **keys)
