@@ -179,7 +179,7 @@ class SampleConfig:
     compile: Optional[bool] = None  # torch.compile the cached decode step (CUDA graphs on CUDA); unset: on for CUDA
     threads: Optional[int] = None  # intra-op CPU threads; unset: torch's default. 1 decodes ~2x faster on 2 cores
     dtype: str = "auto"  # autocast dtype as in training: auto = bfloat16 on capable GPUs, else float32
-    kv_dtype: str = "auto"  # KV cache dtype: auto = dtype's if 16-bit, on CPU bfloat16 for num_samples > 1 (faster), else float32; int8: quantised
+    kv_dtype: str = "auto"  # KV cache dtype: auto = dtype's if 16-bit, else float32; bfloat16 halves it; int8: quantised
     kv_sinks: int = 0  # past block_size, keep the first kv_sinks tokens in the cache besides the latest (StreamingLLM); 0: a plain ring
     rope_scaling: Optional[str] = None  # linear | ntk | yarn: stretch a RoPE checkpoint's positions, no training; unset: its own
     rope_scaling_factor: Optional[float] = None  # the context grows to this many times the trained length; unset: its own

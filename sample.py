@@ -184,18 +184,19 @@ def start_ids(tok, prompt: str, state: dict) -> list:
 
 def kv_cache_dtype(name: str, rt, num_samples: int) -> torch.dtype:
     """sample.kv_dtype: as named; auto is the autocast dtype where there is one (bf16 or fp16 on a
-    GPU), and on a CPU bf16 for a batch, fp32 for one sample. Why: a batch-8 decode step of the baby
-    preset reads 38 MB of keys and values besides 42 MB of weights, and a bf16 cache made it
-    1.18-1.27x faster (1.4-1.75x compiled), while one sample reads 4.7 MB of them, and there casting
-    q and the output cost more than the halved reads saved (4-6% slower eagerly; bench_sample.py
-    threads=1, two runs). bf16 moves logits by its rounding (~1% of the largest, tested)."""
+    GPU), and fp32 on a CPU. Why: a bf16 cache halves what a decode step reads, but on a CPU whether
+    that pays is the CPU's: a batch-8 step of the baby preset ran 1.18-1.27x faster with it on one
+    machine, and 1.3-1.4x slower on another (an AMD EPYC: torch's CPU attention kernel is slow in
+    bf16 for one query; bench_sample.py threads=1, two runs each, docs/sampling.md); one sample was
+    4-6% slower with it on both. kv_dtype=bfloat16 asks for it; bf16 moves logits by its rounding
+    (~1% of the largest, tested)."""
     if name == "int8":
         return torch.int8
     if name != "auto":
         return pick_dtype(name, rt.device, "kv_dtype")
     if rt.dtype != torch.float32:  # autocast: k and v come out of their projection in this dtype
         return rt.dtype
-    return torch.bfloat16 if rt.device.type == "cpu" and num_samples > 1 else torch.float32
+    return torch.float32
 
 
 def sample(cfg, out=None) -> list:

@@ -1,7 +1,7 @@
 """variants/mla.py, multi-head latent attention (model.attn.kind=mla): the layer against its
 up-projections written out, naive and absorbed decoding against the whole sequence, what its cache
 holds (the latent and the RoPE key, in any of the KV caches: plain, fixed-shape, int8, sink-keeping),
-counts, and the options it refuses."""
+counts, and the options it refuses. Its sink-keeping cache is tests/variants/test_sink_cache.py's."""
 import math
 
 import pytest
@@ -14,7 +14,6 @@ from helpers import variant_model as make
 from model import GPTConfig
 from rules import UserError
 from variants.int8_cache import Int8KVCache
-from variants.sink_cache import SinkKVCache
 
 
 @pytest.mark.parametrize("q_lora", [None, 16], ids=["q-from-x", "q-latent"])
@@ -94,21 +93,6 @@ def test_an_int8_latent_cache_stays_within_its_rounding(absorbed):
     assert (int8 - full).abs().max() > 0  # it did quantise
     assert sum(c.nbytes() for c in caches) == kv_cache_bytes(model.config, 32, 2, int8=True) \
         == 2 * 2 * 32 * (12 + 4 + 2 * 4)  # layers x batch x tokens x (latent + RoPE key + two fp32 scales)
-
-
-def test_mla_sink_eviction_equals_attention_over_exactly_the_kept_positions():
-    """MLA decoding far past its cache with kv_sinks: each step's logits equal the model run on just
-    the kept tokens (the first 4, then the latest) at positions 0..n-1, as for a plain KV cache."""
-    model = make(n_layer=1, block_size=12, attn={"kind": "mla"})
-    ids = torch.randint(40, (1, 40))
-    cache = model.new_kv_cache(1, 12, sinks=4)
-    assert all(isinstance(c, SinkKVCache) for c in cache)
-    with torch.no_grad():
-        model(ids[:, :3], kv_cache=cache, pos=0)
-        for t in range(3, 40):
-            got = model(ids[:, t:t + 1], kv_cache=cache, pos=t)[0, -1]
-            kept = list(range(t + 1)) if t < 12 else [0, 1, 2, 3] + list(range(t - 7, t + 1))
-            assert torch.allclose(got, model(ids[:, kept])[0, -1], atol=1e-5), t
 
 
 def test_mla_counts_equal_the_built_model():

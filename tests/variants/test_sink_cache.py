@@ -10,12 +10,14 @@ from helpers import variant_model as make
 from variants.sink_cache import SinkKVCache
 
 
-@pytest.mark.parametrize("pos", ["rope", "alibi", "none"])
-def test_sink_eviction_equals_attention_over_exactly_the_kept_positions(pos):
+@pytest.mark.parametrize("variant", [{"pos": "rope"}, {"pos": "alibi"}, {"pos": "none"}, {"attn": {"kind": "mla"}}],
+                         ids=["rope", "alibi", "nope", "mla"])
+def test_sink_eviction_equals_attention_over_exactly_the_kept_positions(variant):
     """One layer, decoding far past the cache: each step's logits equal the model run on just the kept
     tokens (the first 4, then the latest) at positions 0..n-1, which is what attending to them with
-    in-cache positions means (RoPE: each kept key turned to its place; ALiBi: its distance there)."""
-    model = make(n_layer=1, block_size=12, pos=pos)
+    in-cache positions means (RoPE: each kept key turned to its place, MLA's RoPE key too; ALiBi: its
+    distance there)."""
+    model = make(n_layer=1, block_size=12, **variant)
     ids = torch.randint(40, (1, 50))
     cache = model.new_kv_cache(1, 12, sinks=4)
     assert all(isinstance(c, SinkKVCache) for c in cache)
