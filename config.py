@@ -16,7 +16,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
 
 from common import DTYPES
-from rules import FRACTION, NON_NEGATIVE, POSITIVE, SEED, Needs, OneOf, Range, UserError, check_values
+from rules import FRACTION, NON_NEGATIVE, POSITIVE, SEED, Needs, OneOf, Range, UserError, check_values, warn_ignored
 from model import GPTConfig
 from variants import ROPE_SCALINGS
 from optim import LR_SCHEDULES, MUON_ADJUST_LR, MUON_NS_DTYPES, OPTIMIZERS
@@ -203,12 +203,14 @@ class SampleConfig:
 
 # ----------------------------------------------------------------------------- checks
 
-def check_train_config(cfg):
+def check_train_config(cfg) -> list:
     """Every value of a training config in its schema's table (model, data, train, logger, top
     level), the model's relations (GPTConfig), and the pairs of training keys that only make sense
-    together: everything that needs no file, before anything is written."""
-    check_values(cfg)
-    model_config(cfg.model, cfg.model.vocab_size or 1)  # n_embd divisible by n_head, etc.
+    together: everything that needs no file, before anything is written. Returns the settings that
+    have no effect in this config (each warned in one line): ignored, not refused."""
+    ignored = check_values(cfg)
+    more = [line for line in model_config(cfg.model, cfg.model.vocab_size or 1).ignored if line not in ignored]
+    warn_ignored(more)  # what the model's pieces ignore besides (GPTConfig: n_embd divisible by n_head, etc.)
     check_wandb_mode(cfg.logger.wandb)  # online needs a key
     t = cfg.train
     if t.min_lr > t.lr:
@@ -225,6 +227,7 @@ def check_train_config(cfg):
     if t.lr * t.weight_decay >= 1:
         raise UserError(f"train.weight_decay={t.weight_decay} times train.lr={t.lr} is >= 1: AdamW would zero or "
                         "flip every weight each step; use weight_decay < 1/lr")
+    return ignored + more
 
 
 def data_seed(cfg) -> int:

@@ -84,7 +84,7 @@ class GPTConfig:
             self.attn = AttnConfig(**self.attn)
         if self.vocab_size is None:
             raise ConfigError("model.vocab_size is unset: it comes from the data's tokenizer")
-        check_values(self, "model")
+        self.ignored = check_values(self, "model", warn=False)  # set but without effect here: ignored
         # what only holds between keys
         if self.n_embd % self.n_head:
             raise ConfigError(f"model.n_embd={self.n_embd} is not divisible by model.n_head="
@@ -104,7 +104,7 @@ class GPTConfig:
         self.rope_dim = (self.attn.rope_head_dim or self.head_dim // 2) if self.attn.kind == "mla" else self.head_dim
         if self.rope_original_length is None:
             self.rope_original_length = self.block_size
-        check(self)  # what each chosen piece cannot take
+        self.ignored += check(self)  # what each chosen piece refuses, or ignores
 
 
 # ----------------------------------------------------------------------------- MLP, norm, blocks

@@ -6,6 +6,7 @@ so) and `check_values`, which holds a config to its schemas' tables.
 No torch and no process code here: the model files, config.py and every tool import these, and the
 export's custom-code route copies this file whole beside the model."""
 import dataclasses
+import logging
 import math
 from dataclasses import dataclass
 
@@ -108,10 +109,12 @@ def schema_nodes(node, prefix: str = ""):
             yield from schema_nodes(value, f"{prefix}.{f.name}" if prefix else f.name)
 
 
-def check_values(node, prefix: str = ""):
+def check_values(node, prefix: str = "", warn: bool = True) -> list:
     """Every value of a config node in its schema's table, nested schemas included: a one-line
-    UserError for the first that breaks its rule, naming the key as `prefix.key`; then every key
-    that cannot act in this config (its schema's NEEDS table) yet was set.
+    UserError for the first that breaks its rule, naming the key as `prefix.key`. Returns the keys
+    that cannot act in this config (its schema's NEEDS table) yet were set, each a line saying so
+    (logged as a warning with `warn`): they are ignored, not refused, since a sweep's arm may well
+    set what only another arm uses (a Muon lr beside optimizer=adamw,muon).
 
     Each schema (a dataclass: a config group, a tool's settings, GPTConfig) declares its table as
     the class attribute RULES, {field: Range | OneOf | Rule}, and NEEDS, {field: Needs}; `node` may
@@ -132,14 +135,24 @@ def check_values(node, prefix: str = ""):
                 if not rule.contains(v):
                     optional = not listed and (node._get_node(f.name)._is_optional() if is_cfg else f.default is None)
                     raise UserError(rule.error(name, v, optional))
+    ignored = []
     for node, schema, prefix in nodes:
         defaults = {f.name: f.default for f in dataclasses.fields(schema)}
         for key, need in getattr(schema, "NEEDS", {}).items():
             value = getattr(node, key)
             if value != defaults[key] and not need.test(node):
                 dot = f"{prefix}." if prefix else ""
-                raise UserError(f"{dot}{key}={value!r} has no effect unless {need.what.format(p=dot)}: drop it (its "
-                                f"default is {defaults[key]!r}) or change that")
+                ignored.append(f"{dot}{key}={value!r} has no effect unless {need.what.format(p=dot)}: ignored "
+                               f"(its default is {defaults[key]!r})")
+    if warn:
+        warn_ignored(ignored)
+    return ignored
+
+
+def warn_ignored(lines):
+    """Each ignored setting as one warning line."""
+    for line in lines:
+        logging.getLogger("attnlab").warning("%s", line)
 
 
 def check_value(name: str, value, rule):

@@ -83,6 +83,7 @@ class Run:
     extensions: list = field(default_factory=list)  # context extensions: (step, block_size and RoPE scaling changes)
     parallel: object = None  # parallel.Replicated (one process, DDP) or FullyShard (FSDP), chosen once in build()
     log_file: Optional[logging.Handler] = None  # train.log in the run dir (rank 0), from record() on
+    ignored: list = field(default_factory=list)  # settings without effect in this config (warned, in run_info.json)
 
     @property
     def finished(self) -> bool:
@@ -196,7 +197,7 @@ def setup(cfg, run_name=None, run_group=None, overrides=None, early_log=()) -> R
     made = given is not None and new_run_dir(given)
     dist_, lock = None, None
     try:
-        check_train_config(cfg)  # before anything is written
+        ignored = check_train_config(cfg)  # before anything is written; settings without effect: warned
         if given is None:
             raise UserError("out_dir is unset: pass out_dir=DIR (train.py sets it to Hydra's run dir)")
         check_output_dir(given, "hydra.run.dir")
@@ -225,6 +226,7 @@ def setup(cfg, run_name=None, run_group=None, overrides=None, early_log=()) -> R
                                 "hydra.run.dir (nothing was overwritten)")
             remove_stale_temps(out_dir, alive_only=False)  # we hold the lock: a temp file here is a killed write's
         run = build(cfg, out_dir, dist_, grad_accum, lock)
+        run.ignored = ignored
         if state is not None:
             restore(run, state, source, extension, continues=not branch)
         if not run.finished:
@@ -316,7 +318,8 @@ def record(run: Run, run_name=None, run_group=None, overrides=None, early_log=()
     if run.dist.master:
         run.log_file = open_run_log(out_dir, early_log)
         (out_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
-        (out_dir / "run_info.json").write_text(json.dumps(run_info(run.rt.device, run.dist.world), indent=1))
+        info = {**run_info(run.rt.device, run.dist.world), "ignored_settings": run.ignored}
+        (out_dir / "run_info.json").write_text(json.dumps(info, indent=1))
         if overrides is not None and not run.resuming:
             (out_dir / ".hydra").mkdir(exist_ok=True)
             (out_dir / ".hydra" / "overrides.yaml").write_text(OmegaConf.to_yaml(list(overrides)))

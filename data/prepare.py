@@ -392,7 +392,7 @@ def prepare(data_cfg) -> Path:
 
     The result is no more readable than the source files (and the umask): the token files and
     meta.json take the source's permission bits, the directory the matching ones."""
-    check_values(data_cfg, "data")
+    check_values(data_cfg, "data", warn=False)  # train.py and the prepare command warned already
     if data_cfg.streaming and not data_cfg.max_tokens:
         raise UserError("data.streaming=true needs a token budget: set data.max_tokens (e.g. 1e9)")
     kind, location = source_of(data_cfg)
@@ -486,6 +486,7 @@ def main():
     @hydra.main(version_base="1.3", config_path=str(REPO / "configs"), config_name="prepare")
     @cli
     def _main(cfg):
+        check_values(cfg)
         print(prepare(cfg.data))
 
     run_app(_main)

@@ -4,8 +4,10 @@ its bad values (0, negative, huge, nan, inf, wrong type), and one that sets ever
 no effect. Output paths are tests/test_output_paths.py's, exports' overwrite tests/test_export.py's."""
 import dataclasses
 import json
+import logging
 import math
 import os
+import re
 import shutil
 import signal
 import stat
@@ -872,12 +874,20 @@ def test_resuming_a_finished_run_says_so_and_changes_nothing(tmp_path, shared, c
     assert snapshot(tmp_path / "run") == before
 
 
-def test_muon_settings_under_adamw_are_refused_before_anything_is_written(tmp_path, shared):
-    """Was: train.muon_* were silently ignored under train.optimizer=adamw."""
-    with pytest.raises(UserError, match=r"train.muon_lr=0.01 has no effect unless train.optimizer=muon") as e:
-        train(make_cfg(tmp_path, shared, "train.muon_lr=0.01"))
-    one_line(e)
-    assert not (tmp_path / "run").exists()
+def test_muon_settings_under_adamw_are_warned_recorded_and_the_run_goes_on(tmp_path, shared, caplog):
+    """Was: train.muon_* were silently ignored under train.optimizer=adamw; then refused, which killed
+    a sweep's AdamW arm. Now: one warning line at the start, the run's record lists it, the run trains
+    (as AdamW alone: the same as without the setting)."""
+    with caplog.at_level(logging.WARNING, logger="attnlab"):
+        with_lr = train(make_cfg(tmp_path, shared, "train.muon_lr=0.01", "train.max_iters=4"))
+    line = "train.muon_lr=0.01 has no effect unless train.optimizer=muon: ignored (its default is None)"
+    assert [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING].count(line) == 1
+    info = json.loads((tmp_path / "run" / "run_info.json").read_text())
+    assert info["ignored_settings"] == [line]
+    assert line in (tmp_path / "run" / "train.log").read_text()
+    without = train(make_cfg(tmp_path, shared, "train.max_iters=4", f"out_dir={tmp_path / 'plain'}"))
+    assert with_lr["val_loss"] == without["val_loss"]
+    assert json.loads((tmp_path / "plain" / "run_info.json").read_text())["ignored_settings"] == []
 
 
 NO_EFFECT = [  # (command, overrides that idle the key, the key set anyway): one for each NEEDS entry
@@ -921,15 +931,18 @@ NO_EFFECT = [  # (command, overrides that idle the key, the key set anyway): one
 
 
 @pytest.mark.parametrize("name,idle,setting", NO_EFFECT, ids=[f"{n}:{s}" for n, _, s in NO_EFFECT])
-def test_a_setting_without_effect_is_refused_in_one_line(name, idle, setting):
-    """Every option is used or refused: set where it cannot act (muon_* under AdamW, top_k when
-    greedy, a prompt beside prompt_file, ...), it is one line naming it and what would make it act."""
+def test_a_setting_without_effect_is_warned_in_one_line_and_returned(name, idle, setting, caplog):
+    """Every option is used or said to be ignored: set where it cannot act (muon_* under AdamW, top_k
+    when greedy, a prompt beside prompt_file, ...), it is one warning line naming it and what would
+    make it act, and check_values returns that line (train.py records it in run_info.json); the
+    command goes on, since in a sweep another arm may use it."""
     entry(name)  # registers the command's schema
     key = setting.split("=")[0]
-    check_values(compose_cfg(name, idle))  # idle alone is fine
-    with pytest.raises(UserError, match=rf"^{key}=\S+ has no effect unless ") as e:
-        check_values(compose_cfg(name, [*idle, setting]))
-    one_line(e)
+    assert check_values(compose_cfg(name, idle)) == []  # idle alone says nothing
+    with caplog.at_level(logging.WARNING, logger="attnlab"):
+        ignored = check_values(compose_cfg(name, [*idle, setting]))
+    assert len(ignored) == 1 and re.match(rf"^{key}=\S+ has no effect unless .*: ignored \(its default is ", ignored[0])
+    assert [r.getMessage() for r in caplog.records] == ignored
 
 
 def test_every_key_that_can_be_idle_has_a_case():

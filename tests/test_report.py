@@ -55,6 +55,26 @@ def test_two_run_sweep_then_report(tmp_path, cli):
     assert w >= 600 and h >= 400
 
 
+def test_a_sweep_runs_every_arm_when_one_arm_ignores_a_setting(tmp_path, cli):
+    """`python train.py -m train.optimizer=adamw,muon train.muon_lr=0.01`: the Muon lr does nothing in the
+    AdamW arm. Both arms run (a refusal there used to stop the sweep at its first job); the AdamW run
+    warns once at its start and lists the setting in its run_info.json, the Muon run lists nothing,
+    and the report names it under the AdamW arm."""
+    sweep = tmp_path / "sweep"
+    r = cli("train.py", "-m", "model=debug", "train.max_iters=4", "train.eval_interval=4", "train.eval_iters=1",
+            "train.batch_size=4", "device=cpu", f"data.cache_dir={tmp_path / 'cache'}", "logger.wandb.mode=disabled",
+            "train.optimizer=adamw,muon", "train.muon_lr=0.01", f"hydra.sweep.dir={sweep}")
+    assert r.returncode == 0, r.stderr[-3000:]
+    runs = sorted(p for p in sweep.iterdir() if (p / "metrics.jsonl").is_file())
+    assert len(runs) == 2 and "optimizer=adamw" in runs[0].name and "optimizer=muon" in runs[1].name
+    line = "train.muon_lr=0.01 has no effect unless train.optimizer=muon: ignored (its default is None)"
+    assert [json.loads((run / "run_info.json").read_text())["ignored_settings"] for run in runs] == [[line], []]
+    assert r.stderr.count(line) == 1
+    result = report([str(sweep)])
+    listed = [l for l in result["table"].splitlines() if l.startswith("- ")]
+    assert listed == [f"- train.optimizer=adamw: {line}"]
+
+
 def test_report_cli_on_missing_dir_is_one_line_error(tmp_path, cli):
     r = cli("tools/report.py", str(tmp_path / "nope"))
     assert r.returncode != 0 and "error:" in r.stderr and "Traceback" not in r.stderr

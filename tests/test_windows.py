@@ -38,17 +38,35 @@ def test_windowed_cache_holds_the_window_and_equals_recomputation(static):
     assert torch.allclose(torch.cat(steps, 1), full, atol=1e-5)
 
 
-@pytest.mark.parametrize("attn,dropout,needle", [
-    ({"kind": "linear", "impl": "tiled"}, 0.0, "model.attn.impl='tiled' has no effect unless model.attn.kind is softmax or mla"),
-    ({"kind": "linear", "scale": "none"}, 0.0, "model.attn.scale='none' has no effect unless"),
-    ({"kind": "linear", "window": 4}, 0.0, "model.attn.window=4 has no effect unless"),
-    ({"window_pattern": "LG"}, 0.0, "model.attn.window_pattern='LG' has no effect unless model.attn.window=W"),
-    ({"window_pattern": "LX", "window": 4}, 0.0, "model.attn.window_pattern=LX is invalid"),
-    ({"kind": "rnn"}, 0.0, "model.attn.kind='rnn' is unknown"),
+@pytest.mark.parametrize("attn,needle", [
+    ({"window_pattern": "LX", "window": 4}, "model.attn.window_pattern=LX is invalid"),
+    ({"kind": "rnn"}, "model.attn.kind='rnn' is unknown"),
 ])
-def test_options_that_would_not_do_what_was_asked_are_refused_in_one_line(attn, dropout, needle):
+def test_options_that_cannot_work_are_refused_in_one_line(attn, needle):
     from model import GPTConfig
     from rules import UserError
     with pytest.raises(UserError, match=needle) as e:
-        GPTConfig(vocab_size=40, n_layer=2, n_head=4, n_embd=32, dropout=dropout, attn=attn)
+        GPTConfig(vocab_size=40, n_layer=2, n_head=4, n_embd=32, attn=attn)
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("attn,line", [
+    ({"kind": "linear", "impl": "tiled"}, "model.attn.impl='tiled' has no effect unless model.attn.kind is softmax or mla"),
+    ({"kind": "linear", "scale": "none"}, "model.attn.scale='none' has no effect unless"),
+    ({"kind": "linear", "window": 4}, "model.attn.window=4 has no effect unless"),
+    ({"window_pattern": "LG"}, "model.attn.window_pattern='LG' has no effect unless model.attn.window=W"),
+])
+def test_options_without_effect_are_ignored_and_said(attn, line):
+    """Set where they cannot act, they are ignored (the model is the one without them) and listed in
+    one line each, which train.py and the tools warn and record."""
+    from model import GPT, GPTConfig
+    fields = dict(vocab_size=40, n_layer=2, n_head=4, n_embd=32)
+    cfg = GPTConfig(**fields, attn=attn)
+    assert len(cfg.ignored) == 1 and cfg.ignored[0].startswith(line) and cfg.ignored[0].endswith(")")
+    bare = GPTConfig(**fields, attn={"kind": attn.get("kind", "softmax")})
+    torch.manual_seed(0)
+    a = GPT(cfg)
+    torch.manual_seed(0)
+    b = GPT(bare)
+    idx = torch.randint(40, (2, 16))
+    assert bare.ignored == [] and torch.equal(a(idx), b(idx))

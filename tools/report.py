@@ -20,6 +20,7 @@ roles), and prints the tables.
 """
 import argparse
 import itertools
+import json
 import math
 import statistics
 import sys
@@ -112,6 +113,7 @@ class RunSummary:
     metrics: list
     final: dict
     replicate: tuple  # (seed, data seed): which runs of two arms pair up
+    ignored: list = field(default_factory=list)  # settings without effect in its config (run_info.json)
 
     @property
     def seed(self):
@@ -126,6 +128,11 @@ class Arm:
     def values(self, name) -> list:
         return [r.final[name] for r in self.runs if r.final[name] is not None]
 
+    @property
+    def ignored(self) -> list:
+        """The settings its runs logged as having no effect (each once, in the order first seen)."""
+        return list(dict.fromkeys(line for r in self.runs for line in r.ignored))
+
 
 def with_top_sink(metrics: list) -> list:
     """Each probe line with attn_first/top added: the most weight one head puts on the first token
@@ -137,11 +144,20 @@ def with_top_sink(metrics: list) -> list:
     return metrics
 
 
+def ignored_settings(run: Path) -> list:
+    """The settings train.py found without effect in the run's config (its run_info.json), or []."""
+    try:
+        return list(json.loads((run / "run_info.json").read_text()).get("ignored_settings") or [])
+    except (OSError, ValueError, AttributeError):
+        return []
+
+
 def summarize(run: Path) -> RunSummary:
     config, metrics = flat_config(run), with_top_sink(read_metrics(run))
     seed = config.get("seed")
     data_seed = config.get("train.data_seed")
-    return RunSummary(run, config, metrics, final_values(metrics), (seed, seed if data_seed is None else data_seed))
+    return RunSummary(run, config, metrics, final_values(metrics), (seed, seed if data_seed is None else data_seed),
+                      ignored_settings(run))
 
 
 def arm_key(config: dict, run: Path, newer=()):
@@ -329,6 +345,13 @@ def pairs_table(comparisons: list) -> str:
     return "\n".join(lines)
 
 
+def ignored_lines(arms: list) -> str:
+    """Each arm's settings without effect (warned at its start, in its runs' run_info.json): an arm of
+    a sweep may set what only another arm uses, and is then the arm without it."""
+    lines = [f"- {a.label}: " + "; ".join(a.ignored) for a in arms if a.ignored]
+    return ("Settings an arm ignored (no effect in its config):\n" + "\n".join(lines)) if lines else ""
+
+
 def footnote(arms: list) -> str:
     full = all(r.final["full_val"] for a in arms for r in a.runs)
     return ("Val loss: " + ("over the whole val split at the last step (val/loss_full)" if full else
@@ -382,7 +405,8 @@ def report(paths, out=None, baseline=None) -> dict:
         rows = [{"run": f"{a.label} [{r.seed}]" if len(a.runs) > 1 else a.label, "metrics": r.metrics}
                 for a in arms for r in a.runs]
         files.append(plot_head_roles_compare(rows, out / "attn_heads.png"))
-    md = "\n\n".join([arm_table(arms), pairs_table(comparisons) if comparisons else "", footnote(arms)]).replace("\n\n\n", "\n\n")
+    md = "\n\n".join(p for p in [arm_table(arms), pairs_table(comparisons) if comparisons else "", ignored_lines(arms),
+                                  footnote(arms)] if p)
     (out / "report.md").write_text(md + "\n")
     files.append(out / "report.md")
     rows = [{"run": a.label, "dir": str(r.dir), "seed": r.seed, **r.final, "metrics": r.metrics}

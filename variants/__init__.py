@@ -22,7 +22,8 @@ The tables below map each config value to its piece. model.py reads them once, a
 table's keys. To add an attention kind: write variants/NAME.py with a subclass of
 attention.CausalSelfAttention that overrides the methods it changes (forward, make_projections,
 new_cache; `softmax = False` if it has no softmax weights for the probe to read; a static
-`check(config)` that refuses, in one line, the options it cannot take), open it as the others open,
+`check(config)` that refuses, in one line, the options it cannot take and returns those it
+ignores), open it as the others open,
 and add one row to KINDS. An add-on fills a slot instead: a row in PATHS, BIASES, SINKS or GATES.
 """
 from dataclasses import dataclass
@@ -111,14 +112,14 @@ def make_attention(config, layer: int) -> CausalSelfAttention:
                          sink=SINKS[a.sink], gate=GATES[a.gate])
 
 
-def check(config):
-    """The options a piece cannot take, each refused in one line, before anything is built."""
+def check(config) -> list:
+    """What the chosen pieces cannot take, refused in one line before anything is built; returns the
+    settings they ignore (a line each, as rules.check_values gives them)."""
     kind = KINDS[config.attn.kind]
-    if hasattr(kind, "check"):
-        kind.check(config)
     if config.attn.impl == "tiled" and config.dropout > 0:
         raise UserError(f"model.attn.impl=tiled does not drop attention weights: set model.dropout=0 (now "
                         f"{config.dropout}) or use impl=sdpa")
+    return kind.check(config) if hasattr(kind, "check") else []
 
 
 def kv_cache(dtype=None, static: bool = False, sinks: int = 0, theta=None):

@@ -30,11 +30,8 @@ class LatentAttention(CausalSelfAttention):
     turns each head's weighted latent into its output): the cache is read, never expanded."""
 
     @staticmethod
-    def check(config):
-        """The options that do not fit a latent, in one line."""
-        if config.n_kv_head != config.n_head:
-            raise UserError(f"model.n_kv_head={config.n_kv_head} has no effect with model.attn.kind=mla (every head "
-                            "reads the one shared latent): leave it unset")
+    def check(config) -> list:
+        """The options that do not fit a latent, refused in one line; returns those it ignores."""
         if config.value_embed:
             raise UserError("model.value_embed=true with model.attn.kind=mla is not implemented: MLA's values are "
                             "up-projected from the latent")
@@ -44,6 +41,11 @@ class LatentAttention(CausalSelfAttention):
         if config.rope_dim % 2:
             raise UserError(f"MLA's RoPE part (model.attn.rope_head_dim, else head_dim/2) is {config.rope_dim}, odd, "
                             "but RoPE rotates pairs of channels: set model.attn.rope_head_dim to an even number")
+        if config.n_kv_head != config.n_head:  # every head reads the one shared latent
+            ignored, config.n_kv_head = config.n_kv_head, config.n_head
+            return [f"model.n_kv_head={ignored} has no effect with model.attn.kind=mla (every head reads the one "
+                    "shared latent): ignored"]
+        return []
 
     def make_projections(self, config):
         a, d, nh, hs = config.attn, config.n_embd, config.n_head, config.head_dim

@@ -101,13 +101,22 @@ def test_mla_counts_equal_the_built_model():
         assert count_params(model.config)["total"] == model.num_params()
 
 
-@pytest.mark.parametrize("attn,n_kv,needle", [
-    ({"kind": "mla"}, 2, "model.n_kv_head=2 has no effect with model.attn.kind=mla"),
-    ({"kind": "mla", "qk_norm": True}, None, "qk_norm=true with model.attn.kind=mla is not implemented"),
-    ({"kind": "mla", "rope_head_dim": 3}, None, "MLA's RoPE part .* is 3, odd"),
-    ({"kv_lora_rank": 8}, None, "model.attn.kv_lora_rank=8 has no effect unless model.attn.kind=mla"),
+@pytest.mark.parametrize("attn,needle", [
+    ({"kind": "mla", "qk_norm": True}, "qk_norm=true with model.attn.kind=mla is not implemented"),
+    ({"kind": "mla", "rope_head_dim": 3}, "MLA's RoPE part .* is 3, odd"),
 ])
-def test_latent_options_that_would_do_nothing_are_refused(attn, n_kv, needle):
+def test_latent_options_that_cannot_work_are_refused(attn, needle):
     with pytest.raises(UserError, match=needle) as e:
-        GPTConfig(vocab_size=40, n_layer=2, n_head=4, n_embd=32, n_kv_head=n_kv, attn=attn)
+        GPTConfig(vocab_size=40, n_layer=2, n_head=4, n_embd=32, attn=attn)
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("attn,n_kv,line", [
+    ({"kind": "mla"}, 2, "model.n_kv_head=2 has no effect with model.attn.kind=mla (every head reads the one shared "
+                         "latent): ignored"),
+    ({"kv_lora_rank": 8}, None, "model.attn.kv_lora_rank=8 has no effect unless model.attn.kind=mla: ignored "
+                                "(its default is None)"),
+])
+def test_latent_options_without_effect_are_ignored_and_said(attn, n_kv, line):
+    cfg = GPTConfig(vocab_size=40, n_layer=2, n_head=4, n_embd=32, n_kv_head=n_kv, attn=attn)
+    assert cfg.ignored == [line] and cfg.n_kv_head == 4  # MLA: every head reads the latent

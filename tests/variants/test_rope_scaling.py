@@ -34,12 +34,14 @@ def test_each_rope_scaling_is_its_formula_and_factor_one_is_none():
         assert not torch.equal(make(block_size=16, rope_scaling=kind, rope_scaling_factor=s).rope, plain)
 
 
-def test_rope_scaling_is_refused_without_rope():
+def test_rope_scaling_without_rope_is_ignored_and_said():
     from model import GPTConfig
-    with pytest.raises(UserError, match="model.rope_scaling='yarn' has no effect unless model.pos=rope"):
-        GPTConfig(vocab_size=40, n_layer=1, n_head=2, n_embd=16, pos="alibi", rope_scaling="yarn", rope_scaling_factor=2)
-    with pytest.raises(UserError, match="model.rope_scaling_factor=4 has no effect unless model.rope_scaling is set"):
-        GPTConfig(vocab_size=40, n_layer=1, n_head=2, n_embd=16, rope_scaling_factor=4)
+    alibi = GPTConfig(vocab_size=40, n_layer=1, n_head=2, n_embd=16, pos="alibi", rope_scaling="yarn", rope_scaling_factor=2)
+    assert alibi.ignored[0].startswith("model.rope_scaling='yarn' has no effect unless model.pos=rope: ignored")
+    plain = GPTConfig(vocab_size=40, n_layer=1, n_head=2, n_embd=16, rope_scaling_factor=4)
+    assert plain.ignored == ["model.rope_scaling_factor=4 has no effect unless model.rope_scaling is set: ignored "
+                             "(its default is 1.0)"]
+    assert torch.equal(make(block_size=16, rope_scaling_factor=4).rope, make(block_size=16).rope)
 
 
 def test_rope_scaling_applies_to_a_trained_checkpoint_as_it_is(tmp_path):
