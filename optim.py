@@ -18,9 +18,10 @@ import math
 from contextlib import nullcontext
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
-from common import all_ranks_agree, has_native_bf16
+from common import has_native_bf16
 from rules import UserError
 
 OPTIMIZERS = ("adamw", "muon")
@@ -240,25 +241,32 @@ def set_lr(optimizer, lr: float):
 def train_step(model, optimizer, batches, grad_accum, grad_clip, runtime, scaler, world=1):
     """One optimizer step over this process's micro-batches (x, y), each weighted 1/grad_accum so
     the step sees their mean (DDP, or FSDP's reduce-scatter, then averages over processes; FSDP
-    reduces every micro-batch, DDP the last). Returns (loss of the last micro-batch, global grad norm,
-    finite): a step whose loss or gradients are not finite on any rank is skipped on every rank, the
-    weights untouched."""
+    reduces every micro-batch, DDP the last). grad_accum: this process's share of them. Returns
+    (the mean loss of the step's whole global batch, every micro-batch of every process: the same
+    figure whatever the number of processes; global grad norm; finite): a step whose loss or
+    gradients are not finite on any rank is skipped on every rank, the weights untouched."""
     batches = list(batches)
     device = runtime.device
+    total = torch.zeros((), device=device)
     for i, (x, y) in enumerate(batches):
         # under DDP, gradients are all-reduced once, on the last micro-batch
         sync = i == len(batches) - 1 or not hasattr(model, "no_sync")
         with (nullcontext() if sync else model.no_sync()), runtime.autocast():
             _, loss = model(x.to(device, non_blocking=True), y.to(device, non_blocking=True))
         scaler.scale(loss / grad_accum).backward()
+        total += loss.detach().float()
     scaler.unscale_(optimizer)
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip if grad_clip > 0 else float("inf"))
     if hasattr(grad_norm, "full_tensor"):  # FSDP: a DTensor, the norm over every rank's shards, replicated
         grad_norm = grad_norm.full_tensor()
     # fp16's GradScaler skips steps with inf gradients by design (and lowers its scale); only the loss counts there
-    finite = torch.isfinite(loss) & (torch.isfinite(grad_norm) | torch.tensor(scaler.is_enabled(), device=loss.device))
-    # one host sync per step: never step on (or save) NaN weights; every rank takes the same decision
-    finite = not all_ranks_agree(not bool(finite.item()), device, world)
+    finite = torch.isfinite(total) & (torch.isfinite(grad_norm) | torch.tensor(scaler.is_enabled(), device=device))
+    # one reduction and one host sync per step: the global batch's mean loss and whether any rank saw a
+    # non-finite one (never step on, or save, NaN weights: every rank takes the same decision)
+    step = torch.stack([total / (grad_accum * world), (~finite).float()])
+    if world > 1:
+        dist.all_reduce(step)
+    loss, finite = step[0], step[1].item() == 0
     if finite:
         scaler.step(optimizer)
     scaler.update()  # also after a skipped step: unscale_ above must be paired with an update

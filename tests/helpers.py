@@ -318,7 +318,8 @@ def poison_training_loss(monkeypatch, at: dict):
 
 
 def assert_same_training(single, multi, step: int, tol: float):
-    """The two runs' weights at `step` and their val losses agree within tol."""
+    """The two runs' weights at `step`, their val losses and the train loss they logged at every
+    logged step (the mean over the step's whole global batch) agree within tol."""
     from checkpoint import load_checkpoint, step_name
     from tracking import read_metrics
 
@@ -326,9 +327,11 @@ def assert_same_training(single, multi, step: int, tol: float):
     for name, t in a["model"].items():
         d = (t - b["model"][name]).abs().max().item()
         assert d < tol, f"{name}: max diff {d:.2e} (tolerance {tol:g})"
-    la = [m["val/loss"] for m in read_metrics(single) if "val/loss" in m]
-    lb = [m["val/loss"] for m in read_metrics(multi) if "val/loss" in m]
-    assert la and la == pytest.approx(lb, abs=tol)
+    for key in ("val/loss", "train/loss"):
+        la = [(m["step"], m[key]) for m in read_metrics(single) if key in m]
+        lb = [(m["step"], m[key]) for m in read_metrics(multi) if key in m]
+        assert la and [s for s, _ in la] == [s for s, _ in lb], key
+        assert [v for _, v in la] == pytest.approx([v for _, v in lb], abs=tol), key
 
 
 # ----------------------------------------------------------------------------- W&B offline logs

@@ -68,7 +68,8 @@ def test_eval_loss_recomputes_from_checkpoint(train_cfg, tmp_path):
 
 def test_gradient_accumulation_equals_bigger_batch(train_cfg, tmp_path):
     """grad_accum=4 with batch b takes the same step as grad_accum=1 with batch 4b when fed the
-    same tokens (clipping included)."""
+    same tokens (clipping included), and reports the same loss: the whole batch's mean, the loss
+    of the model before the step on all 8 rows (not the last micro-batch's)."""
     from common import Runtime
     from model import GPT, GPTConfig
     from optim import train_step
@@ -82,9 +83,12 @@ def test_gradient_accumulation_equals_bigger_batch(train_cfg, tmp_path):
     # first step, g/|g|, would hide it)
     opt_a, opt_b = torch.optim.SGD(a.parameters(), lr=0.5), torch.optim.SGD(b.parameters(), lr=0.5)
     rt = Runtime(torch.device("cpu"), torch.float32)
-    _, norm_a, _ = train_step(a, opt_a, [(x, y)], 1, 0.0, rt, scaler)
-    _, norm_b, _ = train_step(b, opt_b, [(x[i:i + 2], y[i:i + 2]) for i in range(0, 8, 2)], 4, 0.0, rt, scaler)
+    with torch.no_grad():
+        before = a(x, y)[1].item()  # the whole batch's mean loss, computed apart
+    loss_a, norm_a, _ = train_step(a, opt_a, [(x, y)], 1, 0.0, rt, scaler)
+    loss_b, norm_b, _ = train_step(b, opt_b, [(x[i:i + 2], y[i:i + 2]) for i in range(0, 8, 2)], 4, 0.0, rt, scaler)
     assert norm_a.item() == pytest.approx(norm_b.item(), rel=1e-5) and norm_a.item() > 0.1
+    assert loss_a.item() == pytest.approx(before, rel=1e-6) and loss_b.item() == pytest.approx(before, rel=1e-6)
     for (n, p), q in zip(a.named_parameters(), b.parameters()):
         assert torch.allclose(p, q, atol=1e-6), n
 
