@@ -1,5 +1,6 @@
 """Fast decoding: the compiled static-cache decode step, chunked host checks, streaming, batching."""
 import io
+import re
 
 import pytest
 import torch
@@ -112,6 +113,21 @@ def test_bench_sample_prints_ratios_and_the_bandwidth_bound(capsys):
     rows = bench_sample(cfg)["rows"]
     assert set(rows) == {"cache, batch 1, kv float32", "cache, batch 1, kv bfloat16"}
     assert "batch 1, kv bfloat16" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("overrides,needle", [
+    (["compile=[]", "recompute=false"], "nothing to time: compile=[] leaves no cached case"),
+    (["compile=[false,false]"], "compile=[False, False]: list each value once"),
+    (["batch_sizes=[]"], "batch_sizes=[]: list at least one value"),
+])
+def test_bench_sample_with_nothing_to_time_says_what_to_change_before_any_work(overrides, needle, capsys):
+    """Was: exit 0 having printed only its header line."""
+    from helpers import compose_cfg
+    from rules import UserError
+    from tools.bench_sample import bench_sample
+    with pytest.raises(UserError, match=re.escape(needle)) as e:
+        bench_sample(compose_cfg("bench_sample", ["model=debug", "tokens=5", *overrides]))
+    assert "\n" not in str(e.value) and capsys.readouterr().out == ""  # refused before printing anything
 
 
 @pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])

@@ -86,6 +86,11 @@ def bench_sample(cfg) -> dict:
     for key in ("batch_sizes", "layouts", "kv_dtypes"):  # each a list of cases to time
         if not cfg[key] or len(set(cfg[key])) < len(cfg[key]):
             raise UserError(f"{key}={list(cfg[key])}: list at least one value, each once")
+    if len(set(cfg.compile)) < len(cfg.compile):
+        raise UserError(f"compile={list(cfg.compile)}: list each value once")
+    if not cfg.compile and not cfg.recompute:  # before anything is built or printed
+        raise UserError("nothing to time: compile=[] leaves no cached case and recompute=false no recomputing one; "
+                        "give compile=[false] (or [false,true]), or recompute=true")
     rt = setup_runtime(cfg.device, cfg.dtype)  # the device and autocast sample.py would use
     device = rt.device
     if cfg.threads:
