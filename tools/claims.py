@@ -24,6 +24,7 @@ claims.md. Adding a claim is one function under @claim; tests/test_claims.py hol
 CLAIMS.md to exactly one row.
 """
 import argparse
+import dataclasses
 import json
 import math
 import sys
@@ -983,7 +984,7 @@ def check_c11(ctx):
                                    .reshape(-1, trained.config.vocab_size),
                                    val[1: ((len(val) - 1) // L) * L + 1].view(-1, L)[:, L // 2:].reshape(-1)).item()
         loss = {"rope": late_loss(trained, L), f"rope, window {T}": windowed}
-        fields = {k: v for k, v in vars(trained.config).items() if k not in ("head_dim", "attn_scale", "rope_dim")}
+        fields = dataclasses.asdict(trained.config)  # the fields, not what __post_init__ derives
         for scaling in ("linear", "ntk", "yarn"):  # the same weights, RoPE scaled 8x at evaluation
             scaled = GPT(GPTConfig(**{**fields, "rope_scaling": scaling, "rope_scaling_factor": 8.0})).eval()
             scaled.load_state_dict(trained.state_dict())
