@@ -38,22 +38,28 @@ class DataConfig:
     val_fraction: float = 0.1  # carved off: the text's tail (one document) or a seeded draw of documents
     split_seed: int = 1337  # seed of that draw
     tokenizer: str = "char"  # char | bpe (trained here) | a tiktoken encoding: r50k_base (GPT-2), cl100k_base
-    vocab_size: Optional[int] = None  # tokens in all, for tokenizer=bpe
+    vocab_size: Optional[int] = None  # tokens in all, for tokenizer=bpe (>= 257) or data=mqar
     streaming: bool = False  # stream a Hub dataset instead of downloading it whole (needs max_tokens)
     max_tokens: Optional[float] = None  # cap on training tokens, e.g. 1e9
     num_proc: int = 1  # processes for tokenization (Dataset.map)
     cache_dir: Optional[str] = None  # where prepared token files live; default <repo>/data/cache
     bos: bool = False  # start every window with a beginning-of-sequence token (an id of its own): a fixed first token
+    pairs: List[int] = field(default_factory=lambda: [8])  # data=mqar: key-value pairs per example (each asked once); several: an equal mix, recall logged for each
+
+    examples: int = 20000  # data=mqar: training examples (a tenth as many, at least 256, for validation)
 
     RULES: ClassVar[dict] = {
         "val_fraction": Range(0, 1, lo_open=True, hi_open=True),
         "split_seed": SEED,
-        "vocab_size": Range(257, why="a byte-level BPE holds the 256 bytes and <|endoftext|>"),
+        "vocab_size": Range(3, why="data=mqar: a filler, a key and a value at least; tokenizer=bpe: 257"),
         "max_tokens": Range(1, why="a cap on training tokens"),
-        "num_proc": Range(1, 4096),
+        "num_proc": Range(1, 4096), "pairs": Range(1), "examples": Range(1, 10**7, why="generated in memory"),
     }
     NEEDS: ClassVar[dict] = {
-        "vocab_size": Needs(lambda d: d.tokenizer == "bpe", "{p}tokenizer=bpe (the other tokenizers have their own)"),
+        "vocab_size": Needs(lambda d: d.tokenizer == "bpe" or d.name == "mqar",
+                            "{p}tokenizer=bpe or data=mqar (the other tokenizers have their own)"),
+        "pairs": Needs(lambda d: d.name == "mqar", "data=mqar"), "examples": Needs(lambda d: d.name == "mqar", "data=mqar"),
+        "bos": Needs(lambda d: d.name != "mqar", "the data is text (data=mqar's examples have a fixed layout)"),
         "hub_config": Needs(lambda d: d.hub is not None, "{p}hub=NAME"),
         "streaming": Needs(lambda d: d.hub is not None, "{p}hub=NAME (a file or URL is read whole)"),
     }

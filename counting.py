@@ -17,9 +17,13 @@ ADAMW_BYTES_PER_PARAM = 8  # exp_avg + exp_avg_sq, fp32: train.py keeps fp32 wei
 TRAIN_BYTES_PER_PARAM = 16  # fp32 weight, gradient and AdamW's two moments
 
 
+CONV = 4  # a recurrent layer's short convolution (variants/gdn.py)
+
+
 def mlp_matrices(c) -> int:
-    """Weight matrices of one MLP, in units of n_embd x d_ff: gate, up and down for SwiGLU."""
-    return 3 if c.mlp == "swiglu" else 2
+    """Weight matrices of one MLP, in units of n_embd x d_ff: gate, up and down for SwiGLU; none
+    without an MLP."""
+    return {"swiglu": 3, "none": 0}.get(c.mlp, 2)
 
 
 def mla_dims(c) -> tuple:
@@ -29,37 +33,70 @@ def mla_dims(c) -> tuple:
         a.q_lora_rank or 0
 
 
-def projection_macs(c) -> dict:
-    """Weights of one layer's attention projections, by what they compute (one MAC per weight per
-    token): q, k, v, o. MLA's k and v include the down-projection to the latent (and its RoPE key)
-    and the up-projections from it, as training computes them for every token."""
-    d, kv, hs, nh = c.n_embd, c.n_kv_head * c.head_dim, c.head_dim, c.n_head
-    if c.attn.kind != "mla":
+def layer_types(c) -> list:
+    """[(layer, how many layers are like it)]: the layers of one period of the model's repeating
+    patterns (model.attn.layer_kinds and window_pattern), each standing for every layer that has its
+    kind and window, so that a count over n_layer layers costs one period (n_layer may be huge)."""
+    a = c.attn
+    period = math.lcm(len(a.layer_kinds) if a.layer_kinds else 1, len(a.window_pattern) if a.window else 1)
+    return [(i, c.n_layer // period + (i < c.n_layer % period)) for i in range(min(period, c.n_layer))]
+
+
+def layer_kind(c, layer: int) -> str:
+    """Layer `layer`'s attention kind (model.attn.layer_kinds repeated over the layers, else model.attn.kind)."""
+    from variants import layer_kind
+    return layer_kind(c.attn, layer)
+
+
+def state_dim(c) -> int:
+    """A mamba2 layer's state width per head (B and C)."""
+    return c.attn.state_dim or c.head_dim
+
+
+def projection_macs(c, kind=None) -> dict:
+    """Weights of one layer's attention projections (of `kind`, default model.attn.kind), by what
+    they compute (one MAC per weight per token): q, k, v, o. MLA's k and v include the
+    down-projection to the latent (and its RoPE key) and the up-projections from it, as training
+    computes them for every token; gdn's and mamba2's `gate` is their output gate's projection, q
+    and k also their β and α (gdn), B, C and Δ (mamba2)."""
+    d, kv, hs, nh, kind = c.n_embd, c.n_kv_head * c.head_dim, c.head_dim, c.n_head, kind or c.attn.kind
+    if kind == "gdn":
+        return {"q": d * d + d * nh, "k": d * d + d * nh, "v": d * d, "o": d * d, "gate": d * d}
+    if kind == "mamba2":
+        return {"q": d * state_dim(c), "k": d * state_dim(c) + d * nh, "v": d * d, "o": d * d, "gate": d * d}
+    if kind != "mla":
         return {"q": d * d, "k": d * kv, "v": d * kv, "o": d * d}
     d_c, d_r, rq = mla_dims(c)
     q = (d * rq + rq * nh * (hs + d_r)) if rq else d * nh * (hs + d_r)
     return {"q": q, "k": d * (d_c + d_r) + d_c * nh * hs, "v": d_c * nh * hs, "o": nh * hs * d}
 
 
-def layer_params(c) -> dict:
-    """One block's parameters, matrices apart from the rest (biases, norm weights, QK-Norm gains,
-    sink logits), in the layout GPT builds."""
-    d, kv, b, nh, hs = c.n_embd, c.n_kv_head * c.head_dim, int(c.bias), c.n_head, c.head_dim
-    gain = {"none": 0, "head": 1, "channel": c.head_dim}[c.attn.qk_norm_gain] if c.attn.qk_norm else 0
-    gate = {"none": 0, "head": nh, "channel": nh * hs}[c.attn.gate] * d  # attention gates: a Linear, no bias
+def layer_params(c, kind=None) -> dict:
+    """One block's parameters (its attention of `kind`, default model.attn.kind), matrices apart from
+    the rest (biases, norm weights, QK-Norm gains, sink logits, a recurrent layer's convolution and
+    decay rates), in the layout GPT builds."""
+    d, kv, b, nh, hs, kind = c.n_embd, c.n_kv_head * c.head_dim, int(c.bias), c.n_head, c.head_dim, kind or c.attn.kind
+    softmaxish = kind in ("softmax", "linear", "mla")  # the kinds that take QK-Norm, the core gate and a sink
+    gain = {"none": 0, "head": 1, "channel": c.head_dim}[c.attn.qk_norm_gain] if c.attn.qk_norm and softmaxish else 0
+    gate = {"none": 0, "head": nh, "channel": nh * hs}[c.attn.gate] * d if softmaxish else 0  # a Linear, no bias
     k = mlp_matrices(c)
     attn_bias = b * (d + 2 * kv + d)  # c_attn's q, k, v and c_proj's
     attn_norms = 0
-    if c.attn.kind == "mla":
+    if kind == "mla":
         d_c, d_r, rq = mla_dims(c)
         attn_bias = b * ((rq + nh * (hs + d_r)) + (d_c + d_r) + d)  # q_down, q_up, kv_down, c_proj
         attn_norms = d_c + rq  # kv_norm (+ q_norm)
+    elif kind == "gdn":  # c_attn (3d) and β's biases, c_proj's; the convolution, A_log, dt_bias, the norm's weight
+        attn_bias, attn_norms = b * (3 * d + nh + d), 3 * d * CONV + 2 * nh + hs
+    elif kind == "mamba2":  # in_proj's and c_proj's biases; the convolution, A_log, dt_bias, D, the norm's weight
+        ds = state_dim(c)
+        attn_bias, attn_norms = b * (d + 2 * ds + nh + d), (d + 2 * ds) * CONV + 3 * nh + d
     return {
-        "attn_matrices": sum(projection_macs(c).values()) + gate,  # c_attn (q, k, v fused) or MLA's, c_proj, gate
+        "attn_matrices": sum(projection_macs(c, kind).values()) + gate,  # c_attn (q, k, v fused) or the kind's, c_proj
         "attn_other": attn_bias + gain * (c.n_head + c.n_kv_head) + attn_norms  # biases; q_gain, k_gain per head
-        + (nh if c.attn.sink == "learned" else 0),  # one sink logit per head
+        + (nh if c.attn.sink == "learned" and kind in ("softmax", "mla") else 0),  # one sink logit per head
         "mlp_matrices": k * d * c.d_ff,  # c_fc (gate|up fused for swiglu), c_proj
-        "mlp_other": b * ((k - 1) * c.d_ff + d),  # their biases
+        "mlp_other": b * ((k - 1) * c.d_ff + d) if k else 0,  # their biases
         "norm": d * (2 if c.norm == "layernorm" and c.bias else 1),  # one norm: weight (+ LayerNorm bias)
     }
 
@@ -67,15 +104,18 @@ def layer_params(c) -> dict:
 def count_params(c) -> dict:
     """Parameters by kind; `non_embedding` is what 6N counts: every weight a token's forward
     multiplies by (the tied wte is the LM head), not the lookup tables."""
-    d, L, lp = c.n_embd, c.n_layer, layer_params(c)
+    d, L = c.n_embd, c.n_layer
+    layers = [(layer_params(c, layer_kind(c, i)), n) for i, n in layer_types(c)]
+    norms_per_block = 1 if c.mlp == "none" else 2  # ln_1 (and ln_2 before the MLP)
     p = {
         # wte (+ wpe) (+ a value-embedding table per layer)
         "embedding": c.vocab_size * d + (c.block_size * d if c.pos == "learned" else 0)
         + (L * c.vocab_size * c.n_kv_head * c.head_dim if c.value_embed else 0),
         "lm_head": 0 if c.tie_embeddings else c.vocab_size * d,
-        "attention": L * (lp["attn_matrices"] + lp["attn_other"]),
-        "mlp": L * (lp["mlp_matrices"] + lp["mlp_other"]),
-        "norms": L * 2 * lp["norm"] + (lp["norm"] if c.norm_position == "pre" else 0),  # ln_1, ln_2 (+ ln_f)
+        "attention": sum(n * (lp["attn_matrices"] + lp["attn_other"]) for lp, n in layers),
+        "mlp": sum(n * (lp["mlp_matrices"] + lp["mlp_other"]) for lp, n in layers),
+        "norms": sum(n * norms_per_block * lp["norm"] for lp, n in layers)
+        + (layers[0][0]["norm"] if c.norm_position == "pre" else 0),
     }
     p["total"] = sum(p.values())
     p["non_embedding"] = p["total"] - p["embedding"] + (c.vocab_size * d if c.tie_embeddings else 0)
@@ -90,44 +130,67 @@ def attention_macs(c, seq_len, layer: int) -> tuple:
     token adds φ(k)vᵀ and φ(k) to its kv head's chunk state (n_kv * hs * (hs + 1)) and each query
     head reads the state its chunk starts from (n_head * hs * (hs + 1)), plus, inside its chunk of
     L = min(N, LINEAR_CHUNK) positions, q.k and the weighted sum with each of L keys as softmax
-    attention does (n_head * hs * L each): independent of N beyond one chunk."""
-    a, hs = c.attn, c.head_dim
-    if a.kind == "linear":
-        from variants.linear import LINEAR_CHUNK
-        local = c.n_head * hs * min(seq_len, LINEAR_CHUNK)
-        return c.n_kv_head * hs * (hs + 1) + local, c.n_head * hs * (hs + 1) + local
+    attention does (n_head * hs * L each): independent of N beyond one chunk. Gated DeltaNet in its
+    chunks of L, per head: k.k, q.k and the triangular solve's right-hand side of keys with L
+    positions (3 L hs) and q against the chunk's starting state (hs²) as scores; the solve's values
+    and (q.k) u with L positions (2 L hs), the state read for u and the state update (2 hs²) as the
+    weighted sum (the triangular solve itself, ~L²/2 per token, is left out, as the FLOP counter does).
+    Mamba-2 in its chunks: C.B with L positions, shared by the heads (L ds), and C against the state
+    (hs ds per head) as scores; the masked weighted sum of L inputs and the state update (L hs + hs ds
+    per head)."""
+    a, hs, nh, kind = c.attn, c.head_dim, c.n_head, layer_kind(c, layer)
+    from variants.linear import LINEAR_CHUNK  # gdn and mamba2 chunk by as many positions
+    L = min(seq_len, LINEAR_CHUNK)
+    if kind == "linear":
+        local = nh * hs * L
+        return c.n_kv_head * hs * (hs + 1) + local, nh * hs * (hs + 1) + local
+    if kind == "gdn":
+        return nh * (3 * L * hs + hs * hs), nh * (2 * L * hs + 2 * hs * hs)
+    if kind == "mamba2":
+        ds = state_dim(c)
+        return L * ds + nh * hs * ds, nh * (L * hs + hs * ds)
     pattern = a.window_pattern
     keys = seq_len if a.window is None or pattern[layer % len(pattern)] == "G" else min(seq_len, a.window)
-    qk = c.n_head * (hs + (mla_dims(c)[1] if a.kind == "mla" else 0))  # MLA's keys carry the RoPE part too
-    return keys * qk, keys * c.n_head * hs
+    qk = nh * (hs + (mla_dims(c)[1] if kind == "mla" else 0))  # MLA's keys carry the RoPE part too
+    return keys * qk, keys * nh * hs
 
 
-def mean_over_layers(values):
-    """The mean of per-layer counts, exact for ints and Fractions (a float N stays a float)."""
-    total = sum(values)
-    return total / len(values) if isinstance(total, float) else Fraction(total, len(values))
+def mean_over_layers(values, counts):
+    """The mean over the layers of per-layer counts (one value for each of layer_types' layers, which
+    stands for `counts` layers each), exact for ints and Fractions (a float N stays a float)."""
+    total, n = sum(v * k for v, k in zip(values, counts)), sum(counts)
+    return total / n if isinstance(total, float) else Fraction(total, n)
 
 
 def macs_per_token(c, seq_len) -> dict:
     """Forward MACs per token at length seq_len: per layer (q, k, v, o, scores, weighted_sum, mlp,
-    other; sums proj, attn, layer; attention averaged over the layers, which differ only with a
-    local/global window pattern) and for the model (lm_head, other_final, forward). `other` is
-    one MAC per parameter outside a matrix (norm weights, biases, QK-Norm gains), the 6N
-    convention. seq_len may be a Fraction (the crossovers are checked exactly)."""
-    d, lp = c.n_embd, layer_params(c)
-    attn = [attention_macs(c, seq_len, layer) for layer in range(c.n_layer)]
-    gate = lp["attn_matrices"] - sum(projection_macs(c).values())  # the attention gates' weights
+    other; sums proj, attn, layer; each the mean over the layers, which differ with a local/global
+    window pattern or a hybrid's kinds) and for the model (lm_head, other_final, forward). `other` is
+    one MAC per parameter outside a matrix (norm weights, biases, QK-Norm gains, a recurrent layer's
+    convolution and decay rates), the gates' matrices too, the 6N convention. seq_len may be a
+    Fraction (the crossovers are checked exactly)."""
+    d, types = c.n_embd, layer_types(c)
+    counts = [n for _, n in types]
+    lps = [layer_params(c, layer_kind(c, i)) for i, _ in types]
+    projs = [projection_macs(c, layer_kind(c, i)) for i, _ in types]
+    attn = [attention_macs(c, seq_len, i) for i, _ in types]
+    norms = 1 if c.mlp == "none" else 2
+
+    def mean(values):
+        return mean_over_layers(values, counts)
     m = {
-        **projection_macs(c),  # q, k, v, o: one MAC per weight
-        "scores": mean_over_layers([s for s, _ in attn]),  # q.k with each key a query sees (attention_macs)
-        "weighted_sum": mean_over_layers([w for _, w in attn]),  # the weighted sum of their values
-        "mlp": lp["mlp_matrices"],
-        "other": lp["attn_other"] + lp["mlp_other"] + 2 * lp["norm"] + gate,  # the gates' MACs with the rest
+        **{key: mean([p[key] for p in projs]) for key in ("q", "k", "v", "o")},  # one MAC per weight
+        "scores": mean([s for s, _ in attn]),  # q.k with each key a query sees (attention_macs)
+        "weighted_sum": mean([w for _, w in attn]),  # the weighted sum of their values
+        "mlp": mean([lp["mlp_matrices"] for lp in lps]),
+        # the gates' MACs (the attention matrices beyond q, k, v, o) with the rest
+        "other": mean([lp["attn_other"] + lp["mlp_other"] + norms * lp["norm"] + lp["attn_matrices"]
+                       - sum(p[key] for key in ("q", "k", "v", "o")) for lp, p in zip(lps, projs)]),
         "lm_head": d * c.vocab_size,
-        "other_final": lp["norm"] if c.norm_position == "pre" else 0,  # ln_f
+        "other_final": lps[0]["norm"] if c.norm_position == "pre" else 0,  # ln_f
     }
-    for key in ("scores", "weighted_sum"):  # whole numbers stay ints (N may be a Fraction: keep it exact)
-        if isinstance(m[key], Fraction) and m[key].denominator == 1:  # a float N (the plot's) stays a float
+    for key in ("q", "k", "v", "o", "scores", "weighted_sum", "mlp", "other"):  # whole numbers stay ints (N may
+        if isinstance(m[key], Fraction) and m[key].denominator == 1:  # be a Fraction: keep it exact; a float N stays)
             m[key] = int(m[key])
     m["proj"] = m["q"] + m["k"] + m["v"] + m["o"]
     m["attn"] = m["scores"] + m["weighted_sum"]
@@ -156,26 +219,73 @@ def crossovers(c) -> dict:
 INT8_SCALE_BYTES = 4  # an int8 cache's fp32 scale per token and head (variants/int8_cache.py)
 
 
+def layer_cache_bytes(c, layer: int, tokens: int = 1, batch: int = 1, dtype_bytes: int = 4, n_kv_head=None,
+                      int8: bool = False) -> int:
+    """What layer `layer` caches for `tokens` positions of `batch` sequences (kv_cache_bytes says how)."""
+    kind = layer_kind(c, layer) if n_kv_head is None else "softmax"  # another head count: plain K and V
+    if kind in RECURRENT:
+        return 0
+    pattern = c.attn.window_pattern
+    local = c.attn.window is not None and pattern[layer % len(pattern)] == "L"
+    held = min(tokens, c.attn.window) if local else tokens
+    if kind == "mla":
+        d_c, d_r, _ = mla_dims(c)
+        per_token = d_c + d_r + 2 * INT8_SCALE_BYTES if int8 else (d_c + d_r) * dtype_bytes
+    else:
+        per_token = 2 * (n_kv_head or c.n_kv_head) * (c.head_dim + INT8_SCALE_BYTES if int8 else c.head_dim * dtype_bytes)
+    return per_token * held * batch
+
+
 def kv_cache_bytes(c, tokens: int = 1, batch: int = 1, dtype_bytes: int = 4, n_kv_head=None, int8: bool = False) -> int:
     """What generation caches for `tokens` positions of `batch` sequences in every layer: K and V,
     2 * n_kv_head * head_dim numbers per token (n_kv_head: another head count for the same shape, e.g.
     MHA's); int8 stores each head's k and v as head_dim bytes plus one fp32 scale; MLA caches its
     latent and RoPE key, d_c + d_r numbers per token shared by every head (int8: d_c + d_r bytes and
-    a scale for each); linear attention caches nothing per token (its state's size,
-    linear_state_bytes, does not grow)."""
-    if c.attn.kind == "linear" and n_kv_head is None:
-        return 0
-    if c.attn.kind == "mla" and n_kv_head is None:
-        d_c, d_r, _ = mla_dims(c)
-        per_token = d_c + d_r + 2 * INT8_SCALE_BYTES if int8 else (d_c + d_r) * dtype_bytes
-        return c.n_layer * per_token * tokens * batch
-    per_head = c.head_dim + INT8_SCALE_BYTES if int8 else c.head_dim * dtype_bytes
-    return 2 * c.n_layer * (n_kv_head or c.n_kv_head) * per_head * tokens * batch
+    a scale for each); a layer with a window holds at most its window; linear, gdn and mamba2 layers
+    cache nothing per token (their state's size, state_bytes, does not grow)."""
+    return sum(n * layer_cache_bytes(c, layer, tokens, batch, dtype_bytes, n_kv_head, int8)
+               for layer, n in layer_types(c))
 
 
-def linear_state_bytes(c, batch: int = 1) -> int:
-    """Linear attention's recurrent state in every layer: S (hs x hs) and z (hs) per kv head, fp32."""
-    return c.n_layer * c.n_kv_head * (c.head_dim ** 2 + c.head_dim) * 4 * batch
+RECURRENT = ("linear", "gdn", "mamba2")  # the kinds that keep a constant-size state instead of a KV cache
+
+
+def layer_state_bytes(c, layer: int, batch: int = 1) -> int:
+    """Layer `layer`'s recurrent state, fp32, whatever the context: linear attention's S (hs x hs) and
+    z (hs) per kv head; gdn's S (hs x hs) per head and its convolution's last CONV - 1 inputs of q, k
+    and v; mamba2's h (state_dim x hs) per head and the last inputs of x, B and C; 0 for the others."""
+    d, hs, nh, kind = c.n_embd, c.head_dim, c.n_head, layer_kind(c, layer)
+    numbers = {"linear": c.n_kv_head * (hs * hs + hs), "gdn": nh * hs * hs + 3 * d * (CONV - 1),
+               "mamba2": nh * state_dim(c) * hs + (d + 2 * state_dim(c)) * (CONV - 1)}.get(kind, 0)
+    return numbers * 4 * batch
+
+
+def state_bytes(c, batch: int = 1) -> int:
+    """The recurrent layers' states (layer_state_bytes), all layers: the same at any context length."""
+    return sum(n * layer_state_bytes(c, layer, batch) for layer, n in layer_types(c))
+
+
+def layer_table(c, seq_len, batch: int = 1, dtype_bytes: int = 2) -> list:
+    """One row per kind of layer the model has (layer_types: kind and window): how many layers, and per
+    layer its parameters, forward MACs per token at seq_len (projections, attention or mixing, the
+    gates and the rest; the MLP apart), what its cache holds at seq_len and its state's bytes; layers
+    alike in all of these are one row."""
+    rows = {}
+    for layer, n in layer_types(c):
+        kind = layer_kind(c, layer)
+        lp = layer_params(c, kind)
+        scores, weighted = attention_macs(c, seq_len, layer)
+        local = c.attn.window is not None and c.attn.window_pattern[layer % len(c.attn.window_pattern)] == "L" \
+            and kind not in RECURRENT
+        row = {"kind": kind + (f" (window {c.attn.window})" if local else ""),
+               "params": lp["attn_matrices"] + lp["attn_other"],
+               "mixer_macs": lp["attn_matrices"] + lp["attn_other"] + scores + weighted,  # a MAC per weight
+               "mlp_params": lp["mlp_matrices"] + lp["mlp_other"],
+               "cache_bytes": layer_cache_bytes(c, layer, seq_len, batch, dtype_bytes),
+               "state_bytes": layer_state_bytes(c, layer, batch)}
+        key = tuple(row.values())
+        rows[key] = {**row, "layers": rows[key]["layers"] + n if key in rows else n}
+    return list(rows.values())
 
 
 def memory_breakdown(c, seq_len: int, batch: int, dtype_bytes: int) -> dict:
@@ -199,16 +309,16 @@ def training_bytes(c, batch: int, shards: int = 1) -> int:
     backward pass keeps (the residual stream and norms, q, k, v, the attention output, the MLP's
     hidden width), plus the logits."""
     d, L, T = c.n_embd, c.n_layer, c.block_size
-    hidden = (mlp_matrices(c) - 1) * c.d_ff  # the MLP's activations: d_ff wide (two for SwiGLU's gate, up)
+    hidden = max(mlp_matrices(c) - 1, 0) * c.d_ff  # the MLP's activations: d_ff wide (two for SwiGLU's gate, up)
     per_token = (4 * d + 2 * c.n_kv_head * c.head_dim + hidden) * L + 2 * c.vocab_size
     return TRAIN_BYTES_PER_PARAM * math.ceil(count_params(c)["total"] / shards) + 4 * batch * T * per_token
 
 
 def generation_bytes(c, batch: int, length: int, kv_bytes: int = 4, int8: bool = False) -> int:
     """What generation allocates per call beyond the weights: the int64 token buffer and a KV cache of
-    up to one block per layer (or linear attention's state), for every sample."""
+    up to one block per layer (or a recurrent layer's state), for every sample."""
     return batch * 8 * length + kv_cache_bytes(c, min(length, c.block_size), batch, kv_bytes, int8=int8) + \
-        (linear_state_bytes(c, batch) if c.attn.kind == "linear" else 0)
+        state_bytes(c, batch)
 
 
 def decode_bytes(c, batch: int, context: int, weight_bytes: int = 4, kv_bytes: int = 4) -> int:
@@ -300,7 +410,7 @@ def activation_numbers(c) -> dict:
     d, kv, f = c.n_embd, c.n_kv_head * c.head_dim, c.d_ff
     norm = d + (2 if c.norm == "layernorm" else d + 1)
     rope = d + kv if c.pos == "rope" else 0
-    mlp = {"gelu": 2 * f, "relu2": 2 * f, "swiglu": 4 * f}[c.mlp]
+    mlp = {"gelu": 2 * f, "relu2": 2 * f, "swiglu": 4 * f, "none": -norm - d}[c.mlp]  # none: no ln_2, no MLP input
     layer = 2 * norm + 2 * d + rope + (d + 2 * kv) + d + c.n_head + mlp
     outside = (norm if c.norm_position == "pre" else 0) + d  # ln_f; the head's input
     return {"layer": layer, "outside": outside}

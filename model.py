@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from attention import resolve_scale, rope_freqs
 from counting import flops_per_token
 from rules import FRACTION, POSITIVE, Needs, OneOf, Range, UserError, check_values
-from variants import ACTIVATIONS, POSITIONS, ROPE_SCALINGS, AttnConfig, check, kv_cache, make_attention
+from variants import ACTIVATIONS, POSITIONS, ROPE_SCALINGS, AttnConfig, check, kinds, kv_cache, make_attention
 
 NORMS, NORM_POSITIONS = ("layernorm", "rmsnorm"), ("pre", "post")
 NORM_EPS = 1e-5  # LayerNorm's and RMSNorm's epsilon (PyTorch's LayerNorm default)
@@ -54,7 +54,7 @@ class GPTConfig:
     bias: bool = False  # biases in Linear and LayerNorm (GPT-2 had them; they do not help)
     norm: str = "layernorm"  # layernorm | rmsnorm
     norm_position: str = "pre"  # pre: x + f(norm(x)) | post: norm(x + f(x)), the original Transformer
-    mlp: str = "gelu"  # gelu (GPT-2) | swiglu (Llama) | relu2 (ReLU squared)
+    mlp: str = "gelu"  # gelu (GPT-2) | swiglu (Llama) | relu2 (ReLU squared) | none (no MLP: attention alone)
     d_ff: Optional[int] = None  # MLP hidden width; unset: 4*n_embd, or for swiglu ~8/3*n_embd rounded up to 64
     pos: str = "rope"  # rope | learned (a table added to the embeddings) | sinusoidal (added) | none (NoPE) | alibi (a bias per head on the logits)
     rope_base: float = 10000.0  # RoPE frequency base theta
@@ -76,7 +76,7 @@ class GPTConfig:
         "logit_softcap": Range(0, why="0 turns the soft-cap off"),
     }
     ROPE: ClassVar[Needs] = Needs(lambda c: c.pos == "rope", "{p}pos=rope")
-    NEEDS: ClassVar[dict] = {"rope_base": ROPE, "rope_scaling": ROPE,
+    NEEDS: ClassVar[dict] = {"rope_base": ROPE, "rope_scaling": ROPE, "d_ff": Needs(lambda c: c.mlp != "none", "{p}mlp is not none"),
                              "rope_scaling_factor": Needs(lambda c: c.rope_scaling != "none", "{p}rope_scaling is set")}
 
     def __post_init__(self):
@@ -101,7 +101,7 @@ class GPTConfig:
             self.d_ff = 64 * math.ceil(8 * self.n_embd / 3 / 64) if self.mlp == "swiglu" else 4 * self.n_embd
         self.attn_scale = resolve_scale(self.attn.scale, self.head_dim)
         # the channels RoPE rotates: a head's, or MLA's decoupled RoPE part (variants/mla.py)
-        self.rope_dim = (self.attn.rope_head_dim or self.head_dim // 2) if self.attn.kind == "mla" else self.head_dim
+        self.rope_dim = (self.attn.rope_head_dim or self.head_dim // 2) if "mla" in kinds(self.attn) else self.head_dim
         if self.rope_original_length is None:
             self.rope_original_length = self.block_size
         self.ignored += check(self)  # what each chosen piece refuses, or ignores
@@ -138,13 +138,14 @@ class Block(nn.Module):
         super().__init__()
         self.ln_1 = make_norm(config)
         self.attn = make_attention(config, layer)  # the layer's kind, its slots filled (variants/)
-        self.ln_2 = make_norm(config)
-        self.mlp = MLP(config)
+        if ACTIVATIONS[config.mlp]:  # model.mlp=none: attention alone (the synthetic-recall models)
+            self.ln_2 = make_norm(config)
+            self.mlp = MLP(config)
 
     def forward(self, x, **kw):
         """kw: what the attention needs (rope, kv_cache, pos, window, ve; CausalSelfAttention.forward)."""
         x = x + self.attn(self.ln_1(x), **kw)
-        return x + self.mlp(self.ln_2(x))
+        return x + self.mlp(self.ln_2(x)) if hasattr(self, "mlp") else x
 
 
 class PostNormBlock(Block):
@@ -154,7 +155,7 @@ class PostNormBlock(Block):
 
     def forward(self, x, **kw):
         x = self.ln_1(x + self.attn(x, **kw))
-        return self.ln_2(x + self.mlp(x))
+        return self.ln_2(x + self.mlp(x)) if hasattr(self, "mlp") else x
 
 
 # ----------------------------------------------------------------------------- the model
@@ -187,7 +188,8 @@ class GPT(nn.Module):
         0.02/sqrt(2*n_layer)), so the stream's variance does not grow with depth, or exactly 0 with
         zero_init_proj (each block then starts as the identity); biases and learned attention-sink
         logits 0 (the sink starts as softmax's "off by one"); norm weights and QK gains 1. Attention
-        gates are Linear weights too: sigmoid(x W_g) starts near 0.5."""
+        gates are Linear weights too: sigmoid(x W_g) starts near 0.5. Then a kind's own parameters
+        (its init_weights: a recurrent layer's decay rates and convolution, variants/)."""
         std_resid = 0.02 / math.sqrt(2 * self.config.n_layer)
         for name, p in self.named_parameters():
             if name.endswith("c_proj.weight"):
@@ -198,6 +200,9 @@ class GPT(nn.Module):
                 nn.init.zeros_(p)
             else:
                 nn.init.ones_(p)
+        for m in self.modules():  # a kind's own parameters (a recurrent layer's decay, its convolution)
+            if m is not self and hasattr(m, "init_weights"):
+                m.init_weights()
 
     def _apply(self, fn, recurse=True):
         """After .to()/.half()/.bfloat16(): the RoPE table stays float32 (cos and sin of large

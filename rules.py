@@ -137,7 +137,8 @@ def check_values(node, prefix: str = "", warn: bool = True) -> list:
                     raise UserError(rule.error(name, v, optional))
     ignored = []
     for node, schema, prefix in nodes:
-        defaults = {f.name: f.default for f in dataclasses.fields(schema)}
+        defaults = {f.name: f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
+                    for f in dataclasses.fields(schema)}
         for key, need in getattr(schema, "NEEDS", {}).items():
             value = getattr(node, key)
             if value != defaults[key] and not need.test(node):

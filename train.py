@@ -41,6 +41,7 @@ from rules import UserError
 from config import check_train_config, data_seed, model_config
 from counting import training_bytes
 from data.loader import TokenData
+from data.mqar import MQARData
 from data.prepare import prepare
 from model import GPT, GPTConfig
 from optim import build_optimizer, lr_at, set_lr, train_step
@@ -77,6 +78,7 @@ class Run:
     skipped: int = 0  # non-finite steps skipped so far
     saved_at: Optional[int] = None  # step of the newest periodic checkpoint written by this process
     evals: dict = field(default_factory=dict)  # the latest {"train": loss, "val": loss}
+    metrics: dict = field(default_factory=dict)  # the data's own at the latest evaluation (data=mqar: val/recall_acc)
     attn_history: list = field(default_factory=list)
     updates: int = 0  # optimizer steps taken by this process (skipped ones not counted)
     wandb_id: Optional[str] = None  # a resumed run's W&B run, continued
@@ -161,7 +163,7 @@ def summary(run: Run, tokens_per_sec=None, stopped=None, wall_s=0.0, train_s=0.0
             "train_loss": run.evals.get("train"), "val_loss": run.evals.get("val"),
             "val_loss_full": run.evals.get("val_full"), "tokens_per_sec": tokens_per_sec, "stopped": stopped,
             "compiled": run.compiled, "ckpt": str(latest_checkpoint(run.out_dir)), "wall_s": wall_s,
-            "train_s": train_s, "probe_s": probe_s, "attn": run.attn_history}
+            "train_s": train_s, "probe_s": probe_s, "attn": run.attn_history, **run.metrics}
 
 
 def already_finished(run: Run) -> dict:
@@ -247,7 +249,8 @@ def build(cfg, out_dir, dist_, grad_accum, lock) -> Run:
     torch.cuda.manual_seed(cfg.seed + dist_.rank)  # this rank's GPU (the current device): its own dropout masks
     rt = setup_runtime(dist_.device_name or cfg.device, cfg.dtype)
 
-    data = TokenData(prepare(cfg.data), bos=cfg.data.bos)
+    data = MQARData(cfg.data, cfg.model.block_size) if cfg.data.name == "mqar" else \
+        TokenData(prepare(cfg.data), bos=cfg.data.bos)
     mcfg = model_config(cfg.model, data.vocab_size)
     data.check_block_size(mcfg.block_size)
     file_mode = data.meta.get("file_mode")  # set for local files: run dir and checkpoints no more readable
@@ -441,15 +444,17 @@ def evaluate(run: Run, last: bool = False):
     loss (val/loss_full); keep best.pt at the lowest val loss."""
     run.evals = estimate_loss(run)
     bpc = run.data.bits_per_char_factor()
+    run.metrics = run.data.metrics(run.model, run.rt.autocast)  # the data's own (data=mqar: val/recall_acc)
     line = {"train/loss": run.evals["train"], "val/loss": run.evals["val"],
-            **({"val/bpc": run.evals["val"] * bpc} if bpc else {})}
+            **({"val/bpc": run.evals["val"] * bpc} if bpc else {}), **run.metrics}
     if last and run.cfg.train.final_eval_tokens and run.step > 0:
         full, tokens = full_val_loss(run)
         run.evals["val_full"] = full
         line.update({"val/loss_full": full, "val/tokens_full": tokens, **({"val/bpc_full": full * bpc} if bpc else {})})
         log.info("step %d: val loss %.4f over the whole val split (%d tokens)", run.step, full, tokens)
     run.tracker.log(line, run.step)
-    log.info("eval step %d: train loss %.4f, val loss %.4f", run.step, run.evals["train"], run.evals["val"])
+    log.info("eval step %d: train loss %.4f, val loss %.4f%s", run.step, run.evals["train"], run.evals["val"],
+             "".join(f", {k} {v:.4f}" for k, v in run.metrics.items()))
     # every rank takes the same decision: under FSDP the weights are gathered from all of them
     if all_ranks_agree(run.evals["val"] < run.best_val, run.rt.device, run.dist.world):
         run.best_val = run.evals["val"]

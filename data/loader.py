@@ -84,3 +84,7 @@ class TokenData:
 
     def get_batch(self, split: str, batch_size: int, block_size: int, generator: torch.Generator):
         return self.batch(split, self.sample_starts(split, (batch_size,), block_size, generator), block_size)
+
+    def metrics(self, model, autocast) -> dict:
+        """What an evaluation logs besides the losses: nothing for text (data/mqar.py: recall accuracy)."""
+        return {}

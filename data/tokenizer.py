@@ -172,6 +172,9 @@ def tokenizer_from_dict(d: dict):
             return TiktokenTokenizer.named(d["name"])
         if kind == "bpe":
             return TiktokenTokenizer.from_ranks([base64.b64decode(t, validate=True) for t in d["ranks"]], d["pattern"])
+        if kind == "mqar":
+            from data.mqar import MQARTokenizer
+            return MQARTokenizer(int(d["vocab_size"]))
     except (KeyError, TypeError, ValueError) as e:  # binascii.Error is a ValueError
         raise UserError(f"the {kind} tokenizer stored in the checkpoint or data cache is damaged "
                         f"({type(e).__name__}: {str(e)[:100]}): use another checkpoint, or delete the cache "
@@ -214,5 +217,8 @@ def train_tokenizer(name: str, texts, vocab_size=None):
     if name == "bpe":
         if not vocab_size:
             raise UserError("data.tokenizer=bpe needs data.vocab_size=N (e.g. 1024)")
+        if vocab_size < 257:
+            raise UserError(f"data.vocab_size={vocab_size} must be >= 257 with data.tokenizer=bpe: a byte-level BPE "
+                            "holds the 256 bytes and <|endoftext|>")
         return TiktokenTokenizer.train(texts, vocab_size)
     return TiktokenTokenizer.named(name)

@@ -1,6 +1,7 @@
 """cost.py: counts derived by hand for two small configs, the same counts from real
 models (num_params, flops_per_token, torch's FlopCounterMode, a real KV cache), the crossovers
 plugged back in, and one-line errors."""
+import dataclasses
 import json
 import math
 from fractions import Fraction
@@ -13,7 +14,7 @@ from rules import UserError
 from config import model_config
 from counting import (activation_bytes, attention_variants, count_params, crossovers, flops_per_token,
                       macs_per_token, memory_breakdown, per_gpu_bytes)
-from tools.cost import cost, round_half_up
+from tools.cost import all_attention, cost, round_half_up
 from helpers import REPO, compose_cfg
 from model import GPT, GPTConfig
 
@@ -148,6 +149,11 @@ def test_json_output_has_the_issue_keys_and_the_hand_numbers(capsys, tmp_path):
     assert table[("MQA", "int8")]["per_token"] == 2 * 2 * 1 * (20 + 4)  # a byte a number, an fp32 scale per head
     assert table[("MLA", "bfloat16")]["per_token"] == 2 * (4 * 20 + 20 // 2) * 2  # latent 4 hs + RoPE key hs/2
     assert table[("GQA", "bfloat16")]["131072"] == 131072 * 2 * 2 * 2 * 20 * 2 * 2  # x tokens x batch 2
+    # per layer: q, o 80 x 80 and k, v 80 x 40 weights; q.k and the weighted sum 2 x 32 keys x 80; the
+    # cache 2 (k, v) x 2 K/V heads x 20 numbers x 2 bytes for 32 tokens of 2 sequences
+    assert result.pop("layers") == [{"kind": "softmax", "params": 19200, "mixer_macs": 19200 + 2 * 32 * 80,
+                                     "mlp_params": 61440, "cache_bytes": 2 * 2 * 20 * 2 * 32 * 2, "state_bytes": 0,
+                                     "layers": 2}]
     per_gpu = result.pop("memory_per_gpu")  # counting.per_gpu_bytes, checked by hand below
     assert list(per_gpu) == ["one_gpu", "ddp", "fsdp"] and list(per_gpu["ddp"]) == ["plain", "checkpointed"]
     assert per_gpu["fsdp"]["plain"] == per_gpu_bytes(GPTConfig(**GQA_SWIGLU), 2, 32, 8, "fsdp", 2)
@@ -237,8 +243,8 @@ def test_every_model_preset_counts_like_its_model(preset):
     assert count_params(c)["total"] == model.num_params()
     for N in (1, c.block_size, 3 * c.block_size):
         assert flops_per_token(c, N) == model.flops_per_token(N)
-    for key, n in crossovers(c).items():  # and the crossovers hold for every preset
-        assert_crossover(c, key, n)
+    for key, n in crossovers(c).items():  # and the crossovers hold for every preset (a hybrid's: its
+        assert_crossover(all_attention(c), key, n)  # softmax layers', which have the N^2 part)
 
 
 def test_llama3_8b_shape_is_llama_3_8b():
@@ -412,3 +418,73 @@ def test_bench_attention_measures_each_path_against_its_own_prediction(tmp_path)
         == 2 * 1024 * d
     assert all(r["ms"] > 0 for r in rows.values())
     assert (tmp_path / "n2.png").read_bytes()[:4] == b"\x89PNG"
+
+
+# ----------------------------------------------------------------------------- recurrent kinds and hybrid stacks
+
+@pytest.mark.parametrize("attn,bias", [({"kind": "gdn"}, False), ({"kind": "gdn"}, True),
+                                       ({"kind": "mamba2"}, False), ({"kind": "mamba2", "state_dim": 32}, True)],
+                         ids=["gdn", "gdn-bias", "mamba2", "mamba2-ds32-bias"])
+def test_recurrent_layers_count_like_the_built_layer(attn, bias):
+    """Parameters equal the built model's; the layer's matmul and convolution FLOPs, as FlopCounterMode
+    measures them over two chunks, equal 2 x its counted MACs (projections, the chunked form's
+    products, the gate's projection, one MAC per convolution weight); per token they do not grow with N
+    past one chunk."""
+    c = GPTConfig(vocab_size=64, block_size=128, n_layer=1, n_head=4, n_embd=128, bias=bias, attn=attn)
+    model = GPT(c)
+    assert count_params(c)["total"] == model.num_params()
+    assert {k: count_params(c)[k] for k in by_kind(model)} == by_kind(model)
+    B, N = 2, 128
+    with FlopCounterMode(display=False) as counter:
+        model(torch.randint(0, 64, (B, N)))
+    measured = sum(counter.get_flop_counts()["GPT.blocks.0.attn"].values())
+    m = macs_per_token(c, N)
+    ds = attn.get("state_dim", 32)
+    conv = 4 * (3 * 128 if attn["kind"] == "gdn" else 128 + 2 * ds)  # a depthwise kernel of 4 per channel
+    gate = 128 * 128  # the output gate's projection, counted with `other`
+    assert measured == 2 * B * N * (m["proj"] + m["attn"] + gate + conv)
+    assert macs_per_token(c, 64)["attn"] == macs_per_token(c, 4096)["attn"] == macs_per_token(c, 2**18)["attn"]
+
+
+HYBRIDS = [{"layer_kinds": ["gdn", "gdn", "softmax"]}, {"layer_kinds": ["mamba2", "linear", "softmax"]},
+           {"layer_kinds": ["gdn", "softmax"], "window": 6, "window_pattern": "LLG"},
+           {"layer_kinds": ["mla", "gdn"]}, {"kind": "mamba2", "state_dim": 16}]
+
+
+@pytest.mark.parametrize("attn", HYBRIDS, ids=["gdn3-softmax", "mamba2-linear-softmax", "window-hybrid",
+                                               "mla-gdn", "mamba2-ds16"])
+def test_hybrid_stacks_count_like_the_built_model_and_their_caches(attn):
+    """Every layer counted as its own kind: parameters and training FLOPs equal the built model's; the
+    KV-cache bytes and the recurrent layers' state bytes equal what the built caches hold, at lengths
+    below and above the window and the block."""
+    from counting import kv_cache_bytes, state_bytes
+    c = GPTConfig(vocab_size=50, block_size=32, n_layer=5, n_head=4, n_embd=32, attn=attn)
+    model = GPT(c)
+    assert count_params(c)["total"] == model.num_params()
+    assert {k: count_params(c)[k] for k in by_kind(model)} == by_kind(model)
+    for N in (1, 17, 32, 100):
+        assert flops_per_token(c, N) == model.flops_per_token(N)
+    recurrent = ("LinearState", "RecurrentState")
+    for length in (3, 6, 32):
+        caches = model.new_kv_cache(2, length)
+        kv = sum(x.nbytes() for x in caches if type(x).__name__ not in recurrent)
+        states = sum(x.nbytes() for x in caches if type(x).__name__ in recurrent)
+        assert (kv, states) == (kv_cache_bytes(c, length, 2), state_bytes(c, 2)), length
+
+
+def test_a_qwen3_next_like_stack_at_262144_tokens_against_all_attention(capsys):
+    """model=qwen3_next_shape (48 layers, 3 gdn : 1 attention) at 256K tokens: the KV cache and the
+    states cost.py reports, written out from the shape, against the same stack all attention, and the
+    layer table's counts equal the built layers' (one of each kind, at the same width)."""
+    out = cost(compose_cfg("cost", ["model=qwen3_next_shape", "seq_len=262144", "plot=null"]))
+    N, hs = 262144, 2048 // 16
+    this, full = out["all_attention"]["this"], out["all_attention"]["all_attention"]
+    assert full["kv_cache_bytes"] == 48 * 2 * 2 * hs * 2 * N and this["kv_cache_bytes"] == 12 * 2 * 2 * hs * 2 * N
+    assert this["state_bytes"] == 36 * (16 * hs * hs + 3 * 2048 * 3) * 4 and full["state_bytes"] == 0
+    assert [(r["kind"], r["layers"]) for r in out["layers"]] == [("gdn", 36), ("softmax", 12)]
+    assert "cache + states" in capsys.readouterr().out
+    c = model_config(compose_cfg("cost", ["model=qwen3_next_shape"]).model)
+    small = GPT(dataclasses.replace(c, n_layer=2, vocab_size=8, block_size=8,
+                                    attn=dataclasses.replace(c.attn, layer_kinds=["gdn", "softmax"])))
+    assert [r["params"] for r in out["layers"]] == \
+        [sum(p.numel() for p in b.attn.parameters()) for b in small.blocks]

@@ -183,6 +183,11 @@ CODE_VARIANTS = {
     "mla_query_latent_head_gate_learned_sink": dict(attn={"kind": "mla", "q_lora_rank": 16, "kv_lora_rank": 12,
                                                           "rope_head_dim": 4, "gate": "head", "sink": "learned"}),
     "alibi_channel_gate_zero_sink": dict(pos="alibi", attn={"gate": "channel", "sink": "zero"}),
+    "gdn_no_mlp": dict(mlp="none", attn={"kind": "gdn"}),
+    "mamba2_state_dim": dict(attn={"kind": "mamba2", "state_dim": 8}),
+    "hybrid_gdn_softmax": dict(attn={"layer_kinds": ["gdn", "softmax"]}),
+    "hybrid_mla_mamba2": dict(attn={"layer_kinds": ["mla", "mamba2"]}),
+    "hybrid_linear_gdn": dict(n_kv_head=2, attn={"layer_kinds": ["linear", "gdn"]}),
 }
 SIZES = {"vocab_size", "block_size", "n_layer", "n_head", "n_embd"}  # shapes every variant sets
 
@@ -199,7 +204,7 @@ def test_code_variants_cover_every_option():
     rules = {**GPTConfig.RULES, **{f"attn.{k}": rule for k, rule in AttnConfig.RULES.items()}}
     missing = []
     for key, default in base.items():
-        values = {cfg[key] for cfg in seen}
+        values = {v for cfg in seen for v in (cfg[key] if isinstance(cfg[key], list) else [cfg[key]])}
         if isinstance(rules.get(key), OneOf):
             missing += [f"{key}={v}" for v in rules[key].choices if v not in values]
         elif key not in SIZES and values == {default}:

@@ -726,7 +726,7 @@ def test_every_config_key_refuses_its_bad_values_in_one_line(name, key, typ, kin
             "bench_attention": ["lengths=[8]", "paths=[sdpa]", "repeats=1", "out=null"],
             "eval_stream": [f"ckpt={enum_dirs['ckpt']}", "out=null"],
             "eval_lengths": [f"ckpt={enum_dirs['ckpt']}", "out=null"]}[name]
-    listed = key in ("batch_sizes", "layouts", "kv_dtypes", "lengths", "paths", "policies")  # a list: one bad element
+    listed = key.rsplit(".", 1)[-1] in ("batch_sizes", "layouts", "kv_dtypes", "lengths", "paths", "policies", "layer_kinds", "pairs")  # a list: one bad element
     if kind == "schema":
         with pytest.raises((HydraException, OmegaConfBaseException)) as e:
             compose_cfg(name, base + [override(key, value, listed)])
@@ -907,11 +907,19 @@ NO_EFFECT = [  # (command, overrides that idle the key, the key set anyway): one
     ("config", ["model.attn.kind=linear"], "model.attn.window=8"),
     ("config", ["model.attn.kind=linear"], "model.attn.sink=learned"),
     ("config", [], "model.attn.kv_lora_rank=16"),
+    ("config", ["model.attn.kind=mla"], "model.attn.qk_norm=true"),
+    ("config", ["model.attn.kind=gdn"], "model.attn.gate=head"),
+    ("config", [], "model.attn.state_dim=16"),
+    ("config", ["model.attn.layer_kinds=[gdn,softmax]"], "model.attn.kind=linear"),
     ("config", [], "model.attn.q_lora_rank=16"),
     ("config", [], "model.attn.rope_head_dim=8"),
     ("config", ["model.pos=alibi"], "model.rope_scaling=yarn"),
     ("config", [], "model.rope_scaling_factor=4"),
+    ("config", ["model.mlp=none"], "model.d_ff=128"),
     ("config", [], "data.vocab_size=512"),
+    ("config", [], "data.pairs=[16]"),
+    ("config", [], "data.examples=1000"),
+    ("config", ["data=mqar"], "data.bos=true"),
     ("config", [], "data.hub_config=sample-10BT"),
     ("config", ["data.max_tokens=1000"], "data.streaming=true"),
     ("sample", ["temperature=0"], "top_k=5"),

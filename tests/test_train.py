@@ -186,12 +186,16 @@ def test_default_run_config_fits_the_budget():
     assert math.isclose(cfg.train.lr, 2e-3)
 
 
+SHRINK = {"recall_cpu": ["data.pairs=[2,4]", "data.examples=200"]}  # 16 tokens hold at most 4 pairs
+
+
 @pytest.mark.parametrize("experiment", sorted(p.stem for p in (REPO / "configs" / "experiment").glob("*.yaml")))
 def test_every_experiment_preset_composes_and_runs(experiment, train_cfg, text_file):
     """A smoke run of each preset, shrunk: its own settings apply, the overrides shrink it."""
     cfg = train_cfg(f"experiment={experiment}", f"data.path={text_file}", "model.n_layer=1", "model.n_embd=32",
                     "model.n_head=2", "model.block_size=16", "train.batch_size=2", "train.max_iters=2",
-                    "train.eval_interval=1", "train.eval_iters=1", "model.dropout=0.0")
+                    "train.eval_interval=1", "train.eval_iters=1", "model.dropout=0.0",
+                    *SHRINK.get(experiment, []))
     assert cfg.data.path == str(text_file)  # the overrides reach the preset
     result = train(cfg)
     assert result["steps"] == 2 and math.isfinite(result["val_loss"])

@@ -44,12 +44,28 @@ VARIANTS = [
     {"n_kv_head": 2, "attn": {"sink": "zero", "impl": "tiled", "block": 4}},
     {"pos": "alibi"},
     {"pos": "alibi", "n_kv_head": 2, "attn": {"impl": "tiled", "block": 4, "sink": "learned"}},
+    {"attn": {"kind": "gdn"}},
+    {"attn": {"kind": "mamba2", "state_dim": 8}},
+    {"attn": {"layer_kinds": ["gdn", "softmax"]}},
+    {"n_layer": 3, "mlp": "none", "n_kv_head": 2, "attn": {"layer_kinds": ["linear", "mamba2", "softmax"], "gate": "head"}},
+    {"attn": {"layer_kinds": ["gdn", "mla"]}},
 ]
 IDS = [",".join(f"{k}={v}" for k, v in v.items()) or "default" for v in VARIANTS]
 
 
-def linear(variant) -> bool:
-    return variant.get("attn", {}).get("kind") == "linear"
+def kinds(variant) -> set:
+    attn = variant.get("attn", {})
+    return set(attn.get("layer_kinds") or [attn.get("kind", "softmax")])
+
+
+def recurrent(variant) -> bool:
+    """A layer keeps a state of the whole context (linear, gdn, mamba2): no second path to compare, and
+    no sliding past block_size (cropping the context is another function)."""
+    return bool(kinds(variant) & {"linear", "gdn", "mamba2"})
+
+
+def softmax_free(variant) -> bool:
+    return not kinds(variant) & {"softmax", "mla"}
 
 
 def as_reference(variant) -> dict:
@@ -180,12 +196,12 @@ def test_value_embedding_is_added_to_v(n_kv_head):
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=IDS)
 def test_fast_path_equals_reference_and_is_causal(variant):
-    """The variant's path (sdpa or tiled) equals the plain-math reference; linear attention has one
-    path (its formula is tests/variants/test_linear.py's)."""
+    """The variant's path (sdpa or tiled) equals the plain-math reference; linear attention, gdn and
+    mamba2 have one path each (their formulas are tests/variants/'s), a hybrid's softmax layers two."""
     fast = make(**variant)
     idx = torch.randint(40, (2, 16))
     a = fast(idx)
-    if not linear(variant):
+    if not softmax_free(variant):
         b = make(**as_reference(variant))(idx)
         assert torch.allclose(a, b, atol=1e-4), max_diff(a, b)
     changed = idx.clone()
@@ -203,7 +219,7 @@ def test_cached_generation_equals_recomputation(variant):
     within = (generate(model, prompt, 11, temperature=0, kv_cache=True),
               generate(model, prompt, 11, temperature=0, kv_cache=False))
     assert torch.equal(*within)
-    if linear(variant):  # its state keeps the whole context; cropping to block_size is another function
+    if recurrent(variant):  # its state keeps the whole context; cropping to block_size is another function
         return
     past = make(n_layer=1 if model.slides else 2, **variant)
     a = generate(past, prompt, 40, temperature=0, kv_cache=True)
@@ -227,8 +243,13 @@ def test_every_variant_trains_probes_and_samples(variant, train_cfg, sample_cfg,
                              "train.log_attn_interval=3"))
     assert math.isfinite(result["val_loss"]) and result["val_loss"] < 10  # a char model starts near ln(vocab) < 5
     probe = result["attn"][-1]
-    if linear(variant):  # no softmax weights: the probe logs the in-context losses only
+    if softmax_free(variant):  # no softmax weights: the probe logs the in-context losses only
         assert "incontext/gain" in probe and not any(k.startswith("attn_") for k in probe)
+    elif len(kinds(variant)) > 1:  # a hybrid: statistics for the softmax layers only
+        pattern = variant["attn"]["layer_kinds"]
+        layers = [pattern[l % len(pattern)] for l in range(variant.get("n_layer", 2))]
+        assert [any(k.startswith(f"attn_entropy/L{l}/") for k in probe) for l in range(len(layers))] == \
+            [k in ("softmax", "mla") for k in layers]
     else:
         assert {f"attn_entropy/L1/H{h}" for h in range(4)} <= probe.keys()  # one value per query head
     text = sample(sample_cfg(f"ckpt={tmp_path / 'run'}", "prompt=line", "max_new_tokens=40", "temperature=0"))[0]

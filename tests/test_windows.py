@@ -51,7 +51,7 @@ def test_options_that_cannot_work_are_refused_in_one_line(attn, needle):
 
 
 @pytest.mark.parametrize("attn,line", [
-    ({"kind": "linear", "impl": "tiled"}, "model.attn.impl='tiled' has no effect unless model.attn.kind is softmax or mla"),
+    ({"kind": "linear", "impl": "tiled"}, "model.attn.impl='tiled' has no effect unless a layer is softmax or mla"),
     ({"kind": "linear", "scale": "none"}, "model.attn.scale='none' has no effect unless"),
     ({"kind": "linear", "window": 4}, "model.attn.window=4 has no effect unless"),
     ({"window_pattern": "LG"}, "model.attn.window_pattern='LG' has no effect unless model.attn.window=W"),

@@ -9,7 +9,10 @@ Paths: sdpa (PyTorch's fused kernel), reference (the explicit N x N table), tile
 algorithm in plain PyTorch: slow in Python, but it never builds the table), window (sdpa with a
 band of `window` keys: the kernel still computes the whole table, then masks it), tiled_window (the
 tiled path with the band: it skips every block outside it, so its work grows as N·W), linear (elu + 1
-features, prefix sums). The memory is the bytes of the tensors autograd saves for the backward pass
+features, prefix sums), gdn (Gated DeltaNet, chunked) and mamba2 (SSD, chunked). With decode=true each
+path with a cache is also timed generating one token after a context of N (its KV cache, or its
+recurrent state, filled first); every path's times are printed as ratios to sdpa's measured in the same
+round, and the N from which a path's training step costs less than sdpa's (the crossover). The memory is the bytes of the tensors autograd saves for the backward pass
 (torch.autograd.graph.saved_tensors_hooks, each storage counted once): exact and the same on every
 machine, unlike a process's resident size. Times are the median of `repeats` interleaved rounds.
 """
@@ -28,20 +31,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as tools/X.p
 
 from attention import rope_freqs  # noqa: E402
 from common import check_output_file, cli, run_app  # noqa: E402
-from rules import POSITIVE, Needs, OneOf, Range, check_values  # noqa: E402
-from counting import attention_variants  # noqa: E402
+from rules import POSITIVE, Needs, OneOf, Range, UserError, check_values  # noqa: E402
+from counting import attention_macs, attention_variants  # noqa: E402
 from model import GPTConfig  # noqa: E402
 from variants import make_attention  # noqa: E402
 
-PATHS = ("sdpa", "reference", "tiled", "window", "tiled_window", "linear")
+PATHS = ("sdpa", "reference", "tiled", "window", "tiled_window", "linear", "gdn", "mamba2")
 PREDICTED = {"sdpa": "reference", "reference": "reference", "tiled": "tiled", "window": "window",
              "tiled_window": "window", "linear": "linear"}  # the row of counting.attention_variants for each
+DECODES = ("sdpa", "window", "linear", "gdn", "mamba2")  # the paths generation runs (the others train only)
 
 
 @dataclass
 class BenchAttentionConfig:
     lengths: List[int] = field(default_factory=lambda: [64, 128, 256, 512, 1024, 2048, 4096])  # N
-    paths: List[str] = field(default_factory=lambda: list(PATHS))  # sdpa | reference | tiled | window | tiled_window | linear
+    paths: List[str] = field(default_factory=lambda: list(PATHS[:6]))  # sdpa | reference | tiled | window | tiled_window | linear | gdn | mamba2
+    decode: bool = False  # also time one generated token after N of context (paths with a cache)
     n_embd: int = 128  # a CPU width: nanoGPT's CPU config
     n_head: int = 4
     batch_size: int = 1
@@ -69,7 +74,7 @@ def layer_for(path: str, cfg, N: int):
     """One attention layer (the model's own, as variants.make_attention builds it) at the benchmark's width."""
     attn = {"sdpa": {}, "reference": {"impl": "reference"}, "tiled": {"impl": "tiled", "block": cfg.block},
             "window": {"window": cfg.window}, "tiled_window": {"impl": "tiled", "block": cfg.block, "window": cfg.window},
-            "linear": {"kind": "linear"}}[path]
+            "linear": {"kind": "linear"}, "gdn": {"kind": "gdn"}, "mamba2": {"kind": "mamba2"}}[path]
     c = GPTConfig(vocab_size=2, block_size=N, n_layer=1, n_head=cfg.n_head, n_embd=cfg.n_embd, attn=attn)
     return make_attention(c, layer=0), c
 
@@ -94,8 +99,24 @@ def step(layer, x, rope):
     return y
 
 
+def decode_step(layer, x, rope, cache, N):
+    """One generated token at position N: its query against the context's cache (or the state), no grad."""
+    with torch.no_grad():
+        return layer(x, rope=rope[N:N + 1], kv_cache=cache, pos=N)
+
+
+def predicted_macs(path, c, N, batch) -> int:
+    """counting's forward MACs per token of the path's attention part (q.k and the weighted sum, or the
+    recurrent kinds' chunked products)."""
+    if path in PREDICTED:
+        return {v["name"].split()[0]: v for v in attention_variants(c, N, batch, 4)}[PREDICTED[path]]["macs"]
+    return sum(attention_macs(c, N, 0))
+
+
 def bench_attention(cfg) -> dict:
     check_values(cfg)
+    if cfg.decode and "sdpa" not in cfg.paths:
+        raise UserError("decode=true compares each path's decoding with sdpa's: add sdpa to paths")
     if cfg.out:
         check_output_file(cfg.out, "out")
     if cfg.threads:
@@ -107,37 +128,81 @@ def bench_attention(cfg) -> dict:
         layers = {}
         for path in cfg.paths:
             layer, c = layer_for(path, cfg, N)
-            rope = rope_freqs(c.head_dim, N, c.rope_base)
+            rope = rope_freqs(c.head_dim, N + 1, c.rope_base)
             layers[path] = (layer, rope, c)
-            memory = saved_bytes(lambda: layer(x, rope=rope))  # the forward's saved tensors, x excluded below
-            step(layer, x, rope)  # warm-up: the first call of a shape allocates
+            memory = saved_bytes(lambda: layer(x, rope=rope[:N]))  # the forward's saved tensors, x excluded below
+            step(layer, x, rope[:N])  # warm-up: the first call of a shape allocates
             rows[(path, N)] = {"path": path, "N": N, "saved_bytes": memory - x.numel() * x.element_size(),
-                               "seconds": []}
+                               "seconds": [], "decode_seconds": []}
+            if cfg.decode and path in DECODES:  # the cache of a context of N, filled once
+                cache = layer.new_cache(cfg.batch_size, N + 1)
+                with torch.no_grad():
+                    layer(x.detach(), rope=rope[:N], kv_cache=cache, pos=0)
+                token = x.detach()[:, -1:]
+                decode_step(layer, token, rope, cache, N)  # warm-up
+                layers[path] += (cache, token)
         for r in range(cfg.repeats):
             for path in (cfg.paths if r % 2 == 0 else list(reversed(cfg.paths))):
                 row = rows[(path, N)]
                 if any(rows.get((path, n), {}).get("skipped") for n in cfg.lengths if n < N):
                     row["skipped"] = True
                     continue
-                layer, rope, _ = layers[path]
+                layer, rope, _, *decoding = layers[path]
                 t0 = time.perf_counter()
-                step(layer, x, rope)
+                step(layer, x, rope[:N])
                 row["seconds"].append(time.perf_counter() - t0)
                 if row["seconds"][-1] > cfg.max_seconds:
                     row["skipped"] = True  # too slow for the longer lengths
+                if decoding:  # the same token again at position N: the cache's slot N is rewritten
+                    t0 = time.perf_counter()
+                    decode_step(layer, decoding[1], rope, decoding[0], N)
+                    row["decode_seconds"].append(time.perf_counter() - t0)
+        base = rows[("sdpa", N)] if "sdpa" in cfg.paths else None
         for path in cfg.paths:
             row = rows[(path, N)]
             row["ms"] = 1000 * statistics.median(row["seconds"]) if row["seconds"] else None
-            c = layers[path][2]  # the path's own config (its window, its kind)
-            predicted = {v["name"].split()[0]: v for v in attention_variants(c, N, cfg.batch_size, 4)}
-            row["predicted_macs_per_token"] = predicted[PREDICTED[path]]["macs"]
-            print(f"N={N:5d} {path:12s} {row['ms'] if row['ms'] is not None else float('nan'):10.2f} ms/step  "
-                  f"{row['saved_bytes'] / 2**20:9.2f} MiB saved for backward", flush=True)
-    result = {"rows": list(rows.values())}
+            row["decode_ms"] = 1000 * statistics.median(row["decode_seconds"]) if row["decode_seconds"] else None
+            # against sdpa: the median of the per-round ratios (each round times both side by side)
+            row["vs_sdpa"] = ratio(row["seconds"], base["seconds"]) if base else None
+            row["decode_vs_sdpa"] = ratio(row["decode_seconds"], base["decode_seconds"]) if base else None
+            row["predicted_macs_per_token"] = predicted_macs(path, layers[path][2], N, cfg.batch_size)
+            state = layers[path][3].nbytes() if len(layers[path]) > 3 else None
+            row["cache_bytes"] = state
+            print(f"N={N:5d} {path:12s} {nan(row['ms']):10.2f} ms/step" + (f" ({nan(row['vs_sdpa']):.2f}x sdpa)" if base else "")
+                  + f"  {row['saved_bytes'] / 2**20:9.2f} MiB saved for backward"
+                  + (f"  decode {nan(row['decode_ms']):.3f} ms/token ({nan(row['decode_vs_sdpa']):.2f}x sdpa), "
+                     f"cache {state:,} B" if row["decode_ms"] is not None else ""), flush=True)
+    result = {"rows": list(rows.values()), "crossover": crossover(list(rows.values()), cfg.paths, cfg.lengths)}
+    for path, n in result["crossover"].items():
+        print(f"{path}: a training step costs less than sdpa's " +
+              (f"from N={n} on (of the lengths timed)" if n else "at none of the lengths timed"))
     if cfg.out:
         plot(result["rows"], cfg, cfg.out)
         print(f"wrote {cfg.out}")
     return result
+
+
+def nan(v):
+    return float("nan") if v is None else v
+
+
+def ratio(times, base) -> Optional[float]:
+    """The median over rounds of times[r] / base[r] (both paths timed in round r, side by side)."""
+    pairs = [a / b for a, b in zip(times, base)]
+    return statistics.median(pairs) if pairs else None
+
+
+def crossover(rows, paths, lengths) -> dict:
+    """For each path but sdpa: the shortest timed N from which its training step takes less time than
+    sdpa's at every longer N timed (None: at no length, or not for good)."""
+    by = {(r["path"], r["N"]): r for r in rows}
+    out = {}
+    for path in paths:
+        if path == "sdpa" or "sdpa" not in paths:
+            continue
+        below = [n for n in sorted(lengths) if by[(path, n)]["vs_sdpa"] is not None and by[(path, n)]["vs_sdpa"] < 1]
+        out[path] = next((n for n in below if all(m in below for m in sorted(lengths) if m >= n)), None)
+    return out
 
 
 def plot(rows, cfg, path):

@@ -11,7 +11,7 @@ model is built, so any shape runs on a laptop.
 import json
 import math
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from fractions import Fraction
 from pathlib import Path
 from typing import ClassVar, Optional
@@ -24,8 +24,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as tools/X.p
 
 from common import DTYPES, check_output_file, cli, run_app  # noqa: E402
 from rules import POSITIVE, Needs, OneOf, Range, check_values  # noqa: E402
-from counting import (ADAMW_BYTES_PER_PARAM, attention_variants, cache_table, count_params, crossovers,
-                      macs_per_token, memory_breakdown, mlp_matrices, per_gpu_bytes)
+from counting import (ADAMW_BYTES_PER_PARAM, RECURRENT, attention_variants, cache_table, count_params, crossovers,
+                      kv_cache_bytes, layer_table, macs_per_token, memory_breakdown, mlp_matrices, per_gpu_bytes,
+                      state_bytes)
 from config import model_config
 from model import GPTConfig
 
@@ -83,7 +84,11 @@ def cost(cfg) -> dict:
         "attention_variants": attention_variants(c, N, cfg.batch_size, nbytes),
         "kv_cache_table": cache_table(c, (8192, 131072), cfg.batch_size),
         "memory_per_gpu": memory_per_gpu(c, N, cfg.batch_size, nbytes, cfg.world_size),
+        "layers": layer_table(c, N, cfg.batch_size, nbytes),
     }
+    if any(r["kind"] in RECURRENT for r in result["layers"]):  # against the same stack with attention everywhere
+        result["all_attention"] = {name: stack(x, N, cfg.batch_size, nbytes) for name, x in
+                                   (("this", c), ("all_attention", all_attention(c)))}
     if cfg.train_tokens:  # a training run's FLOPs, and its time at the stated peak and MFU
         flops = 6 * m["forward"] * cfg.train_tokens
         result["training_run"] = {"tokens": cfg.train_tokens, "flops": flops,
@@ -97,6 +102,7 @@ def cost(cfg) -> dict:
         print(variants_report(result["attention_variants"], c, N, cfg.batch_size, cfg.dtype))
         print(cache_report(result["kv_cache_table"], cfg.batch_size))
         print(per_gpu_report(result["memory_per_gpu"], N, cfg.batch_size, cfg.dtype, cfg.world_size))
+        print(layers_report(result, c, N, cfg.batch_size, cfg.dtype))
         if cfg.train_tokens:
             r = result["training_run"]
             print(f"\na training run of {short(r['tokens'])} tokens at N={N:,}: {r['flops']:.3g} FLOPs (6 x forward "
@@ -186,7 +192,8 @@ def report(c, N, B, dtype, p, m, x, mem) -> str:
     cross = [("(a) the projections", "2*d*(d+d_kv)", "d + d_kv", x["attn_vs_proj"]),
              ("(b) the MLP", mlp_formula, mlp_x, x["attn_vs_mlp"]),
              ("(c) projections + MLP", "", f"d + d_kv + {mlp_x}", x["attn_vs_proj_mlp"])]
-    out += ["", "crossovers: the N at which attention's N^2 part, 2*N*d MACs per token and layer, equals"]
+    out += ["", "crossovers: the N at which attention's N^2 part, 2*N*d MACs per token and layer, equals"
+            + (" (in a softmax layer: the recurrent ones have no N^2 part)" if c.attn.layer_kinds else "")]
     for name, formula, closed, n in cross:
         out.append(f"  {name:<22}{formula:<14}N = {closed:<22}= {fmt_len(n):>9} tokens")
     out.append(f"  at N={N:,} attention is {float(N / x['attn_vs_proj_mlp']):.2f}x projections + MLP "
@@ -234,6 +241,44 @@ def variants_report(rows, c, N, B, dtype) -> str:
         out.append(f"  {r['name']:<26}{r['macs']:>16,}{size(r['memory']):>18}  {r['memory_order']:<10}{beats:>40}")
     out.append("  tiled computes every dot product the reference does (FlashAttention lowers memory, not FLOPs);"
                " a window and linear attention change what is computed")
+    return "\n".join(out)
+
+
+def all_attention(c: GPTConfig) -> GPTConfig:
+    """The same stack with softmax attention in every layer."""
+    return replace(c, attn=replace(c.attn, kind="softmax", layer_kinds=None, state_dim=None))
+
+
+def stack(c, N, B, nbytes) -> dict:
+    """A model's parameters, forward MACs per token at N, and what generation holds at N tokens: the
+    KV cache and the recurrent layers' states."""
+    kv, states = kv_cache_bytes(c, N, B, nbytes), state_bytes(c, B)
+    return {"params": count_params(c)["total"], "macs_per_token": macs_per_token(c, N)["forward"],
+            "kv_cache_bytes": kv, "state_bytes": states, "generation_bytes": kv + states}
+
+
+def layers_report(result, c, N, B, dtype) -> str:
+    """counting.layer_table, and for a model with recurrent layers the same stack all attention."""
+    rows = result["layers"]
+    pattern = f"model.attn.layer_kinds={list(c.attn.layer_kinds)} repeated" if c.attn.layer_kinds else \
+        f"every layer {c.attn.kind}"
+    out = ["", f"the layers ({pattern}; per layer, the MLP apart; N={N:,}, batch {B}, {dtype} cache, fp32 states)",
+           f"  {'kind':<22}{'layers':>7}{'params':>14}{'MACs per token':>16}{'cache at N':>14}{'state':>12}"]
+    for r in rows:
+        out.append(f"  {r['kind']:<22}{r['layers']:>7}{r['params']:>14,}{r['mixer_macs']:>16,}"
+                   f"{size(r['cache_bytes']):>14}{size(r['state_bytes']):>12}")
+    out.append("  a recurrent layer (linear, gdn, mamba2) keeps a state of fixed size, the same at any N; its MACs per "
+               "token stop growing past one chunk")
+    if "all_attention" in result:
+        this, full = result["all_attention"]["this"], result["all_attention"]["all_attention"]
+        out += ["", f"this stack against the same stack with softmax attention in every layer, at N={N:,}",
+                f"  {'':<28}{'this stack':>16}{'all attention':>16}{'ratio':>9}"]
+        for key, name, show in (("params", "parameters", "{:,}".format), ("macs_per_token", "forward MACs per token",
+                                                                           "{:,}".format),
+                                ("kv_cache_bytes", "KV cache", size), ("state_bytes", "recurrent states", size),
+                                ("generation_bytes", "cache + states", size)):
+            ratio = f"{this[key] / full[key]:.3f}" if full[key] else "-"
+            out.append(f"  {name:<28}{show(this[key]):>16}{show(full[key]):>16}{ratio:>9}")
     return "\n".join(out)
 
 

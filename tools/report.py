@@ -43,7 +43,8 @@ IGNORED = ("out_dir", "resume", "device", "logger.", "data.cache_dir", "data.num
 METRICS = [  # (name, column title, format)
     ("val_loss", "val loss", ".4f"), ("val_bpc", "val bits/char", ".4f"), ("attn_entropy", "attn entropy (nats)", ".3f"),
     ("attn_peak", "attn peak", ".3f"), ("attn_logit_max", "max logit", ".2f"),
-    ("attn_first", "first-token mass (mean / top head)", ".3f"), ("act_max", "largest activation", ".1f")]
+    ("attn_first", "first-token mass (mean / top head)", ".3f"), ("act_max", "largest activation", ".1f"),
+    ("recall_acc", "recall acc", ".3f")]
 LEVEL = 0.95
 
 
@@ -92,7 +93,8 @@ def first_token_heads(m: dict) -> list:
 def final_values(metrics: list) -> dict:
     """A run's final figures: val loss and bits/char (the whole val split's where logged, else the
     last evaluation's), and the last probe's mean entropy, mean peak weight, largest logit, the weight
-    on the first token (mean over heads, and the top head's: a sink) and the largest activation."""
+    on the first token (mean over heads, and the top head's: a sink) and the largest activation; the
+    last evaluation's recall accuracy (data=mqar)."""
     evals = [m for m in metrics if "val/loss" in m]
     last = evals[-1] if evals else {}
     probes = [m for m in metrics if "attn_entropy/mean" in m]
@@ -103,7 +105,8 @@ def final_values(metrics: list) -> dict:
             "val_bpc": last.get("val/bpc_full", last.get("val/bpc")), "attn_entropy": probe.get("attn_entropy/mean"),
             "attn_peak": probe.get("attn_peak/mean"), "attn_logit_max": max(logits) if logits else None,
             "attn_first": (sum(first) / len(first), max(first)) if first else None,
-            "act_max": probe.get("act_max/max"), "full_val": "val/loss_full" in last}
+            "act_max": probe.get("act_max/max"), "recall_acc": last.get("val/recall_acc"),
+            "full_val": "val/loss_full" in last}
 
 
 @dataclass
@@ -396,6 +399,8 @@ def report(paths, out=None, baseline=None) -> dict:
     if any(a.values("attn_first") for a in arms):  # where a sink forms, and the activation beside it
         files.append(plot_arm_bands(arms, out / "sinks.png", [
             ("attn_first/top", "top head's weight on the first token"), ("act_max/max", "largest activation")]))
+    if any(a.values("recall_acc") for a in arms):  # data=mqar
+        files.append(plot_arm_bands(arms, out / "recall.png", [("val/recall_acc", "recall accuracy (val)")]))
     if len(arms) > 1:
         lines = [(f"{a.label}{' (paired by seed)' if paired else ''}", 0, *curve)
                  for a in arms if a is not base for *curve, paired in [difference_curve(base, a)]]

@@ -28,7 +28,7 @@ and add one row to KINDS. An add-on fills a slot instead: a row in PATHS, BIASES
 """
 from dataclasses import dataclass
 from functools import partial
-from typing import ClassVar, Optional
+from typing import ClassVar, List, Optional
 
 import torch
 import torch.nn.functional as F
@@ -38,7 +38,9 @@ from rules import Needs, OneOf, Range, Rule, UserError, positive_number
 from variants.alibi import ALiBi
 from variants.gates import ChannelGate, HeadGate
 from variants.int8_cache import Int8KVCache
+from variants.gdn import GatedDeltaNet
 from variants.linear import LinearAttention
+from variants.mamba2 import Mamba2
 from variants.mlps import relu2, swiglu
 from variants.mla import LatentAttention
 from variants.positions import LearnedPositions, SinusoidalPositions
@@ -49,7 +51,8 @@ from variants.tiled import tiled_attention
 
 # ----------------------------------------------------------------------------- the table
 
-KINDS = {"softmax": CausalSelfAttention, "linear": LinearAttention, "mla": LatentAttention}  # model.attn.kind
+KINDS = {"softmax": CausalSelfAttention, "linear": LinearAttention, "mla": LatentAttention,  # model.attn.kind,
+         "gdn": GatedDeltaNet, "mamba2": Mamba2}  # or each layer's: model.attn.layer_kinds
 PATHS = {  # model.attn.impl: the path, given the tile size (model.attn.block)
     "sdpa": lambda block: sdpa_attention,
     "reference": lambda block: reference_attention,
@@ -61,7 +64,8 @@ POSITIONS = {"rope": None, "none": None, "alibi": None,  # model.pos: a table ad
              "learned": LearnedPositions, "sinusoidal": SinusoidalPositions}
 BIASES = {"alibi": ALiBi}  # model.pos: or a bias on the logits
 ROPE_SCALINGS = {"none": unscaled, "linear": linear, "ntk": ntk, "yarn": yarn}  # model.rope_scaling
-ACTIVATIONS = {"gelu": (F.gelu, 1), "relu2": (relu2, 1), "swiglu": (swiglu, 2)}  # model.mlp: (act, c_fc's parts)
+ACTIVATIONS = {"gelu": (F.gelu, 1), "relu2": (relu2, 1), "swiglu": (swiglu, 2),  # model.mlp: (act, c_fc's parts)
+               "none": None}  # no MLP: a block is its attention alone
 
 
 @dataclass
@@ -76,12 +80,14 @@ class AttnConfig:
     block: int = 128  # impl=tiled: queries and keys per tile
     window: Optional[int] = None  # each query sees only the latest `window` keys (itself included); unset: all
     window_pattern: str = "L"  # with a window: L (local) or G (global) per layer, repeated over the layers (LG: alternating)
-    kind: str = "softmax"  # softmax | linear (phi(q).phi(k): linear in N, a state when decoding) | mla (latent KV)
+    kind: str = "softmax"  # softmax | linear (phi(q).phi(k)) | mla (latent KV) | gdn (Gated DeltaNet) | mamba2 (SSD)
+    layer_kinds: Optional[List[str]] = None  # a kind per layer, repeated over the layers (a hybrid: [gdn,gdn,gdn,softmax])
     gate: str = "none"  # none | head | channel: sigmoid gate from the layer input on each head's output
     sink: str = "none"  # none | zero (softmax with an extra zero logit, "off by one") | learned (a logit per head)
     kv_lora_rank: Optional[int] = None  # kind=mla: the latent's width d_c; unset: 4 * head_dim
     q_lora_rank: Optional[int] = None  # kind=mla: a query latent's width too; unset: queries straight from x
     rope_head_dim: Optional[int] = None  # kind=mla: the decoupled RoPE key/query width; unset: head_dim / 2
+    state_dim: Optional[int] = None  # kind=mamba2: the state's width per head (B and C); unset: head_dim
 
     RULES: ClassVar[dict] = {
         "scale": Rule(lambda v: str(v) in ("sqrt_dk", "none", "dk") or positive_number(v),
@@ -89,37 +95,61 @@ class AttnConfig:
         "qk_norm_type": OneOf(("rms", "layer", "l2")), "qk_norm_gain": OneOf(("none", "head", "channel")), "impl": OneOf(tuple(PATHS)),
         "block": Range(1, 65536), "window": Range(1, why="keys a query sees, itself included"),
         "window_pattern": Rule(lambda v: bool(v) and set(str(v)) <= {"L", "G"}, "a string of L (local) and G (global)"),
-        "kind": OneOf(tuple(KINDS)), "gate": OneOf(tuple(GATES)), "sink": OneOf(tuple(SINKS)),
-        "kv_lora_rank": Range(1), "q_lora_rank": Range(1), "rope_head_dim": Range(2, why="RoPE rotates pairs of channels"),
+        "kind": OneOf(tuple(KINDS)), "layer_kinds": OneOf(tuple(KINDS)), "gate": OneOf(tuple(GATES)),
+        "sink": OneOf(tuple(SINKS)), "kv_lora_rank": Range(1), "q_lora_rank": Range(1),
+        "rope_head_dim": Range(2, why="RoPE rotates pairs of channels"), "state_dim": Range(1),
     }
-    # each option must change what the model computes
-    SOFTMAX: ClassVar[Needs] = Needs(lambda a: a.kind != "linear", "{p}kind is softmax or mla (linear attention "
-                                     "has no softmax, no logits, no N x N table)")
+    # each option must change what the model computes: set where no layer uses it, it is ignored and said
+    SOFTMAX: ClassVar[Needs] = Needs(lambda a: kinds(a) & {"softmax", "mla"}, "a layer is softmax or mla ({p}kind "
+                                     "or {p}layer_kinds: the others have no softmax, no logits, no N x N table)")
     QK_NORM: ClassVar[Needs] = Needs(lambda a: a.qk_norm, "{p}qk_norm=true")
-    MLA: ClassVar[Needs] = Needs(lambda a: a.kind == "mla", "{p}kind=mla")
+    MLA: ClassVar[Needs] = Needs(lambda a: "mla" in kinds(a), "a layer is mla ({p}kind or {p}layer_kinds)")
     NEEDS: ClassVar[dict] = {
         "impl": SOFTMAX, "scale": SOFTMAX, "window": SOFTMAX, "sink": SOFTMAX, "qk_norm_type": QK_NORM,
         "qk_norm_gain": QK_NORM, "kv_lora_rank": MLA, "q_lora_rank": MLA, "rope_head_dim": MLA,
+        "qk_norm": Needs(lambda a: kinds(a) & {"softmax", "linear"}, "a layer is softmax or linear ({p}kind or "
+                         "{p}layer_kinds: MLA's keys come from its latent, gdn normalises q and k itself)"),
+        "gate": Needs(lambda a: kinds(a) & {"softmax", "linear", "mla"}, "a layer is softmax, linear or mla "
+                      "({p}kind or {p}layer_kinds: gdn and mamba2 gate their output themselves)"),
+        "state_dim": Needs(lambda a: "mamba2" in kinds(a), "a layer is mamba2 ({p}kind or {p}layer_kinds)"),
+        "kind": Needs(lambda a: not a.layer_kinds, "{p}layer_kinds is unset (it names every layer's kind)"),
         "block": Needs(lambda a: a.impl == "tiled", "{p}impl=tiled"),
         "window_pattern": Needs(lambda a: a.window is not None, "{p}window=W"),
     }
 
 
+def kinds(a) -> set:
+    """The attention kinds the layers have: model.attn.layer_kinds' or model.attn.kind."""
+    return set(a.layer_kinds) if a.layer_kinds else {a.kind}
+
+
+def layer_kind(a, layer: int) -> str:
+    """Layer `layer`'s kind: its entry of layer_kinds (repeated over the layers), else model.attn.kind."""
+    return a.layer_kinds[layer % len(a.layer_kinds)] if a.layer_kinds else a.kind
+
+
 def make_attention(config, layer: int) -> CausalSelfAttention:
     """Layer `layer`'s attention: its kind, with its slots filled from the table."""
     a = config.attn
-    return KINDS[a.kind](config, layer, path=PATHS[a.impl](a.block), bias=BIASES.get(config.pos),
-                         sink=SINKS[a.sink], gate=GATES[a.gate])
+    return KINDS[layer_kind(a, layer)](config, layer, path=PATHS[a.impl](a.block), bias=BIASES.get(config.pos),
+                                       sink=SINKS[a.sink], gate=GATES[a.gate])
 
 
 def check(config) -> list:
     """What the chosen pieces cannot take, refused in one line before anything is built; returns the
     settings they ignore (a line each, as rules.check_values gives them)."""
-    kind = KINDS[config.attn.kind]
+    used = kinds(config.attn)
     if config.attn.impl == "tiled" and config.dropout > 0:
         raise UserError(f"model.attn.impl=tiled does not drop attention weights: set model.dropout=0 (now "
                         f"{config.dropout}) or use impl=sdpa")
-    return kind.check(config) if hasattr(kind, "check") else []
+    if "mla" in used and used & {"softmax", "linear"} and config.pos == "rope":
+        raise UserError(f"model.attn.layer_kinds={list(config.attn.layer_kinds)} mixes mla with softmax or linear "
+                        "layers, whose RoPE rotates a whole head while MLA's rotates its own small part: not "
+                        "implemented; mix mla with gdn or mamba2, or use model.pos=none")
+    ignored = []
+    for name in sorted(used):
+        ignored += getattr(KINDS[name], "check", lambda c: [])(config)
+    return list(dict.fromkeys(ignored))
 
 
 def kv_cache(dtype=None, static: bool = False, sinks: int = 0, theta=None):

@@ -114,8 +114,8 @@ def test_latent_options_that_cannot_work_are_refused(attn, needle):
 @pytest.mark.parametrize("attn,n_kv,line", [
     ({"kind": "mla"}, 2, "model.n_kv_head=2 has no effect with model.attn.kind=mla (every head reads the one shared "
                          "latent): ignored"),
-    ({"kv_lora_rank": 8}, None, "model.attn.kv_lora_rank=8 has no effect unless model.attn.kind=mla: ignored "
-                                "(its default is None)"),
+    ({"kv_lora_rank": 8}, None, "model.attn.kv_lora_rank=8 has no effect unless a layer is mla (model.attn.kind or "
+                                "model.attn.layer_kinds): ignored (its default is None)"),
 ])
 def test_latent_options_without_effect_are_ignored_and_said(attn, n_kv, line):
     cfg = GPTConfig(vocab_size=40, n_layer=2, n_head=4, n_embd=32, n_kv_head=n_kv, attn=attn)

@@ -33,4 +33,4 @@ def test_the_probe_logs_sink_mass_and_the_largest_activation():
 def test_a_sink_on_linear_attention_is_ignored_and_said():
     from model import GPTConfig
     cfg = GPTConfig(vocab_size=40, n_layer=2, n_head=4, n_embd=32, attn={"kind": "linear", "sink": "zero"})
-    assert cfg.ignored[0].startswith("model.attn.sink='zero' has no effect unless model.attn.kind is softmax or mla")
+    assert cfg.ignored[0].startswith("model.attn.sink='zero' has no effect unless a layer is softmax or mla")

@@ -1,0 +1,114 @@
+"""The recall experiment's table and plot: each arm's final exact-match recall (`val/recall_acc`, data=mqar)
+at each number of key-value pairs, the mean ± sd over its seeds with a 95% interval of the mean
+(Student t), and recall against pairs, one line per arm with its interval as error bars.
+
+    python train.py -m experiment=recall_cpu
+    python tools/recall.py outputs/multirun/2026-12-03_09-00-00            # writes recall.md, recall.png
+    python tools/recall.py RUN_DIR ... --out report/
+
+An arm is what tools/report.py calls one (runs whose configs differ only in their seeds) with
+data.pairs left out: its runs at every number of pairs form one line. A run trained on a mix
+(data.pairs=[4,8,16]) gives a value for each of them (val/recall_acc/pairs4, ...).
+"""
+import argparse
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as tools/X.py: the repo's modules
+
+from common import check_output_dir, cli  # noqa: E402
+from plots import plt, save_figure  # noqa: E402
+from rules import UserError  # noqa: E402
+from tools.report import describe, find_runs, group_arms, summarize  # noqa: E402
+
+PAIRS = "data.pairs"
+
+
+def final_recall(run) -> dict:
+    """{pairs: the last evaluation's recall} of a run: each number of pairs it trained on."""
+    last = [m for m in run.metrics if "val/recall_acc" in m][-1]
+    mixed = {int(k.rsplit("pairs", 1)[1]): v for k, v in last.items() if k.startswith("val/recall_acc/pairs")}
+    pairs = run.config[PAIRS]
+    return mixed or {(pairs[0] if isinstance(pairs, list) else pairs): last["val/recall_acc"]}
+
+
+def recall_runs(paths) -> list:
+    """The runs under `paths`, each with its final recall per number of pairs; one line if one is not
+    an mqar run."""
+    runs = [summarize(r) for r in find_runs(paths)]
+    for r in runs:
+        if r.config.get("data.name") != "mqar" or r.final["recall_acc"] is None:
+            raise UserError(f"{r.dir} logged no val/recall_acc: tools/recall.py reads runs of data=mqar "
+                            "(python train.py -m experiment=recall_cpu)")
+        r.final["recall"] = final_recall(r)
+    return runs
+
+
+def recall_table(runs) -> tuple:
+    """(pairs, rows): the pair counts in order, and per arm (label, {pairs: describe(recall values)})."""
+    without = [replace(r, config={k: v for k, v in r.config.items() if k != PAIRS}) for r in runs]
+    pairs = sorted({p for r in runs for p in r.final["recall"]})
+    rows = []
+    for arm in group_arms(without):
+        label = arm.label.replace("model.attn.layer_kinds=", "").replace("model.attn.kind=", "")
+        cells = {p: describe([r.final["recall"][p] for r in arm.runs if p in r.final["recall"]]) for p in pairs}
+        rows.append((label, cells))
+    return pairs, rows
+
+
+def cell(d: dict) -> str:
+    if d["n"] == 0:
+        return "-"
+    if d["half"] is None:
+        return f"{d['mean']:.3f} (one run)"
+    return f"{d['mean']:.3f} ± {d['sd']:.3f} [{d['mean'] - d['half']:.3f}, {d['mean'] + d['half']:.3f}]"
+
+
+def markdown(pairs, rows) -> str:
+    n = sorted({d["n"] for _, cells in rows for d in cells.values() if d["n"]})
+    lines = ["| arm | " + " | ".join(f"{p} pairs" for p in pairs) + " |", "|---|" + "---|" * len(pairs)]
+    lines += [f"| {label} | " + " | ".join(cell(cells[p]) for p in pairs) + " |" for label, cells in rows]
+    lines.append(f"\nFinal val/recall_acc (share of the answers the argmax gets right): mean ± sd over "
+                 f"{'/'.join(map(str, n))} seeds, [95% interval of the mean, Student t].")
+    return "\n".join(lines)
+
+
+def plot(pairs, rows, path):
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for label, cells in rows:
+        xs = [p for p in pairs if cells[p]["n"]]
+        ys = [cells[p]["mean"] for p in xs]
+        err = [cells[p]["half"] or 0.0 for p in xs]
+        ax.errorbar(xs, ys, yerr=err, marker="o", capsize=3, label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(pairs, [str(p) for p in pairs])
+    ax.set_xlabel("key-value pairs per window")
+    ax.set_ylabel("recall accuracy (val)")
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_title("associative recall: mean over seeds, 95% interval")
+    ax.legend(fontsize=8)
+    return save_figure(fig, path)
+
+
+@cli
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("dirs", nargs="+", help="run dirs or sweep (multirun) dirs of data=mqar runs")
+    parser.add_argument("--out", default=None, help="where to write recall.md and recall.png (default: the "
+                        "sweep dir when given one, else ./report)")
+    args = parser.parse_args(argv)
+    out = args.out or (args.dirs[0] if len(args.dirs) == 1 and not (Path(args.dirs[0]) / "metrics.jsonl").is_file()
+                       else "report")
+    out = check_output_dir(out, "--out")
+    pairs, rows = recall_table(recall_runs(args.dirs))
+    table = markdown(pairs, rows)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "recall.md").write_text(table + "\n")
+    png = plot(pairs, rows, out / "recall.png")
+    print(table)
+    print(f"wrote {out / 'recall.md'}, {png}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
