@@ -291,10 +291,11 @@ class CausalSelfAttention(nn.Module):
 
     Slots, filled once at construction (variants/__init__.py picks them; the defaults are the plain
     path): `path`, the function that attends (sdpa_attention's signature); `bias`, a logit bias the
-    softmax adds (ALiBi); `sink`, a logit per head for a key of value zero; `gate`, an output gate."""
+    softmax adds (ALiBi); `sink`, a logit per head for a key of value zero; `gate`, an output gate;
+    `select`, a choice of keys by content that narrows the mask (MoBA, the oracle top-k)."""
     softmax = True  # its weights are a softmax of logits: the attention probe reads them
 
-    def __init__(self, config, layer: int, *, path=sdpa_attention, bias=None, sink=None, gate=None):
+    def __init__(self, config, layer: int, *, path=sdpa_attention, bias=None, sink=None, gate=None, select=None):
         super().__init__()
         self.layer = layer  # this block's index, for the attention probe
         self.n_head, self.n_kv_head, self.head_dim = config.n_head, config.n_kv_head, config.head_dim
@@ -311,6 +312,7 @@ class CausalSelfAttention(nn.Module):
         self.register_parameter("sink_logit", sink) if isinstance(sink, nn.Parameter) else \
             self.register_buffer("sink_logit", sink, persistent=False)
         self.bias = bias(config) if bias else None  # bias(q_pos, k_pos) -> bias(rows, cols) (variants/alibi.py)
+        self.select = select(config) if select else None  # (q, k, mask, q_pos, k_pos) -> a narrower mask (variants/moba.py)
         self.hook_q, self.hook_k, self.hook_v, self.hook_z = HookPoint(), HookPoint(), HookPoint(), HookPoint()
 
     def make_projections(self, config):
@@ -368,6 +370,8 @@ class CausalSelfAttention(nn.Module):
             k, v, written = kv_cache.update(pos, k, v)  # (B, n_kv, n_cached, hs)
             mask = Mask(T, k.size(2), window if T > 1 else None, written)
         bias = None if self.bias is None else self.bias(*self.positions(pos, T, kv_cache, k.size(2)))
+        if self.select is not None:  # each query reads only the keys it chooses
+            mask = self.select(q, k, mask, *self.positions(pos, T, kv_cache, k.size(2)))
         # a cache may hold another dtype (sample.kv_dtype): q joins it, the output returns to q's
         y = self.attend(q.to(k.dtype), k, v, scale=self.scale, mask=mask, bias=bias, sink=self.sink_logit,
                         dropout_p=self.dropout if self.training else 0.0)
@@ -397,6 +401,8 @@ class CausalSelfAttention(nn.Module):
         at = lambda a, b: torch.arange(a, b, device=q.device)  # noqa: E731
         bias = None if self.bias is None else self.bias(at(q0, q1), at(0, q1))
         mask = Mask(q1 - q0, q1, self.window)  # the queries are the last q1 - q0 of the q1 positions
+        if self.select is not None:
+            mask = self.select(q, k, mask, at(q0, q1), at(0, q1))
         return attention_scores(q, k, scale=self.scale, mask=mask, bias=bias), self.sink_logit
 
     def logit_bound(self):

@@ -200,6 +200,21 @@ def variant_model(seed=0, block_size=16, n_layer=2, n_head=4, n_embd=32, vocab=4
     return model.eval()
 
 
+def segments_minus_whole(model, T, cuts=(0, 3, 4, 5, 17, 18)) -> float:
+    """A prefill, then single steps and chunks of several tokens through the model's cache, in float64,
+    against one forward of the whole sequence: the largest difference."""
+    import torch
+
+    model = model.double()
+    idx = torch.randint(model.config.vocab_size, (2, T))
+    with torch.no_grad():
+        full = model(idx)
+        cache = model.new_kv_cache(2, T, dtype=torch.float64)
+        cuts = [*cuts, T]
+        parts = [model(idx[:, a:b], kv_cache=cache, pos=a) for a, b in zip(cuts, cuts[1:])]
+    return (torch.cat(parts, 1) - full).abs().max().item()
+
+
 # ----------------------------------------------------------------------------- exports (tools/export.py)
 
 EXPORT_TEXT = "abcdefghijklmnopqrstuvwxyz ABCDEFGHIJ.,:;!?'\n0123456789"  # the vocabulary of export tests

@@ -420,6 +420,56 @@ def test_bench_attention_measures_each_path_against_its_own_prediction(tmp_path)
     assert (tmp_path / "n2.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_bench_attention_decodes_each_recurrent_path_from_a_state_that_does_not_grow():
+    """decode=true: sdpa's cache holds N + 1 keys and values (the context and the new token), gdn's and
+    mamba2's state the same bytes at every N; each ratio is the median of the rounds' ratios to sdpa
+    timed beside it, and the crossover is the first N from which the path stays below sdpa."""
+    import statistics
+    from helpers import compose_cfg
+    from tools.bench_attention import bench_attention
+    d = 64
+    result = bench_attention(compose_cfg("bench_attention", ["lengths=[32,64]", "paths=[sdpa,gdn,mamba2]", "decode=true",
+                                                            f"n_embd={d}", "n_head=2", "repeats=2", "out=null"]))
+    rows = {(r["path"], r["N"]): r for r in result["rows"]}
+    for N in (32, 64):
+        assert rows[("sdpa", N)]["cache_bytes"] == 2 * (N + 1) * d * 4
+        for path in ("gdn", "mamba2"):
+            row, base = rows[(path, N)], rows[("sdpa", N)]
+            assert row["vs_sdpa"] == statistics.median(a / b for a, b in zip(row["seconds"], base["seconds"]))
+            assert row["decode_vs_sdpa"] == statistics.median(
+                a / b for a, b in zip(row["decode_seconds"], base["decode_seconds"]))
+            assert row["decode_ms"] > 0
+    for path in ("gdn", "mamba2"):
+        assert rows[(path, 32)]["cache_bytes"] == rows[(path, 64)]["cache_bytes"] > 0
+        below = [rows[(path, N)]["vs_sdpa"] < 1 for N in (32, 64)]
+        assert result["crossover"][path] == (32 if all(below) else 64 if below[1] else None)
+
+
+def test_bench_attention_decode_needs_sdpa_to_compare_with():
+    from helpers import compose_cfg
+    from tools.bench_attention import bench_attention
+    with pytest.raises(UserError, match="sdpa"):
+        bench_attention(compose_cfg("bench_attention", ["lengths=[32]", "paths=[gdn]", "decode=true", "out=null"]))
+
+
+def test_bench_times_other_layer_kinds_of_the_same_model_side_by_side(capsys):
+    """bench.kinds: each pattern is the configured model with those layer kinds (its parameters are that
+    model's), timed in the same rounds; its ratio is its median step time over the configured one's."""
+    from helpers import compose_cfg
+    from tools.bench import bench, print_result
+    cfg = compose_cfg("bench", ["model=debug", "device=cpu", "bench.iters=1", "bench.warmup=0", "bench.rounds=2",
+                                "bench.kinds=[gdn,mamba2+softmax]", "train.batch_size=2"])
+    r = bench(cfg)
+    for pattern, kinds in (("gdn", ["gdn"]), ("mamba2+softmax", ["mamba2", "softmax"])):
+        c = model_config(cfg.model, cfg.bench.vocab_size)
+        built = GPT(GPTConfig(**{**dataclasses.asdict(c), "attn": {**dataclasses.asdict(c.attn), "layer_kinds": kinds}}))
+        assert r[pattern]["params"] == built.num_params() != r["params"]
+        assert r[pattern]["time_ratio"] == r[pattern]["ms_per_iter"] / r["attnlab"]["ms_per_iter"]
+        assert len(r[pattern]["round_ratios"]) == 2
+    print_result(r)
+    assert "mamba2+softmax:" in capsys.readouterr().out
+
+
 # ----------------------------------------------------------------------------- recurrent kinds and hybrid stacks
 
 @pytest.mark.parametrize("attn,bias", [({"kind": "gdn"}, False), ({"kind": "gdn"}, True),

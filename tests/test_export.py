@@ -188,6 +188,8 @@ CODE_VARIANTS = {
     "hybrid_gdn_softmax": dict(attn={"layer_kinds": ["gdn", "softmax"]}),
     "hybrid_mla_mamba2": dict(attn={"layer_kinds": ["mla", "mamba2"]}),
     "hybrid_linear_gdn": dict(n_kv_head=2, attn={"layer_kinds": ["linear", "gdn"]}),
+    "moba_gqa": dict(n_kv_head=2, attn={"select": "moba", "select_block": 8, "select_topk": 2}),
+    "oracle_hybrid": dict(attn={"layer_kinds": ["softmax", "gdn"], "select": "oracle", "select_topk": 5}),
 }
 SIZES = {"vocab_size", "block_size", "n_layer", "n_head", "n_embd"}  # shapes every variant sets
 

@@ -49,6 +49,8 @@ VARIANTS = [
     {"attn": {"layer_kinds": ["gdn", "softmax"]}},
     {"n_layer": 3, "mlp": "none", "n_kv_head": 2, "attn": {"layer_kinds": ["linear", "mamba2", "softmax"], "gate": "head"}},
     {"attn": {"layer_kinds": ["gdn", "mla"]}},
+    {"n_kv_head": 2, "attn": {"select": "moba", "select_block": 4, "select_topk": 1, "sink": "learned"}},
+    {"attn": {"layer_kinds": ["softmax", "linear"], "select": "oracle", "select_topk": 3, "qk_norm": True}},
 ]
 IDS = [",".join(f"{k}={v}" for k, v in v.items()) or "default" for v in VARIANTS]
 

@@ -2,18 +2,21 @@
 
     python tools/bench.py model=cpu_small train.batch_size=12            # ms/iter, tokens/s, MFU, memory
     python tools/bench.py model=cpu_small train.batch_size=12 bench.compare=/path/to/nanoGPT
+    python tools/bench.py model=cpu_small train.batch_size=12 bench.kinds=[gdn,mamba2,gdn+softmax]
 
 With bench.compare pointing at a karpathy/nanoGPT checkout, its GPT is timed at the same shapes
 (learned positions instead of RoPE, otherwise the same block), interleaved round by round with
 ours in one process, and the ratio printed: these machines are too noisy for anything else.
+bench.kinds times the same model with other layer kinds the same way (each entry a layer_kinds
+pattern, its layers joined by +): the step time of each as a ratio to the configured model's.
 """
 import importlib.util
 import resource
 import statistics
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import ClassVar, Optional
+from typing import ClassVar, List, Optional
 
 import hydra
 import torch
@@ -35,12 +38,13 @@ class BenchSettings:
     rounds: int = 6  # interleaved rounds when comparing (order alternating); the median is reported
     vocab_size: int = 65  # used when model.vocab_size is unset (tiny shakespeare's characters)
     compare: Optional[str] = None  # a karpathy/nanoGPT checkout to time side by side
+    kinds: List[str] = field(default_factory=list)  # layer-kind patterns to time side by side: [gdn,gdn+softmax]
     cpu_peak_flops: float = 180e9  # CPU peak for MFU (fp32 matmul ceiling of 2 cores here); GPUs: train.peak_flops or the table
 
     RULES: ClassVar[dict] = {"iters": POSITIVE, "warmup": NON_NEGATIVE, "rounds": POSITIVE, "vocab_size": POSITIVE,
                              "cpu_peak_flops": Range(0, lo_open=True)}
-    NEEDS: ClassVar[dict] = {"rounds": Needs(lambda b: b.compare is not None, "{p}compare=NANOGPT_CHECKOUT "
-                                             "(rounds interleave two models)")}
+    NEEDS: ClassVar[dict] = {"rounds": Needs(lambda b: b.compare is not None or b.kinds, "{p}compare=NANOGPT_CHECKOUT "
+                                             "or {p}kinds is set (rounds interleave several models)")}
 
 
 @dataclass
@@ -92,6 +96,12 @@ def bench(cfg) -> dict:
     batch = (x, torch.roll(x, -1, dims=1))
 
     models = {"attnlab": GPT(mcfg).to(device)}
+    for pattern in cfg.bench.kinds:  # the same model, another kind in each layer (checked as model.attn.layer_kinds)
+        layer_kinds = pattern.split("+")
+        try:
+            models[pattern] = GPT(replace(mcfg, attn=replace(mcfg.attn, kind="softmax", layer_kinds=layer_kinds))).to(device)
+        except UserError as e:
+            raise UserError(f"bench.kinds entry {pattern!r}: {e}") from None
     if cfg.bench.compare:
         NanoGPT, NanoConfig = load_nanogpt(cfg.bench.compare)
         models["nanoGPT"] = NanoGPT(NanoConfig(block_size=T, vocab_size=mcfg.vocab_size, n_layer=mcfg.n_layer,
@@ -130,6 +140,10 @@ def bench(cfg) -> dict:
         result["peak_mem_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - rss_before
     if "nanoGPT" in result:
         result["speed_ratio"] = result["nanoGPT"]["ms_per_iter"] / ours["ms_per_iter"]
+    for pattern in cfg.bench.kinds:  # > 1: the pattern's step takes longer than the configured model's
+        result[pattern]["params"] = models[pattern].num_params()
+        result[pattern]["time_ratio"] = result[pattern]["ms_per_iter"] / ours["ms_per_iter"]
+        result[pattern]["round_ratios"] = [a / b for a, b in zip(times[pattern], times["attnlab"])]
     return result
 
 
@@ -139,6 +153,11 @@ def print_result(r):
     for name in ("attnlab", "nanoGPT"):
         if name in r:
             print(f"{name:8s}: {r[name]['ms_per_iter']:7.2f} ms/iter  {r[name]['tokens_per_sec']:10.0f} tokens/s")
+    for name, k in r.items():
+        if isinstance(k, dict) and "time_ratio" in k:  # bench.kinds: each round's ratio too, for its spread
+            spread = ", ".join(f"{x:.2f}" for x in k["round_ratios"])
+            print(f"{name}: {k['ms_per_iter']:7.2f} ms/iter  {k['tokens_per_sec']:10.0f} tokens/s  "
+                  f"{k['params'] / 1e6:.2f}M params  {k['time_ratio']:.2f}x the step time (rounds: {spread})")
     if r["attnlab"]["mfu"] is not None:
         print(f"MFU (attnlab): {100 * r['attnlab']['mfu']:.2f}%")
     print(f"peak memory of the timed steps: {r['peak_mem_mb']:.0f} MiB")

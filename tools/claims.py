@@ -193,7 +193,7 @@ DEEP = ["model.n_layer=12", "model.n_head=2", "model.n_embd=64", "train.batch_si
         "train.log_attn_interval=0", "train.final_eval_tokens=100000"]  # the whole val split at the end
 ONE_LAYER = ["model.n_layer=1", "model.n_head=2", "model.n_embd=64", "train.batch_size=12", "train.max_iters=150",
              "train.warmup_iters=20", "train.eval_interval=150", "train.log_attn_interval=0"]
-RECALL = ["experiment=recall_cpu", "data.pairs=[8]", "train.eval_interval=1000"]  # docs/hybrids.md, one arm each
+RECALL = ["experiment=recall_cpu", "data.pairs=[8]", "train.max_iters=1000", "train.eval_interval=500"]  # docs/hybrids.md, one arm each
 TRAINING_RUNS = {
     "scaled": ONE_WIDE_HEAD,  # 1/sqrt(d_k), no QK-Norm: attnlab's default attention
     "unscaled": ONE_WIDE_HEAD + ["model.attn.scale=none"],

@@ -9,8 +9,13 @@ fills, its paper and its test file:
     alibi.py         model.pos=alibi                       its logit-bias slot
     sinks.py         model.attn.sink=zero|learned          its sink slot
     gates.py         model.attn.gate=head|channel          its output-gate slot
+    moba.py          model.attn.select=moba                its key-selection slot (blocks chosen by content)
+    oracle.py        model.attn.select=oracle              its key-selection slot (the exact top-k keys)
     linear.py        model.attn.kind=linear                a kind: forward, new_cache
     mla.py           model.attn.kind=mla                   a kind: make_projections, forward, new_cache
+    gdn.py           model.attn.kind=gdn                   a kind: Gated DeltaNet (a recurrent state)
+    mamba2.py        model.attn.kind=mamba2                a kind: Mamba-2's SSD mixer (a recurrent state)
+                     model.attn.layer_kinds=[gdn,softmax]  a kind per layer, repeated (hybrid stacks)
     rope_scaling.py  model.rope_scaling=linear|ntk|yarn    RoPE's frequencies (GPT.rope_table)
     positions.py     model.pos=learned|sinusoidal          the model's position table (GPT.positions)
     mlps.py          model.mlp=relu2|swiglu                the MLP's activation (model.MLP.act)
@@ -24,7 +29,7 @@ attention.CausalSelfAttention that overrides the methods it changes (forward, ma
 new_cache; `softmax = False` if it has no softmax weights for the probe to read; a static
 `check(config)` that refuses, in one line, the options it cannot take and returns those it
 ignores), open it as the others open,
-and add one row to KINDS. An add-on fills a slot instead: a row in PATHS, BIASES, SINKS or GATES.
+and add one row to KINDS. An add-on fills a slot instead: a row in PATHS, BIASES, SINKS, GATES or SELECTS.
 """
 from dataclasses import dataclass
 from functools import partial
@@ -43,6 +48,8 @@ from variants.linear import LinearAttention
 from variants.mamba2 import Mamba2
 from variants.mlps import relu2, swiglu
 from variants.mla import LatentAttention
+from variants.moba import MoBA
+from variants.oracle import Oracle
 from variants.positions import LearnedPositions, SinusoidalPositions
 from variants.rope_scaling import linear, ntk, unscaled, yarn
 from variants.sink_cache import SinkKVCache
@@ -60,6 +67,7 @@ PATHS = {  # model.attn.impl: the path, given the tile size (model.attn.block)
 }
 SINKS = {"none": None, "zero": zero_sink, "learned": learned_sink}  # model.attn.sink
 GATES = {"none": None, "head": HeadGate, "channel": ChannelGate}  # model.attn.gate
+SELECTS = {"none": None, "moba": MoBA, "oracle": Oracle}  # model.attn.select
 POSITIONS = {"rope": None, "none": None, "alibi": None,  # model.pos: a table added to the embeddings,
              "learned": LearnedPositions, "sinusoidal": SinusoidalPositions}
 BIASES = {"alibi": ALiBi}  # model.pos: or a bias on the logits
@@ -88,6 +96,9 @@ class AttnConfig:
     q_lora_rank: Optional[int] = None  # kind=mla: a query latent's width too; unset: queries straight from x
     rope_head_dim: Optional[int] = None  # kind=mla: the decoupled RoPE key/query width; unset: head_dim / 2
     state_dim: Optional[int] = None  # kind=mamba2: the state's width per head (B and C); unset: head_dim
+    select: str = "none"  # none | moba (blocks chosen by q.mean(K)) | oracle (the top keys by weight): softmax layers
+    select_block: int = 64  # select=moba: keys per block
+    select_topk: int = 4  # select=moba: earlier blocks each query reads (besides its own); oracle: keys
 
     RULES: ClassVar[dict] = {
         "scale": Rule(lambda v: str(v) in ("sqrt_dk", "none", "dk") or positive_number(v),
@@ -98,6 +109,7 @@ class AttnConfig:
         "kind": OneOf(tuple(KINDS)), "layer_kinds": OneOf(tuple(KINDS)), "gate": OneOf(tuple(GATES)),
         "sink": OneOf(tuple(SINKS)), "kv_lora_rank": Range(1), "q_lora_rank": Range(1),
         "rope_head_dim": Range(2, why="RoPE rotates pairs of channels"), "state_dim": Range(1),
+        "select": OneOf(tuple(SELECTS)), "select_block": Range(1), "select_topk": Range(1),
     }
     # each option must change what the model computes: set where no layer uses it, it is ignored and said
     SOFTMAX: ClassVar[Needs] = Needs(lambda a: kinds(a) & {"softmax", "mla"}, "a layer is softmax or mla ({p}kind "
@@ -115,6 +127,9 @@ class AttnConfig:
         "kind": Needs(lambda a: not a.layer_kinds, "{p}layer_kinds is unset (it names every layer's kind)"),
         "block": Needs(lambda a: a.impl == "tiled", "{p}impl=tiled"),
         "window_pattern": Needs(lambda a: a.window is not None, "{p}window=W"),
+        "select": Needs(lambda a: "softmax" in kinds(a), "a layer is softmax ({p}kind or {p}layer_kinds)"),
+        "select_block": Needs(lambda a: a.select == "moba", "{p}select=moba"),
+        "select_topk": Needs(lambda a: a.select != "none", "{p}select=moba or oracle"),
     }
 
 
@@ -132,7 +147,7 @@ def make_attention(config, layer: int) -> CausalSelfAttention:
     """Layer `layer`'s attention: its kind, with its slots filled from the table."""
     a = config.attn
     return KINDS[layer_kind(a, layer)](config, layer, path=PATHS[a.impl](a.block), bias=BIASES.get(config.pos),
-                                       sink=SINKS[a.sink], gate=GATES[a.gate])
+                                       sink=SINKS[a.sink], gate=GATES[a.gate], select=SELECTS[a.select])
 
 
 def check(config) -> list:
@@ -146,6 +161,13 @@ def check(config) -> list:
         raise UserError(f"model.attn.layer_kinds={list(config.attn.layer_kinds)} mixes mla with softmax or linear "
                         "layers, whose RoPE rotates a whole head while MLA's rotates its own small part: not "
                         "implemented; mix mla with gdn or mamba2, or use model.pos=none")
+    if config.attn.select != "none" and "softmax" in used:
+        taken = {"a window": config.attn.window is not None, "ALiBi": config.pos == "alibi",
+                 "the tiled path": config.attn.impl == "tiled"}
+        clash = [name for name, on in taken.items() if on]
+        if clash:
+            raise UserError(f"model.attn.select={config.attn.select} chooses keys by content; with {clash[0]} it is "
+                            "not implemented: use one or the other")
     ignored = []
     for name in sorted(used):
         ignored += getattr(KINDS[name], "check", lambda c: [])(config)

@@ -32,6 +32,16 @@ from attention import CausalSelfAttention
 CONV = 4  # the short convolution's kernel
 
 
+def ignores_kv_heads(kind: str, why: str):
+    """The check(config) of a kind without grouped keys and values: model.n_kv_head is ignored, and said,
+    unless a softmax or linear layer of a hybrid uses it."""
+    def check(config) -> list:
+        grouped = {"softmax", "linear"} & set(config.attn.layer_kinds or [config.attn.kind])
+        return [] if config.n_kv_head == config.n_head or grouped else [
+            f"model.n_kv_head={config.n_kv_head} has no effect on a {kind} layer ({why}): ignored"]
+    return staticmethod(check)
+
+
 class GatedRMSNorm(nn.Module):
     """The output gate: RMSNorm(y) * SiLU(x W_g), per head (the norm's weight shared by the heads, as
     the paper's), or, with gate_first (Mamba-2's order), RMSNorm(y * SiLU(x W_g)) over all heads."""
@@ -130,11 +140,7 @@ class GatedDeltaNet(CausalSelfAttention):
     def __init__(self, config, layer: int, **slots):
         super().__init__(config, layer, **{**slots, "gate": GatedRMSNorm})  # its own output gate
 
-    @staticmethod
-    def check(config) -> list:
-        return [] if config.n_kv_head == config.n_head else [
-            f"model.n_kv_head={config.n_kv_head} has no effect on a gdn layer (its q, k and v have n_head heads each): "
-            "ignored"]
+    check = ignores_kv_heads("gdn", "its q, k and v have n_head heads each")
 
     def make_projections(self, config):
         d, nh, hs = config.n_embd, config.n_head, config.head_dim

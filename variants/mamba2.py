@@ -3,10 +3,9 @@ a state-space layer whose state decays by one scalar per head and token.
 
 A kind: Mamba2 subclasses attention.CausalSelfAttention and overrides make_projections, forward,
 new_cache and init_weights; its output gate (RMSNorm of the heads' output times SiLU of a gate from
-the layer input) fills the core's gate slot. Dao & Gu 2024, arXiv 2405.04434 (Jamba mixes Mamba 7:1
+the layer input) fills the core's gate slot. Dao & Gu 2024, arXiv 2405.21060 (Jamba mixes Mamba 7:1
 with attention). Tests: tests/variants/test_mamba2.py (the chunked and recurrent forms against the
-materialised matrix and a float64 loop, outputs and gradients; segmented decoding; a broken chunk
-boundary fails).
+materialised matrix and a float64 loop, outputs and gradients; segmented decoding).
 
 Per head, x_t (head_dim) and, shared by the heads, B_t and C_t (state_dim), all after a short causal
 convolution and SiLU; Δ_t = softplus(x_t W_Δ + b) > 0 and A = -e^{A_log} < 0 per head:
@@ -27,7 +26,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from attention import CausalSelfAttention
-from variants.gdn import GatedRMSNorm, RecurrentState, ShortConv
+from variants.gdn import GatedRMSNorm, RecurrentState, ShortConv, ignores_kv_heads
 
 
 def chunked_ssd(x, a, Bm, Cm, h0=None, chunk: int = 64):
@@ -70,11 +69,7 @@ class Mamba2(CausalSelfAttention):
     def __init__(self, config, layer: int, **slots):
         super().__init__(config, layer, **{**slots, "gate": partial(GatedRMSNorm, gate_first=True)})
 
-    @staticmethod
-    def check(config) -> list:
-        return [] if config.n_kv_head == config.n_head else [
-            f"model.n_kv_head={config.n_kv_head} has no effect on a mamba2 layer (B and C are shared by every head): "
-            "ignored"]
+    check = ignores_kv_heads("mamba2", "B and C are shared by every head")
 
     def make_projections(self, config):
         d, nh, hs = config.n_embd, config.n_head, config.head_dim

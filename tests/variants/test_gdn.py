@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import variant_model as make
+from helpers import segments_minus_whole, variant_model as make
 from variants.gdn import chunked_gated_delta, gated_delta_step
 
 
@@ -95,14 +95,7 @@ def test_the_layer_decoded_in_segments_equals_the_whole_sequence(T):
     """A model of gdn layers: a prefill, then single steps and chunks of several tokens through its
     state (and the short convolution's last inputs), equal to one forward of the whole sequence
     (in float64: float32's chunk boundaries round apart by ~1e-5 over hundreds of positions)."""
-    model = make(block_size=T, attn={"kind": "gdn"}).double()
-    idx = torch.randint(40, (2, T))
-    with torch.no_grad():
-        full = model(idx)
-        cache = model.new_kv_cache(2, T, dtype=torch.float64)
-        cuts = [0, 3, 4, 5, 17, 18, T]
-        parts = [model(idx[:, a:b], kv_cache=cache, pos=a) for a, b in zip(cuts, cuts[1:])]
-    assert (torch.cat(parts, 1) - full).abs().max() < 1e-9
+    assert segments_minus_whole(make(block_size=T, attn={"kind": "gdn"}), T) < 1e-9
 
 
 def test_the_state_does_not_grow_with_the_context():
@@ -132,3 +125,25 @@ def test_the_layer_is_the_papers_layer_written_out():
         o = o * F.silu(x @ attn.gate.proj.weight.T).view(2, 9, 4, 8)
         want = o.reshape(2, 9, 32) @ attn.c_proj.weight.T
         assert (attn(x) - want).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("attn,why", [
+    ({"kind": "gdn"}, "its q, k and v have n_head heads each"),
+    ({"kind": "mamba2"}, "B and C are shared by every head"),
+    ({"layer_kinds": ["gdn", "mamba2"]}, "its q, k and v have n_head heads each"),
+])
+def test_grouped_heads_on_recurrent_layers_only_are_ignored_and_said(attn, why):
+    """n_kv_head groups softmax and linear layers' keys and values; gdn and mamba2 layers have none."""
+    from model import GPTConfig
+    cfg = GPTConfig(vocab_size=40, n_layer=2, n_head=4, n_embd=32, n_kv_head=2, attn=attn)
+    kind = attn.get("kind") or attn["layer_kinds"][0]
+    assert cfg.ignored[0] == f"model.n_kv_head=2 has no effect on a {kind} layer ({why}): ignored"
+    assert make(n_kv_head=2, attn=attn).blocks[0].attn.n_kv_head == 4
+
+
+def test_grouped_heads_in_a_hybrid_group_its_softmax_layers_and_nothing_is_said():
+    from model import GPTConfig
+    cfg = GPTConfig(vocab_size=40, n_layer=2, n_head=4, n_embd=32, n_kv_head=2, attn={"layer_kinds": ["gdn", "softmax"]})
+    assert cfg.ignored == []
+    model = make(n_kv_head=2, attn={"layer_kinds": ["gdn", "softmax"]})
+    assert [b.attn.n_kv_head for b in model.blocks] == [4, 2]

@@ -1,0 +1,73 @@
+"""Mixture of block attention, `model.attn.select=moba` (`select_block` B, `select_topk` K): each query
+chooses by content which earlier blocks of keys it reads.
+
+Fills the core's `select` slot (attention.CausalSelfAttention.forward and .scores: after the mask is
+made, before attention): the keys, in blocks of B positions, are each summarised by their mean; a query
+scores every block that ends before its own by q·mean(K_block), keeps the K best and its own block
+(causally masked), and attends over those keys only. With K at least the number of earlier blocks it is
+full causal attention. The choice is not differentiable (the keys chosen are; so are the block means
+through them, as in MoBA). Lu et al. 2025, arXiv 2502.13189. Tests: tests/variants/test_moba.py (K
+covering every block is full attention, outputs and gradients; the chosen keys against a loop written
+out; cached decoding against recomputation; GQA; the probe sees only the chosen keys).
+
+The choice is applied as a mask over the keys (SelectedMask), so every path the mask reaches (sdpa,
+reference) computes exactly the selected attention, and the attention probe and the viewer read the
+same weights the layer uses. It still computes every score: the saving in work is the job of a kernel
+that skips unchosen blocks, which this file does not have.
+"""
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from attention import Mask, repeat_kv
+
+
+@dataclass
+class SelectedMask(Mask):
+    """A Mask narrowed by a choice of keys: `chosen` (B, nh, Tq, Tk) bool, True where the query reads
+    the key. Its tables are (B, nh, rows, cols)."""
+    chosen: Optional[torch.Tensor] = None
+
+    @property
+    def causal(self) -> bool:
+        return False
+
+    @property
+    def sees_all(self) -> bool:
+        return False
+
+    def __call__(self, device=None, q0: int = 0, q1=None, k0: int = 0, k1=None):
+        q1, k1 = self.Tq if q1 is None else q1, self.Tk if k1 is None else k1
+        return super().__call__(device, q0, q1, k0, k1) & self.chosen[:, :, q0:q1, k0:k1]
+
+
+class MoBA:
+    """select(q, k, mask, q_pos, k_pos) -> SelectedMask: q (B, nh, Tq, hs), k (B, n_kv, Tk, hs) the keys
+    the layer attends over, q_pos (Tq,) and k_pos (Tk,) their positions (a cache's slots may hold
+    positions in any order)."""
+
+    def __init__(self, config):
+        self.block, self.topk = config.attn.select_block, config.attn.select_topk
+
+    def __call__(self, q, k, mask: Mask, q_pos, k_pos) -> SelectedMask:
+        nh = q.size(1)
+        visible = mask(q.device)  # (Tq, Tk) or, from a cache's written slots, (1, Tk)
+        written = visible.any(-2).reshape(-1)  # the keys some query sees: a cache's unwritten slots out
+        # blocks count from the oldest key held, so a cache that slid past block_size splits its keys as
+        # a recomputation over the same last block_size tokens does
+        first = torch.where(written, k_pos, k_pos.max()).min()
+        ids = ((k_pos - first) // self.block).clamp(min=0)  # (Tk,) the block of each key
+        n = int(ids.max()) + 1
+        # the mean key of each block (over the keys a query could see at all: a cache's unwritten slots out)
+        kf = repeat_kv(k, nh).float() * written.view(1, 1, -1, 1)
+        sums = kf.new_zeros(*kf.shape[:2], n, kf.size(-1)).index_add_(2, ids, kf)
+        counts = kf.new_zeros(n).index_add_(0, ids, written.float()).clamp(min=1)
+        scores = q.float() @ (sums / counts.view(-1, 1)).transpose(-1, -2)  # (B, nh, Tq, n)
+        own = ((q_pos - first) // self.block).view(-1, 1)  # (Tq, 1) the query's own block
+        earlier = torch.arange(n, device=q.device).view(1, -1) < own  # only blocks that end before it
+        scores = scores.masked_fill(~earlier, float("-inf"))
+        top = scores.topk(min(self.topk, n), dim=-1).indices
+        chosen = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, top, True) & earlier
+        chosen |= torch.arange(n, device=q.device).view(1, -1) == own
+        return SelectedMask(mask.Tq, mask.Tk, mask.window, mask.written, chosen=chosen[..., ids])
