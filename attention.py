@@ -275,9 +275,8 @@ class StaticKVCache(KVCache):
 # ----------------------------------------------------------------------------- the attention module
 
 class HookPoint(nn.Module):
-    """An identity a tensor passes through so that a forward hook can read it (TransformerLens'
-    HookPoint and its names): the attention probe, the maps and tools attach here, so no forward
-    carries them."""
+    """An identity a forward hook reads a tensor at (TransformerLens' HookPoint and its names): the
+    attention probe, the maps and the tools attach here, so no forward carries them."""
 
     def forward(self, x):
         return x
@@ -289,10 +288,9 @@ class CausalSelfAttention(nn.Module):
     (B, T, nh, hs), hook_k and hook_v (B, T, n_kv, hs), what enters attention (normed, rotated), and
     hook_z (B, T, nh, hs), each head's output before the projection.
 
-    Slots, filled once at construction (variants/__init__.py picks them; the defaults are the plain
-    path): `path`, the function that attends (sdpa_attention's signature); `bias`, a logit bias the
-    softmax adds (ALiBi); `sink`, a logit per head for a key of value zero; `gate`, an output gate;
-    `select`, a choice of keys by content that narrows the mask (MoBA, the oracle top-k)."""
+    Slots, filled once at construction by variants/__init__.py (None: the plain path): `path`, the
+    function that attends; `bias`, a logit bias (ALiBi); `sink`, a logit per head for a key of value
+    zero; `gate`, an output gate; `select`, a choice of keys by content that narrows the mask (MoBA)."""
     softmax = True  # its weights are a softmax of logits: the attention probe reads them
 
     def __init__(self, config, layer: int, *, path=sdpa_attention, bias=None, sink=None, gate=None, select=None):

@@ -35,6 +35,11 @@ def run_report(tmp, key, path):
     report([str(tmp / "no-such-run")], str(path))
 
 
+def run_recall(tmp, key, path):
+    from tools.recall import recall
+    recall([str(tmp / "no-such-run")], str(path))
+
+
 def run_gpu_figures(tmp, key, path):
     from tools.gpu_figures import gpu_figures
     gpu_figures("cpu", str(path))
@@ -49,6 +54,7 @@ WRITERS = [
     ("tools/visualize.py", "out", "dir", run_tool("visualize", "tools.visualize", "visualize",
                                                   ["ckpt=no-such.pt", "prompt=hi"])),
     ("tools/report.py", "--out", "dir", run_report),
+    ("tools/recall.py", "--out", "dir", run_recall),
     ("tools/cost.py", "plot", "file", run_tool("cost", "tools.cost", "cost", ["model=debug", "format=json"])),
     ("tools/bench_attention.py", "out", "file", run_tool("bench_attention", "tools.bench_attention",
                                                          "bench_attention", ["lengths=[8]", "repeats=1"])),

@@ -91,6 +91,19 @@ def plot(pairs, rows, path):
     return save_figure(fig, path)
 
 
+def recall(dirs, out=None):
+    """Read the runs under `dirs`, write recall.md and recall.png to `out` and print the table."""
+    out = out or (dirs[0] if len(dirs) == 1 and not (Path(dirs[0]) / "metrics.jsonl").is_file() else "report")
+    out = check_output_dir(out, "--out")
+    pairs, rows = recall_table(recall_runs(dirs))
+    table = markdown(pairs, rows)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "recall.md").write_text(table + "\n")
+    png = plot(pairs, rows, out / "recall.png")
+    print(table)
+    print(f"wrote {out / 'recall.md'}, {png}", file=sys.stderr)
+
+
 @cli
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -98,16 +111,7 @@ def main(argv=None):
     parser.add_argument("--out", default=None, help="where to write recall.md and recall.png (default: the "
                         "sweep dir when given one, else ./report)")
     args = parser.parse_args(argv)
-    out = args.out or (args.dirs[0] if len(args.dirs) == 1 and not (Path(args.dirs[0]) / "metrics.jsonl").is_file()
-                       else "report")
-    out = check_output_dir(out, "--out")
-    pairs, rows = recall_table(recall_runs(args.dirs))
-    table = markdown(pairs, rows)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "recall.md").write_text(table + "\n")
-    png = plot(pairs, rows, out / "recall.png")
-    print(table)
-    print(f"wrote {out / 'recall.md'}, {png}", file=sys.stderr)
+    recall(args.dirs, args.out)
 
 
 if __name__ == "__main__":
