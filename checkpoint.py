@@ -193,6 +193,18 @@ def model_from_checkpoint(state: dict, device="cpu") -> GPT:
     return model.to(device)
 
 
+def with_selection(state: dict, select=None, topk=None, block=None) -> dict:
+    """The checkpoint read through a choice of keys at evaluation or generation time, no training:
+    model.attn.select (moba | oracle | none; None: the checkpoint's own) with its select_topk and
+    select_block (None: the checkpoint's own). What the model cannot take is refused when it is built."""
+    given = {"select": select, "select_topk": topk, "select_block": block}
+    if all(v is None for v in given.values()):
+        return state
+    mc = dict(state["model_config"])
+    mc["attn"] = {**(mc.get("attn") or {}), **{k: v for k, v in given.items() if v is not None}}
+    return {**state, "model_config": mc}
+
+
 def with_rope_scaling(state: dict, scaling=None, factor=None, longer: bool = False) -> dict:
     """The checkpoint with its RoPE stretched at evaluation or generation time, no training: scaling
     (linear | ntk | yarn; None: the checkpoint's own) by factor (None: the checkpoint's own). With

@@ -18,7 +18,7 @@ from omegaconf import MISSING, OmegaConf
 from common import DTYPES
 from rules import FRACTION, NON_NEGATIVE, POSITIVE, SEED, Needs, OneOf, Range, UserError, check_values, warn_ignored
 from model import GPTConfig
-from variants import ROPE_SCALINGS
+from variants import ROPE_SCALINGS, SELECTS
 from optim import LR_SCHEDULES, MUON_ADJUST_LR, MUON_NS_DTYPES, OPTIMIZERS
 from parallel import PARALLEL
 from tracking import WANDB_MODES, check_wandb_mode
@@ -189,6 +189,9 @@ class SampleConfig:
     kv_sinks: int = 0  # past block_size, keep the first kv_sinks tokens in the cache besides the latest (StreamingLLM); 0: a plain ring
     rope_scaling: Optional[str] = None  # linear | ntk | yarn: stretch a RoPE checkpoint's positions, no training; unset: its own
     rope_scaling_factor: Optional[float] = None  # the context grows to this many times the trained length; unset: its own
+    select: Optional[str] = None  # moba | oracle | none: each query reads only the keys it chooses (model.attn.select); unset: its own
+    select_topk: Optional[int] = None  # with select: blocks (moba) or keys (oracle) each query reads; unset: its own
+    select_block: Optional[int] = None  # with select=moba: keys per block; unset: its own
     stream: bool = False  # print tokens as they are produced (num_samples=1)
     stop: Optional[str] = None  # end a sample at the first occurrence of this string
 
@@ -197,6 +200,7 @@ class SampleConfig:
         "top_k": POSITIVE, "top_p": Range(0, 1, lo_open=True), "seed": SEED, "threads": Range(1, 4096),
         "dtype": OneOf(DTYPE_NAMES), "kv_dtype": OneOf((*DTYPE_NAMES, "int8")), "kv_sinks": NON_NEGATIVE,
         "rope_scaling": OneOf(tuple(ROPE_SCALINGS)), "rope_scaling_factor": Range(1, why="1 is no scaling"),
+        "select": OneOf(tuple(SELECTS)), "select_topk": POSITIVE, "select_block": POSITIVE,
     }
     SAMPLING: ClassVar[Needs] = Needs(lambda c: c.temperature > 0, "temperature > 0 (0 is greedy: the likeliest token)")
     CACHE: ClassVar[Needs] = Needs(lambda c: c.kv_cache, "kv_cache=true")

@@ -15,7 +15,7 @@ import sys
 import hydra
 import torch
 
-from checkpoint import find_checkpoint, load_checkpoint, model_from_checkpoint, with_rope_scaling
+from checkpoint import find_checkpoint, load_checkpoint, model_from_checkpoint, with_rope_scaling, with_selection
 from common import (check_memory, cli, compile_wanted, first_line, interruption, is_oom, pick_dtype, read_prompt,
                     run_app, setup_runtime)
 from rules import UserError, check_value, check_values
@@ -217,6 +217,7 @@ def sample(cfg, out=None) -> list:
     state = load_checkpoint(path)
     tok = tokenizer_from_dict(state["tokenizer"])
     ids = start_ids(tok, prompt, state)
+    state = with_selection(state, cfg.select, cfg.select_topk, cfg.select_block)
     model = model_from_checkpoint(with_rope_scaling(state, cfg.rope_scaling, cfg.rope_scaling_factor, longer=True),
                                   device)
     if device.type == "cpu":  # measured on CPU only (bench_sample.py layouts=[row,column])

@@ -56,3 +56,35 @@ def test_absolute_tables_are_not_extrapolated(tmp_path, capsys):
     r = eval_lengths(compose_cfg("eval_lengths", [f"ckpt={ckpt}", f"text={text}", "lengths=[16,32]", "out=null"]))
     assert "loss" in r["rows"][0] and r["rows"][1] == {"length": 32, "skipped": True}
     assert "L=32: skipped: model.pos=learned has a table of 16 positions" in capsys.readouterr().out
+
+
+def test_any_checkpoint_is_read_through_a_choice_of_keys(tmp_path, capsys):
+    """select= at evaluation, no training: an oracle that keeps every key is the checkpoint itself; one
+    that keeps fewer changes the loss; the per-position losses equal the model built with that choice."""
+    import torch
+    from checkpoint import load_checkpoint, model_from_checkpoint, with_selection
+    from data.tokenizer import tokenizer_from_dict
+    from helpers import compose_cfg
+    from tools.eval_lengths import eval_lengths, window_losses
+    ckpt = save_tiny_checkpoint(tmp_path, block_size=32)
+    text = tmp_path / "t.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 20)
+    base = [f"ckpt={ckpt}", f"text={text}", "lengths=[32]", "out=null"]
+    plain = eval_lengths(compose_cfg("eval_lengths", base))["rows"][0]["loss"]
+    every = eval_lengths(compose_cfg("eval_lengths", [*base, "select=oracle", "select_topk=32"]))["rows"][0]["loss"]
+    few = eval_lengths(compose_cfg("eval_lengths", [*base, "select=moba", "select_block=4", "select_topk=1"]))
+    assert every == pytest.approx(plain, abs=1e-6) and abs(few["rows"][0]["loss"] - plain) > 1e-3
+    assert "select=moba top 1" in capsys.readouterr().out
+    model = model_from_checkpoint(with_selection(load_checkpoint(ckpt), "moba", 1, 4)).eval()
+    ids = torch.as_tensor(tokenizer_from_dict(load_checkpoint(ckpt)["tokenizer"]).encode(text.read_text())).long()
+    with torch.no_grad():
+        want = window_losses(model, ids, 32)
+    assert few["rows"][0]["per_position"] == pytest.approx(want.mean(0).tolist(), abs=1e-5)
+
+
+def test_a_choice_the_checkpoint_cannot_take_is_one_line(tmp_path):
+    from helpers import compose_cfg
+    from tools.eval_lengths import eval_lengths
+    ckpt = save_tiny_checkpoint(tmp_path, block_size=32, attn={"window": 8})
+    with pytest.raises(UserError, match="model.attn.select=oracle chooses keys by content; with a window"):
+        eval_lengths(compose_cfg("eval_lengths", [f"ckpt={ckpt}", "select=oracle", "out=null"]))

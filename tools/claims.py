@@ -1050,7 +1050,7 @@ def check_c12(ctx):
     ok = quick_ok and recall["recall_hybrid"] >= 0.9 and recall["recall_hybrid"] >= recall["recall_linear"] + 0.2
     figures["recall"] = recall
     cfg = runs["recall_linear"].cfg
-    return Result(verdict(ok), measured + f"; trained on multi-query associative recall ({cfg.data.pairs} pairs in "
+    return Result(verdict(ok), measured + f"; trained on multi-query associative recall ({', '.join(map(str, cfg.data.pairs))} pairs in "
                   f"{cfg.model.block_size} tokens, {cfg.model.n_layer} layers of one {cfg.model.n_embd}-wide head, "
                   f"{cfg.train.max_iters} steps): pure linear recalls {recall['recall_linear']:.3f}, the hybrid "
                   f"[linear, softmax] {recall['recall_hybrid']:.3f}", tolerance,

@@ -36,9 +36,9 @@ from hydra.core.config_store import ConfigStore
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as tools/X.py: the repo's modules
 
-from variants import ROPE_SCALINGS  # noqa: E402
+from variants import ROPE_SCALINGS, SELECTS  # noqa: E402
 from attnstats import copy_losses  # noqa: E402
-from checkpoint import find_checkpoint, load_checkpoint, model_from_checkpoint, with_rope_scaling  # noqa: E402
+from checkpoint import find_checkpoint, load_checkpoint, model_from_checkpoint, with_rope_scaling, with_selection  # noqa: E402
 from common import check_output_file, cli, pick_device, run_app  # noqa: E402
 from rules import POSITIVE, OneOf, Range, UserError, check_values  # noqa: E402
 from data.tokenizer import tokenizer_from_dict  # noqa: E402
@@ -54,12 +54,16 @@ class EvalLengthsConfig:
     tokens: int = 65536  # tokens evaluated at each length (consecutive windows of L)
     rope_scaling: Optional[str] = None  # none | linear | ntk | yarn; unset: the checkpoint's own
     rope_scaling_factor: Optional[float] = None  # unset: the checkpoint's own
+    select: Optional[str] = None  # moba | oracle | none: each query reads only the keys it chooses; unset: the checkpoint's own
+    select_topk: Optional[int] = None  # with select: blocks (moba) or keys (oracle) each query reads; unset: its own
+    select_block: Optional[int] = None  # with select=moba: keys per block; unset: its own
     batch_size: int = 8  # windows per forward pass
     device: str = "cpu"
     out: Optional[str] = "lengths.png"  # the plot; null: none
 
     RULES: ClassVar[dict] = {"lengths": Range(2, 2**20), "tokens": Range(2), "rope_scaling": OneOf(tuple(ROPE_SCALINGS)),
-                             "rope_scaling_factor": Range(1, why="1 is no scaling"), "batch_size": POSITIVE}
+                             "rope_scaling_factor": Range(1, why="1 is no scaling"), "batch_size": POSITIVE,
+                             "select": OneOf(tuple(SELECTS)), "select_topk": POSITIVE, "select_block": POSITIVE}
 
 
 ConfigStore.instance().store(name="base_eval_lengths", node=EvalLengthsConfig)
@@ -121,7 +125,8 @@ def eval_lengths(cfg) -> dict:
 def eval_checkpoint(cfg, path, out) -> dict:
     """The table (and plot) of one checkpoint."""
     state = load_checkpoint(path)
-    state = with_rope_scaling(state, cfg.rope_scaling, cfg.rope_scaling_factor)
+    state = with_selection(with_rope_scaling(state, cfg.rope_scaling, cfg.rope_scaling_factor), cfg.select,
+                           cfg.select_topk, cfg.select_block)
     model = model_from_checkpoint(state, pick_device(cfg.device)).eval()
     c = model.config
     lengths = list(cfg.lengths) if cfg.lengths else [c.block_size * k for k in (1, 2, 4, 8)]
@@ -129,6 +134,7 @@ def eval_checkpoint(cfg, path, out) -> dict:
     ids = stream_tokens(state, cfg, None).to(model.wte.weight.device)
     chars_per_token = state["tokenizer"].get("kind") == "char"
     scaling = f", rope_scaling={c.rope_scaling} x{c.rope_scaling_factor:g}" if c.rope_scaling != "none" else ""
+    scaling += f", select={c.attn.select} top {c.attn.select_topk}" if c.attn.select != "none" else ""
     print(f"{path}: model.pos={c.pos}, block_size {c.block_size}{scaling}; {ids.numel()} tokens of text")
     rows = []
     for L in lengths:

@@ -129,3 +129,23 @@ def test_a_choice_with_what_it_cannot_take_is_one_line(attn, needle):
 def test_a_choice_on_layers_without_softmax_is_ignored_and_said():
     c = GPTConfig(vocab_size=40, n_layer=1, n_head=4, n_embd=32, attn={"kind": "gdn", "select": "moba"})
     assert c.ignored[0].startswith("model.attn.select='moba' has no effect unless a layer is softmax")
+
+
+def test_sample_py_reads_any_checkpoint_through_a_choice(tmp_path):
+    """sample.py select=oracle select_topk=2 on a checkpoint trained without: greedy text equal to the
+    checkpoint's model built with that choice, recomputing the context at every step (within
+    block_size: past it a two-layer sliding cache is another function); and not the checkpoint's own text."""
+    from checkpoint import load_checkpoint, model_from_checkpoint, with_selection
+    from data.tokenizer import tokenizer_from_dict
+    from helpers import compose_cfg, save_tiny_checkpoint
+    from sample import sample
+    ckpt = save_tiny_checkpoint(tmp_path, block_size=32)
+    base = [f"ckpt={ckpt}", "prompt=the quick brown", "max_new_tokens=17", "temperature=0", "device=cpu"]
+    chosen = sample(compose_cfg("sample", [*base, "select=oracle", "select_topk=2"]), out=open(tmp_path / "a", "w"))[0]
+    plain = sample(compose_cfg("sample", base), out=open(tmp_path / "b", "w"))[0]
+    state = load_checkpoint(ckpt)
+    tok = tokenizer_from_dict(state["tokenizer"])
+    model = model_from_checkpoint(with_selection(state, "oracle", 2)).eval()
+    want = generate(model, torch.as_tensor(tok.encode("the quick brown")).long()[None], 17, temperature=0,
+                    kv_cache=False)
+    assert chosen == tok.decode(want[0].tolist()) != plain
