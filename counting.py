@@ -155,6 +155,22 @@ def attention_macs(c, seq_len, layer: int) -> tuple:
     return keys * qk, keys * nh * hs
 
 
+def selected_keys(c, seq_len: int) -> Fraction:
+    """The keys a query reads with model.attn.select, the mean over the seq_len causal queries (the
+    full causal table: (N + 1) / 2). oracle: min(k, i + 1) for query i; moba: its own block's keys up
+    to itself and min(K, b) earlier blocks of B for a query in block b (variants/moba.py). What is read,
+    not computed: the masked paths still score every key."""
+    a, N = c.attn, seq_len
+    if a.select == "oracle":
+        reads = (min(a.select_topk, i + 1) for i in range(N))
+    elif a.select == "moba":
+        B, K = a.select_block, a.select_topk
+        reads = (i % B + 1 + min(K, i // B) * B for i in range(N))
+    else:
+        reads = (i + 1 for i in range(N))
+    return Fraction(sum(reads), N)
+
+
 def mean_over_layers(values, counts):
     """The mean over the layers of per-layer counts (one value for each of layer_types' layers, which
     stands for `counts` layers each), exact for ints and Fractions (a float N stays a float)."""

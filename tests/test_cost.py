@@ -538,3 +538,16 @@ def test_a_qwen3_next_like_stack_at_262144_tokens_against_all_attention(capsys):
                                     attn=dataclasses.replace(c.attn, layer_kinds=["gdn", "softmax"])))
     assert [r["params"] for r in out["layers"]] == \
         [sum(p.numel() for p in b.attn.parameters()) for b in small.blocks]
+
+
+def test_cost_says_what_a_selecting_query_reads(capsys):
+    """model.attn.select: the mean keys a query reads at N, as counting.selected_keys gives them for the
+    config and for its causal table ((N + 1) / 2)."""
+    from counting import selected_keys
+    cfg = compose_cfg("cost", ["model=debug", "model.vocab_size=50", "seq_len=256", "format=json", "plot=null",
+                               "model.attn.select=moba", "model.attn.select_block=16", "model.attn.select_topk=3"])
+    cost(cfg)
+    out = json.loads(capsys.readouterr().out)["selected_keys_per_query"]
+    c = model_config(cfg.model, 50)
+    assert out == {"selected": float(selected_keys(c, 256)), "causal": 257 / 2}
+    assert out["selected"] == (sum(i % 16 + 1 + min(3, i // 16) * 16 for i in range(256))) / 256

@@ -26,7 +26,7 @@ from common import DTYPES, check_output_file, cli, run_app  # noqa: E402
 from rules import POSITIVE, Needs, OneOf, Range, check_values  # noqa: E402
 from counting import (ADAMW_BYTES_PER_PARAM, RECURRENT, attention_variants, cache_table, count_params, crossovers,
                       kv_cache_bytes, layer_table, macs_per_token, memory_breakdown, mlp_matrices, per_gpu_bytes,
-                      state_bytes)
+                      selected_keys, state_bytes)
 from config import model_config
 from model import GPTConfig
 
@@ -89,6 +89,9 @@ def cost(cfg) -> dict:
     if any(r["kind"] in RECURRENT for r in result["layers"]):  # against the same stack with attention everywhere
         result["all_attention"] = {name: stack(x, N, cfg.batch_size, nbytes) for name, x in
                                    (("this", c), ("all_attention", all_attention(c)))}
+    if c.attn.select != "none":  # keys chosen by content: what a query reads, against the causal table's
+        result["selected_keys_per_query"] = {"selected": float(selected_keys(c, N)),
+                                             "causal": float(selected_keys(replace(c, attn=replace(c.attn, select="none")), N))}
     if cfg.train_tokens:  # a training run's FLOPs, and its time at the stated peak and MFU
         flops = 6 * m["forward"] * cfg.train_tokens
         result["training_run"] = {"tokens": cfg.train_tokens, "flops": flops,
@@ -103,6 +106,11 @@ def cost(cfg) -> dict:
         print(cache_report(result["kv_cache_table"], cfg.batch_size))
         print(per_gpu_report(result["memory_per_gpu"], N, cfg.batch_size, cfg.dtype, cfg.world_size))
         print(layers_report(result, c, N, cfg.batch_size, cfg.dtype))
+        if "selected_keys_per_query" in result:
+            r = result["selected_keys_per_query"]
+            print(f"\nmodel.attn.select={c.attn.select}: a query reads {r['selected']:,.1f} keys on average at N={N:,} "
+                  f"(the causal table: {r['causal']:,.1f}); the masked paths still compute every score "
+                  "(counting.selected_keys)")
         if cfg.train_tokens:
             r = result["training_run"]
             print(f"\na training run of {short(r['tokens'])} tokens at N={N:,}: {r['flops']:.3g} FLOPs (6 x forward "

@@ -149,3 +149,22 @@ def test_sample_py_reads_any_checkpoint_through_a_choice(tmp_path):
     want = generate(model, torch.as_tensor(tok.encode("the quick brown")).long()[None], 17, temperature=0,
                     kv_cache=False)
     assert chosen == tok.decode(want[0].tolist()) != plain
+
+
+@pytest.mark.parametrize("attn", [{"select": "moba", "select_block": 4, "select_topk": 2},
+                                  {"select": "moba", "select_block": 7, "select_topk": 1},
+                                  {"select": "oracle", "select_topk": 5}, {}], ids=["moba-4-2", "moba-7-1", "oracle-5", "full"])
+def test_the_keys_each_query_reads_are_what_counting_says(attn):
+    """counting.selected_keys, the mean over the causal queries, against the keys the built layer's
+    choice lets through, counted on its mask (30 positions: ragged last blocks)."""
+    from fractions import Fraction
+    from counting import selected_keys
+    c = GPTConfig(vocab_size=40, block_size=30, n_layer=1, n_head=4, n_embd=32, attn=attn)
+    model = make(block_size=30, attn=attn)
+    q, k = torch.randn(2, 4, 30, 8), torch.randn(2, 4, 30, 8)
+    pos = torch.arange(30)
+    select = model.blocks[0].attn.select
+    seen = select(q, k, Mask(30, 30), pos, pos)() if select else Mask(30, 30)().expand(2, 4, 30, 30)
+    per_query = seen.sum(-1)  # (B, heads, T): the same count for every head and batch row
+    assert (per_query == per_query[0, 0]).all()
+    assert Fraction(int(per_query[0, 0].sum()), 30) == selected_keys(c, 30)
