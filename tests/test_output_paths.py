@@ -62,6 +62,7 @@ WRITERS = [
                                                      ["ckpt=no-such.pt"])),
     ("tools/eval_lengths.py", "out", "file", run_tool("eval_lengths", "tools.eval_lengths", "eval_lengths",
                                                       ["ckpt=no-such.pt"])),
+    ("tools/ablate.py", "out", "dir", run_tool("ablate", "tools.ablate", "ablate", ["ckpt=no-such.pt"])),
     ("tools/gpu_figures.py", "--out", "file", run_gpu_figures),
 ]
 

@@ -626,7 +626,7 @@ ENTRY_POINTS = {"config": "train:train", "sample": "sample:sample", "bench": "to
                 "cost": "tools.cost:cost", "bench_sample": "tools.bench_sample:bench_sample",
                 "visualize": "tools.visualize:visualize", "export": "tools.export:export",
                 "bench_attention": "tools.bench_attention:bench_attention", "eval_stream": "tools.eval_stream:eval_stream",
-                "eval_lengths": "tools.eval_lengths:eval_lengths"}
+                "eval_lengths": "tools.eval_lengths:eval_lengths", "ablate": "tools.ablate:ablate"}
 
 
 def entry(name):
@@ -725,7 +725,8 @@ def test_every_config_key_refuses_its_bad_values_in_one_line(name, key, typ, kin
             "export": [f"ckpt={enum_dirs['ckpt']}", f"out={tmp / 'hf'}"],
             "bench_attention": ["lengths=[8]", "paths=[sdpa]", "repeats=1", "out=null"],
             "eval_stream": [f"ckpt={enum_dirs['ckpt']}", "out=null"],
-            "eval_lengths": [f"ckpt={enum_dirs['ckpt']}", "out=null"]}[name]
+            "eval_lengths": [f"ckpt={enum_dirs['ckpt']}", "out=null"],
+            "ablate": [f"ckpt={enum_dirs['ckpt']}", "out=null", "batches=1", "batch_size=1"]}[name]
     listed = key.rsplit(".", 1)[-1] in ("batch_sizes", "layouts", "kv_dtypes", "lengths", "paths", "policies", "layer_kinds", "pairs")  # a list: one bad element
     if kind == "schema":
         with pytest.raises((HydraException, OmegaConfBaseException)) as e:

@@ -1,0 +1,106 @@
+"""tools/ablate.py: removing a head's output, checked against the same model with that head's columns
+of the output projection changed by hand (zero: the columns zeroed; mean: zeroed, with what they added
+on average moved into the bias), and the loss and in-context gain recomputed from the logits."""
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from checkpoint import load_checkpoint, model_from_checkpoint
+from helpers import compose_cfg, save_tiny_checkpoint
+from rules import UserError
+
+TEXT = "the quick brown fox jumps over the lazy dog. a stitch in time saves nine. " * 12
+
+
+@pytest.fixture
+def run(tmp_path):
+    ckpt = save_tiny_checkpoint(tmp_path, block_size=16, bias=True, n_kv_head=2)
+    (tmp_path / "t.txt").write_text(TEXT)
+    return ckpt, tmp_path / "t.txt"
+
+
+def by_hand(model, x, y):
+    """The loss over the windows and the in-context gain of [r, r] (r: each window's first half), from
+    the logits: cross-entropy written out."""
+    with torch.no_grad():
+        logp = F.log_softmax(model(x).float(), -1)
+        loss = -logp.gather(-1, y[..., None]).mean().item()
+        r = x[:, : x.size(1) // 2]
+        seq = torch.cat([r, r], 1)
+        nll = -F.log_softmax(model(seq).float(), -1)[:, :-1].gather(-1, seq[:, 1:, None]).squeeze(-1)
+        n = r.size(1)
+    return loss, (nll[:, : n - 1].mean() - nll[:, n:].mean()).item()
+
+
+def heads_removed(ckpt, heads, means=None):
+    """The checkpoint's model with heads' columns of c_proj zeroed; with means, W_cols @ mean added to the
+    bias (what the head's mean output contributed)."""
+    model = model_from_checkpoint(load_checkpoint(ckpt)).eval()
+    hs = model.config.head_dim
+    with torch.no_grad():
+        for layer, head in heads:
+            proj = model.blocks[layer].attn.c_proj
+            cols = slice(head * hs, (head + 1) * hs)
+            if means is not None:
+                proj.bias += proj.weight[:, cols] @ means[layer][head]
+            proj.weight[:, cols] = 0
+    return model
+
+
+@pytest.mark.parametrize("heads", [None, ["L1H2", "L0H0"]], ids=["each", "together"])
+def test_ablations_equal_the_heads_removed_by_hand(run, heads, tmp_path):
+    from tools.ablate import ablate, head_means, parse_head, windows
+    ckpt, text = run
+    over = [f"ckpt={ckpt}", f"text={text}", "batches=2", "batch_size=4", f"out={tmp_path / 'out'}"]
+    result = ablate(compose_cfg("ablate", over + ([f"heads=[{','.join(heads)}]"] if heads else [])))
+    model = model_from_checkpoint(load_checkpoint(ckpt)).eval()
+    from data.tokenizer import tokenizer_from_dict
+    ids = torch.as_tensor(tokenizer_from_dict(load_checkpoint(ckpt)["tokenizer"]).encode(TEXT)).long()
+    x, y = windows(ids, 16, 8)
+    base = by_hand(model, x, y)
+    assert result["base"]["loss"] == pytest.approx(base[0], abs=1e-5)
+    assert result["base"]["gain"] == pytest.approx(base[1], abs=1e-5)
+    means = head_means(model, x, 4)
+    rows = {r["heads"]: r for r in result["rows"]}
+    assert len(rows) == (1 if heads else 8)
+    for name, row in list(rows.items())[:3]:
+        chosen = [parse_head(h) for h in name.split(",")]
+        for how, m in (("zero", None), ("mean", means)):
+            loss, gain = by_hand(heads_removed(ckpt, chosen, m), x, y)
+            assert row[f"{how}_dloss"] == pytest.approx(loss - base[0], abs=1e-5), (name, how)
+            assert row[f"{how}_dgain"] == pytest.approx(gain - base[1], abs=1e-5), (name, how)
+    assert [r["zero_dloss"] for r in result["rows"]] == sorted((r["zero_dloss"] for r in result["rows"]), reverse=True)
+    assert json.loads((tmp_path / "out" / "ablate.json").read_text())["rows"] == result["rows"]
+    assert (tmp_path / "out" / "ablate.csv").read_text().splitlines()[0].startswith("heads,zero_dloss")
+    assert (tmp_path / "out" / "ablate.png").exists() == (heads is None)
+
+
+def test_the_mean_ablation_keeps_what_a_head_always_adds(run):
+    """A head's mean over the windows is what mean ablation puts back: measured on those windows, a
+    head whose output never changes costs nothing to mean-ablate and something to zero."""
+    from tools.ablate import Ablation, head_means, measure, windows
+    ckpt, _ = run
+    model = model_from_checkpoint(load_checkpoint(ckpt)).eval()
+    x = torch.randint(model.config.vocab_size, (6, 17))
+    x, y = x[:, :-1], x[:, 1:]
+    with torch.no_grad():  # head 1 of layer 0 made constant: its value columns zero, its bias not
+        attn = model.blocks[0].attn
+        hs, nh, nkv = attn.head_dim, attn.n_head, attn.n_kv_head
+        v_rows = slice((nh + nkv) * hs + (1 // (nh // nkv)) * hs, (nh + nkv) * hs + (1 // (nh // nkv) + 1) * hs)
+        attn.c_attn.weight[v_rows] = 0  # kv head 0 feeds query heads 0 and 1: both constant
+    base = measure(model, x, y, 3)["loss"]
+    means = head_means(model, x, 3)
+    with Ablation(model, [(0, 1)], means):
+        assert measure(model, x, y, 3)["loss"] == pytest.approx(base, abs=1e-6)
+    with Ablation(model, [(0, 1)]):
+        assert abs(measure(model, x, y, 3)["loss"] - base) > 1e-4
+
+
+def test_a_head_the_model_does_not_have_is_one_line(run):
+    from tools.ablate import ablate
+    ckpt, text = run
+    with pytest.raises(UserError, match=r"heads: L2H0 is not in this model \(2 layers of 4 heads\)") as e:
+        ablate(compose_cfg("ablate", [f"ckpt={ckpt}", f"text={text}", "heads=[L2H0]", "out=null"]))
+    assert "\n" not in str(e.value)
