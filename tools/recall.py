@@ -52,7 +52,8 @@ def recall_table(runs) -> tuple:
     rows = []
     for arm in group_arms(without):
         label = arm.label.replace("model.attn.layer_kinds=", "").replace("model.attn.kind=", "")
-        cells = {p: describe([r.final["recall"][p] for r in arm.runs if p in r.final["recall"]]) for p in pairs}
+        values = {p: [r.final["recall"][p] for r in arm.runs if p in r.final["recall"]] for p in pairs}
+        cells = {p: {**describe(v), "values": v} for p, v in values.items()}
         rows.append((label, cells))
     return pairs, rows
 
@@ -70,7 +71,10 @@ def markdown(pairs, rows) -> str:
     lines = ["| arm | " + " | ".join(f"{p} pairs" for p in pairs) + " |", "|---|" + "---|" * len(pairs)]
     lines += [f"| {label} | " + " | ".join(cell(cells[p]) for p in pairs) + " |" for label, cells in rows]
     lines.append(f"\nFinal val/recall_acc (share of the answers the argmax gets right): mean ± sd over "
-                 f"{'/'.join(map(str, n))} seeds, [95% interval of the mean, Student t].")
+                 f"{'/'.join(map(str, n))} seeds, [95% interval of the mean, Student t]. Each seed:\n")
+    lines += ["| arm | " + " | ".join(f"{p} pairs" for p in pairs) + " |", "|---|" + "---|" * len(pairs)]
+    lines += [f"| {label} | " + " | ".join(", ".join(f"{v:.3f}" for v in cells[p]["values"]) or "-" for p in pairs)
+              + " |" for label, cells in rows]
     return "\n".join(lines)
 
 
@@ -80,13 +84,15 @@ def plot(pairs, rows, path):
         xs = [p for p in pairs if cells[p]["n"]]
         ys = [cells[p]["mean"] for p in xs]
         err = [cells[p]["half"] or 0.0 for p in xs]
-        ax.errorbar(xs, ys, yerr=err, marker="o", capsize=3, label=label)
+        line = ax.errorbar(xs, ys, yerr=err, marker="o", capsize=3, label=label)
+        seeds = [(p, v) for p in xs for v in cells[p]["values"]]  # each seed, so a split between seeds shows
+        ax.scatter([p for p, _ in seeds], [v for _, v in seeds], s=12, alpha=0.5, color=line[0].get_color())
     ax.set_xscale("log", base=2)
     ax.set_xticks(pairs, [str(p) for p in pairs])
     ax.set_xlabel("key-value pairs per window")
     ax.set_ylabel("recall accuracy (val)")
     ax.set_ylim(-0.02, 1.02)
-    ax.set_title("associative recall: mean over seeds, 95% interval")
+    ax.set_title("associative recall: mean over seeds, 95% interval; dots: each seed")
     ax.legend(fontsize=8)
     return save_figure(fig, path)
 
