@@ -12,8 +12,8 @@ tiled path with the band: it skips every block outside it, so its work grows as 
 features, prefix sums), gdn (Gated DeltaNet, chunked) and mamba2 (SSD, chunked). With decode=true each
 path with a cache is also timed generating one token after a context of N (its KV cache, or its
 recurrent state, filled first); every path's times are printed as ratios to sdpa's measured in the same
-round, and the N from which a path's training step costs less than sdpa's (the crossover). The memory is the bytes of the tensors autograd saves for the backward pass
-(torch.autograd.graph.saved_tensors_hooks, each storage counted once): exact and the same on every
+round, and the N from which a path's training step costs less than sdpa's (the crossover). The
+memory is the bytes of the tensors autograd saves for the backward pass (torch.autograd.graph.saved_tensors_hooks, each storage counted once): exact and the same on every
 machine, unlike a process's resident size. Times are the median of `repeats` interleaved rounds.
 """
 import statistics
