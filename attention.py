@@ -285,8 +285,10 @@ class HookPoint(nn.Module):
 class CausalSelfAttention(nn.Module):
     """Multi-head causal self-attention: one fused q|k|v projection, QK-Norm and RoPE on q and k, the
     attention path, the output projection. Hook points (TransformerLens' names and layouts): hook_q
-    (B, T, nh, hs), hook_k and hook_v (B, T, n_kv, hs), what enters attention (normed, rotated), and
-    hook_z (B, T, nh, hs), each head's output before the projection.
+    (B, T, nh, hs), hook_k and hook_v (B, T, n_kv, hs), what enters attention (normed, rotated),
+    hook_pattern (B, nh, T, T), the softmax's weights, and hook_z (B, T, nh, hs), each head's output
+    before the projection. The weights exist only when a hook is on hook_pattern: the layer then
+    attends by the written-out path, so the hook can read or replace them (patching).
 
     Slots, filled once at construction by variants/__init__.py (None: the plain path): `path`, the
     function that attends; `bias`, a logit bias (ALiBi); `sink`, a logit per head for a key of value
@@ -312,6 +314,7 @@ class CausalSelfAttention(nn.Module):
         self.bias = bias(config) if bias else None  # bias(q_pos, k_pos) -> bias(rows, cols) (variants/alibi.py)
         self.select = select(config) if select else None  # (q, k, mask, q_pos, k_pos) -> a narrower mask (variants/moba.py)
         self.hook_q, self.hook_k, self.hook_v, self.hook_z = HookPoint(), HookPoint(), HookPoint(), HookPoint()
+        self.hook_pattern = HookPoint()
 
     def make_projections(self, config):
         """q (n_head heads), k and v (n_kv_head heads each) in one matmul laid out [Q | K | V], the
@@ -371,9 +374,16 @@ class CausalSelfAttention(nn.Module):
         if self.select is not None:  # each query reads only the keys it chooses
             mask = self.select(q, k, mask, *self.positions(pos, T, kv_cache, k.size(2)))
         # a cache may hold another dtype (sample.kv_dtype): q joins it, the output returns to q's
-        y = self.attend(q.to(k.dtype), k, v, scale=self.scale, mask=mask, bias=bias, sink=self.sink_logit,
-                        dropout_p=self.dropout if self.training else 0.0)
+        attend = self.through_pattern if self.hook_pattern._forward_hooks else self.attend
+        y = attend(q.to(k.dtype), k, v, scale=self.scale, mask=mask, bias=bias, sink=self.sink_logit,
+                   dropout_p=self.dropout if self.training else 0.0)
         return self.project(x, y.to(q.dtype).transpose(1, 2))
+
+    def through_pattern(self, q, k, v, *, scale, mask, bias, sink, dropout_p):
+        """The written-out path with its weights (B, nh, Tq, Tk) passed through hook_pattern."""
+        k, v = repeat_kv(k, q.size(1)), repeat_kv(v, q.size(1))
+        weights = softmax_with_sink(attention_scores(q, k, scale=scale, mask=mask, bias=bias), sink).type_as(q)
+        return F.dropout(self.hook_pattern(weights), p=dropout_p) @ v
 
     def positions(self, pos, T: int, kv_cache=None, n_keys: Optional[int] = None):
         """(query positions (T,), key positions (n_keys,)) for a position-dependent bias; pos may be a

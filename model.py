@@ -27,7 +27,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from attention import resolve_scale, rope_freqs
+from attention import HookPoint, resolve_scale, rope_freqs
 from counting import flops_per_token
 from rules import FRACTION, POSITIVE, Needs, OneOf, Range, UserError, check_values
 from variants import ACTIVATIONS, POSITIONS, ROPE_SCALINGS, AttnConfig, check, kinds, kv_cache, make_attention
@@ -132,7 +132,10 @@ def make_norm(config: GPTConfig) -> nn.Module:
 
 
 class Block(nn.Module):
-    """Pre-LN: x + attn(ln_1(x)), then x + mlp(ln_2(x)); the residual stream is never normalised."""
+    """Pre-LN: x + attn(ln_1(x)), then x + mlp(ln_2(x)); the residual stream is never normalised.
+    Hook points with TransformerLens' names (blocks.{l}.hook_*): the stream before the block
+    (hook_resid_pre), after attention (hook_resid_mid) and after it (hook_resid_post), and what
+    attention and the MLP add to it (hook_attn_out, hook_mlp_out)."""
 
     def __init__(self, config: GPTConfig, layer: int):
         super().__init__()
@@ -141,11 +144,16 @@ class Block(nn.Module):
         if ACTIVATIONS[config.mlp]:  # model.mlp=none: attention alone (the synthetic-recall models)
             self.ln_2 = make_norm(config)
             self.mlp = MLP(config)
+        self.hook_resid_pre, self.hook_resid_mid, self.hook_resid_post = HookPoint(), HookPoint(), HookPoint()
+        self.hook_attn_out, self.hook_mlp_out = HookPoint(), HookPoint()
 
     def forward(self, x, **kw):
         """kw: what the attention needs (rope, kv_cache, pos, window, ve; CausalSelfAttention.forward)."""
-        x = x + self.attn(self.ln_1(x), **kw)
-        return x + self.mlp(self.ln_2(x)) if hasattr(self, "mlp") else x
+        x = self.hook_resid_pre(x)
+        x = self.hook_resid_mid(x + self.hook_attn_out(self.attn(self.ln_1(x), **kw)))
+        if hasattr(self, "mlp"):
+            x = x + self.hook_mlp_out(self.mlp(self.ln_2(x)))
+        return self.hook_resid_post(x)
 
 
 class PostNormBlock(Block):
@@ -154,8 +162,11 @@ class PostNormBlock(Block):
     (Xiong et al. 2020, arXiv 2002.04745)."""
 
     def forward(self, x, **kw):
-        x = self.ln_1(x + self.attn(x, **kw))
-        return self.ln_2(x + self.mlp(x)) if hasattr(self, "mlp") else x
+        x = self.hook_resid_pre(x)
+        x = self.hook_resid_mid(self.ln_1(x + self.hook_attn_out(self.attn(x, **kw))))
+        if hasattr(self, "mlp"):
+            x = self.ln_2(x + self.hook_mlp_out(self.mlp(x)))
+        return self.hook_resid_post(x)
 
 
 # ----------------------------------------------------------------------------- the model
