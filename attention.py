@@ -374,10 +374,13 @@ class CausalSelfAttention(nn.Module):
         if self.select is not None:  # each query reads only the keys it chooses
             mask = self.select(q, k, mask, *self.positions(pos, T, kv_cache, k.size(2)))
         # a cache may hold another dtype (sample.kv_dtype): q joins it, the output returns to q's
-        attend = self.through_pattern if self.hook_pattern._forward_hooks else self.attend
-        y = attend(q.to(k.dtype), k, v, scale=self.scale, mask=mask, bias=bias, sink=self.sink_logit,
-                   dropout_p=self.dropout if self.training else 0.0)
+        y = self.path()(q.to(k.dtype), k, v, scale=self.scale, mask=mask, bias=bias, sink=self.sink_logit,
+                        dropout_p=self.dropout if self.training else 0.0)
         return self.project(x, y.to(q.dtype).transpose(1, 2))
+
+    def path(self):
+        """The function that attends: the layer's own, or the written-out one while a hook is on hook_pattern."""
+        return self.through_pattern if self.hook_pattern._forward_hooks else self.attend
 
     def through_pattern(self, q, k, v, *, scale, mask, bias, sink, dropout_p):
         """The written-out path with its weights (B, nh, Tq, Tk) passed through hook_pattern."""

@@ -143,6 +143,43 @@ def test_transformer_lens_patterns_equal_visualize_maps(name, tmp_path):
     assert (logits.log_softmax(-1) - want).abs().max() < 1e-4
 
 
+def test_a_head_ablated_through_transformer_lens_hooks_costs_what_ablate_py_measures(tmp_path):
+    """The same hook names mean the same tensors: TransformerLens' blocks.{l}.attn.hook_z on the
+    export equals attnlab's at that name, and zeroing one head there changes the loss by what
+    tools/ablate.py's Ablation measures on attnlab's model (every head of a 2-layer model)."""
+    import torch.nn.functional as F
+
+    from tools.ablate import Ablation
+
+    model = export_model()  # 2 layers of 4 heads
+    out = run_export(write_checkpoint(tmp_path / "ckpt.pt", model), tmp_path / "hf", "format=stock")
+    bridge = boot(out)
+    ids = torch.tensor([export_chars().encode(PROMPT * 2).tolist()])
+    x, y = ids[:, :-1], ids[:, 1:]
+    loss = lambda logits: F.cross_entropy(logits[0].float(), y[0]).item()  # noqa: E731
+    zs, modules = {}, dict(model.named_modules())
+    handles = [modules[f"blocks.{l}.attn.hook_z"].register_forward_hook(lambda m, a, z, l=l: zs.__setitem__(l, z))
+               for l in range(2)]
+    with torch.no_grad():
+        base = loss(model(x))
+    for h in handles:
+        h.remove()
+    _, cache = bridge.run_with_cache(x)
+    for l in range(2):
+        assert (cache[f"blocks.{l}.attn.hook_z"] - zs[l]).abs().max() < 1e-5
+    tl_base = loss(bridge(x))
+    assert tl_base == pytest.approx(base, abs=1e-5)
+    for l in range(2):
+        for h in range(model.config.n_head):
+            def zero(z, hook, h=h):
+                z[:, :, h] = 0.0
+                return z
+            tl = loss(bridge.run_with_hooks(x, fwd_hooks=[(f"blocks.{l}.attn.hook_z", zero)])) - tl_base
+            with Ablation(model, [(l, h)]), torch.no_grad():
+                ours = loss(model(x)) - base
+            assert tl == pytest.approx(ours, abs=2e-5), f"L{l}H{h}: TransformerLens {tl:+.6f}, attnlab {ours:+.6f}"
+
+
 def test_transformer_lens_reads_a_bos_model_from_its_own_tokens(tmp_path):
     """data.bos=true: TransformerLens' to_tokens(prepend_bos=True) puts the bos token first, once (its
     default for this architecture is without), and its patterns over those tokens equal

@@ -115,12 +115,12 @@ class LatentAttention(CausalSelfAttention):
             w_uk = self.k_up.weight.view(self.n_head, self.head_dim, self.d_c)  # k_C,h = W_uk,h c
             q = self.hook_q(torch.cat([torch.einsum("bthd,hdc->bthc", qc, w_uk), qr], dim=-1))  # (B, T, nh, d_c + d_r)
             k = self.hook_k(torch.cat([c, kr], dim=-1).transpose(1, 2))  # (B, n, 1, d_c + d_r)
-            lat = self.attend(q.transpose(1, 2), k.transpose(1, 2), self.hook_v(c.transpose(1, 2)).transpose(1, 2),
+            lat = self.path()(q.transpose(1, 2), k.transpose(1, 2), self.hook_v(c.transpose(1, 2)).transpose(1, 2),
                               **kw)  # (B, nh, T, d_c): each head's weighted latent
             w_uv = self.v_up.weight.view(self.n_head, self.head_dim, self.d_c)
             y = torch.einsum("bhtc,hdc->bthd", lat, w_uv)  # v_h = W_uv,h c, applied after the weights
         else:  # naive: keys and values up-projected from the latents, then ordinary attention
             k, v = self.expand(kr, c)
             q, k, v = self.hook_q(torch.cat([qc, qr], dim=-1)), self.hook_k(k), self.hook_v(v)
-            y = self.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), **kw).transpose(1, 2)
+            y = self.path()(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), **kw).transpose(1, 2)
         return self.project(x, y.to(x.dtype))
