@@ -24,9 +24,14 @@ computed over exactly the weights the layer uses, whatever its kind and add-ons.
 block of queries at a time: memory is O(B * heads * block * T), never a T x T matrix per layer held
 at once, and training steps that do not probe never build an attention matrix. A layer without
 softmax weights (linear attention) has no statistics; the probe says which layers those are.
-attention_maps returns the whole weights of one prompt (at most block_size tokens), for the maps
-that tools/visualize.py and the end of a run draw (plots.py).
+attention_maps returns the whole weights of one prompt (at most block_size tokens); layer_maps adds,
+for a layer without softmax, its effective attention: the matrix A with y = A v that the layer's
+linear recurrence amounts to (linear attention, Gated DeltaNet, Mamba-2: their effective_attention),
+for the maps that tools/visualize.py and the end of a run draw (plots.py). Entropy needs a
+distribution: A's rows are one only for linear attention without RoPE (positive features, divided by
+their sum); elsewhere a head's entropy is NaN and a note says why.
 """
+import contextlib
 import math
 import re
 from contextlib import contextmanager
@@ -87,6 +92,37 @@ def reading_qk(model, fn):
             h.remove()
 
 
+@contextmanager
+def reading_mixers(model, fn):
+    """Within the block, every forward of `model` calls fn(layer, attn, x, q, k, rope) for each layer
+    without softmax weights that can write its weights out (effective_attention), once the layer has
+    run: its index, the module, its input x (B, T, C), the q and k read at its hook points and the RoPE
+    table it was given (None without RoPE). fn runs inside the layer's forward hook, so parameters a
+    sharded model gathers for the layer are still there."""
+    handles = []
+    for layer, block in enumerate(model.blocks):
+        attn, seen = block.attn, {}
+        if attn.softmax or not hasattr(attn, "effective_attention"):
+            continue
+
+        def read_input(module, args, kwargs, seen=seen):
+            seen.update(x=args[0], rope=kwargs.get("rope"))
+
+        def read(name, seen=seen):
+            return lambda module, args, out: seen.__setitem__(name, out)
+
+        def ran(module, args, out, seen=seen, layer=layer):
+            fn(layer, module, seen.pop("x"), seen.pop("q"), seen.pop("k"), seen.pop("rope"))
+
+        handles += [attn.register_forward_pre_hook(read_input, with_kwargs=True), attn.register_forward_hook(ran),
+                    attn.hook_q.register_forward_hook(read("q")), attn.hook_k.register_forward_hook(read("k"))]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
 def layer_kinds(model) -> list:
     """Each layer's attention kind, by its name in model.attn.kind (variants.KINDS)."""
     names = {cls: name for name, cls in KINDS.items()}
@@ -94,10 +130,10 @@ def layer_kinds(model) -> list:
 
 
 def without_softmax(model) -> str:
-    """A line naming the layers whose attention has no softmax weights (no statistics, no maps), or ""."""
+    """A line naming the layers whose attention has no softmax weights (no logged statistics), or ""."""
     kinds = layer_kinds(model)
     none = [f"L{l} ({kind})" for l, (kind, b) in enumerate(zip(kinds, model.blocks)) if not b.attn.softmax]
-    return f"{', '.join(none)}: no softmax weights, so no attention statistics or maps" if none else ""
+    return f"{', '.join(none)}: no softmax weights, so no logged attention statistics (tools/visualize.py draws their effective attention)" if none else ""
 
 
 def causal_scores(q, k, scale: float):
@@ -173,32 +209,80 @@ def attention_stats(scores, T: int, block: int = 256, period=None, offset=0) -> 
     return out
 
 
+DISTRIBUTION_TOL = 1e-4  # a row is a distribution when no weight is below -tol and its sum is 1 within tol
+
+
+def effective_stats(A, tol: float = DISTRIBUTION_TOL):
+    """Statistics of one layer's effective attention A (B, nh, T, T) (zero above the diagonal), as
+    attention_stats gives for softmax weights: per head (nh,) `prev`, `first`, `self` (the weight on key
+    i-1, 0, i: means over rows i >= 1, signed where A is); `entropy` (mean over rows) and `dist` (mean
+    over rows i >= 1 of sum_j A_ij (i - j)) only for a head whose every row is a distribution, else NaN.
+    Returns (stats, notes): notes[h] says why head h has no entropy (None where it has one)."""
+    T = A.size(-1)
+    rows = role_rows(A, 0)  # (B, nh, T) each
+    n = A.size(0) * max(T - 1, 1)
+    stats = {name: rows[name][..., 1:].sum(dim=(0, 2)) / n for name in ROLE_STATS}
+    low = A.amin(dim=(0, 2, 3))  # (nh,): zeros above the diagonal count, harmlessly
+    sums = A.sum(-1)  # (B, nh, T)
+    lo, hi = sums.amin(dim=(0, 2)), sums.amax(dim=(0, 2))
+    ent = -torch.where(A > 0, A * A.clamp(min=1e-30).log(), torch.zeros_like(A)).sum(-1).mean(dim=(0, 2))
+    notes = []
+    for h in range(A.size(1)):
+        if low[h] < -tol:
+            notes.append(f"signed (min {low[h].item():.2g})")
+        elif lo[h] < 1 - tol or hi[h] > 1 + tol:
+            notes.append(f"rows sum {lo[h].item():.2g}..{hi[h].item():.2g}")
+        else:
+            notes.append(None)
+    distribution = torch.tensor([note is None for note in notes], device=A.device)
+    stats["entropy"] = torch.where(distribution, ent, float("nan"))
+    stats["dist"] = torch.where(distribution, stats["dist"], float("nan"))
+    return stats, notes
+
+
 @torch.no_grad()
-def attention_maps(model, idx, block: int = 256):
-    """Every layer's and head's attention weights for one sequence idx (1, T): the softmax each layer
+def layer_maps(model, idx, block: int = 256, effective: bool = True):
+    """Every layer's and head's weights for one sequence idx (1, T): for a softmax layer the softmax it
     takes of the q and k it computes itself (read at its hook points; CausalSelfAttention.scores: its
-    mask and window, logit bias and sink; with GQA k comes one per query head). Returns the weights
-    (L, nh, T, T) as a float32 CPU tensor (zero where a query does not see a key; a row sums to 1
-    minus a sink's share) and each head's statistics {name: (L, nh)}; a layer without softmax weights
-    (linear attention: without_softmax) is NaN in both."""
+    mask and window, logit bias and sink; with GQA k comes one per query head); for a layer without
+    softmax, with `effective`, its effective attention (its effective_attention of the input, q and k it
+    had: reading_mixers), the A whose A @ v is each head's output. One forward. Returns the weights
+    (L, nh, T, T) as a float32 CPU tensor (zero where a query does not see a key; a softmax row sums to
+    1 minus a sink's share), each head's statistics {name: (L, nh)} (attention_stats', effective_stats'
+    for effective attention) and notes (L lists of nh): why a head's entropy is NaN, or None; a layer
+    with no map (without `effective`, or a kind that cannot write its weights out) is NaN throughout."""
     was_training = model.training
     model.eval()
-    maps, stats = {}, {}
+    maps, stats, notes = {}, {}, {}
 
     def hook(layer, attn, q, k):
         logits, sink = attn.scores(q.float(), k.float())  # (1, nh, T, T), -inf where hidden
         maps[layer] = softmax_with_sink(logits, sink)[0].cpu()
         stats[layer] = attention_stats(layer_scores(attn, q, k), q.size(1), block)
 
-    with reading_qk(model, hook):
+    def mixer(layer, attn, x, q, k, rope):
+        A = attn.effective_attention(x, q, k, rope=rope).float()  # (1, nh, T, T)
+        maps[layer] = A[0].cpu()
+        stats[layer], notes[layer] = effective_stats(A)
+
+    with reading_qk(model, hook), (reading_mixers(model, mixer) if effective else contextlib.nullcontext()):
         model(idx)
     model.train(was_training)
     T, nh = idx.size(1), model.config.n_head
     names = ("entropy",) + ROLE_STATS
     empty = torch.full((nh, T, T), float("nan"))
-    return (torch.stack([maps.get(l, empty) for l in range(len(model.blocks))]),
-            {name: torch.stack([stats[l][name].cpu() if l in stats else empty[:, 0, 0]
-                                for l in range(len(model.blocks))]) for name in names})
+    L = len(model.blocks)
+    return (torch.stack([maps.get(l, empty) for l in range(L)]),
+            {name: torch.stack([stats[l][name].cpu() if l in stats else empty[:, 0, 0] for l in range(L)])
+             for name in names},
+            [notes.get(l, [None] * nh) for l in range(L)])
+
+
+def attention_maps(model, idx, block: int = 256):
+    """layer_maps' weights and statistics of the softmax layers only: a layer without softmax weights
+    (linear attention: without_softmax) is NaN in both."""
+    maps, stats, _ = layer_maps(model, idx, block, effective=False)
+    return maps, stats
 
 
 def repeated_batch(idx):

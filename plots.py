@@ -2,23 +2,28 @@
 one run's curves, several runs compared (tools/report.py), and the attention maps of one text as a
 PNG grid of heatmaps and a self-contained HTML viewer (train.py at the end of a run, tools/visualize.py).
 
-The maps come from attnstats.attention_maps (the model's own q and k through its hook points, one
-reference softmax), never from a second implementation of the model. The viewer is viewer.html
-with its data filled in inline (no network, no CDN; it opens from disk in any browser): the weights
-travel as 16-bit fixed point (w * 65535, error below 1e-5) of the lower triangle only, base64
-encoded; 36 heads x 256 tokens is about 3 MB.
+The maps come from attnstats.layer_maps (the model's own q and k through its hook points, one
+reference softmax; for a layer without softmax its effective attention, the matrix A with y = A v),
+never from a second implementation of the model. Weights in [0, 1] are drawn in viridis at
+square-root scale; a signed matrix (Gated DeltaNet, Mamba-2, linear attention with RoPE) in a
+diverging map, blue below zero and red above, at signed square-root scale over ±max|A| of its layer.
+The viewer is viewer.html with its data filled in inline (no network, no CDN; it opens from disk in
+any browser): each layer's map travels as 16-bit fixed point over its range (weights: [0, 1], w *
+65535, error below 1e-5) of the lower triangle only, base64 encoded; 36 heads x 256 tokens is about
+3 MB.
 """
 import base64
 import json
 from pathlib import Path
 
 import matplotlib
+import numpy as np
 import torch
 
 matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
 
-from attnstats import attention_maps, entropy_grid, head_keys, layer_keys, layer_kinds  # noqa: E402
+from attnstats import entropy_grid, head_keys, layer_keys, layer_kinds, layer_maps  # noqa: E402
 from tracking import read_metrics  # noqa: E402
 
 VIEWER = Path(__file__).with_name("viewer.html")  # the viewer's page; write_html fills in the data
@@ -204,49 +209,106 @@ def label(piece: str) -> str:
 
 
 def top_keys(maps, query: int, k: int) -> list:
-    """For each layer and head, the k keys the query gives most weight: [[(weight, j), ...]] (L, nh)."""
+    """For each layer and head, the k keys the query gives most weight (largest |weight|: a signed
+    effective attention's negative weights count): [[(weight, j), ...]] (L, nh)."""
     weights = maps[:, :, query, : query + 1]  # (L, nh, query + 1)
-    values, index = weights.topk(min(k, query + 1), dim=-1)
+    index = weights.abs().topk(min(k, query + 1), dim=-1).indices
+    values = weights.gather(-1, index)
     return [[list(zip(values[l, h].tolist(), index[l, h].tolist())) for h in range(maps.size(1))]
             for l in range(maps.size(0))]
 
 
 def format_top_keys(maps, labels, query: int, k: int, kinds=None) -> str:
-    """The lines visualize.py prints: one per head, its top-k keys as weight 'token'@position (a
-    layer without softmax weights, one line that says so)."""
+    """The lines visualize.py prints: one per head, its top-k keys as weight 'token'@position, a layer
+    without softmax its kind after the head (its effective attention), a layer with no map one line
+    that says so."""
     lines = [f"query {query} {labels[query]!r} (of {len(labels)} tokens): top {min(k, query + 1)} keys per head"]
     for l, heads in enumerate(top_keys(maps, query, k)):
         if torch.isnan(maps[l]).all():
             lines.append(f"L{l}  {kinds[l] if kinds else ''} attention: no softmax weights")
             continue
+        kind = f" ({kinds[l]})" if kinds and kinds[l] in EFFECTIVE else ""
         for h, keys in enumerate(heads):
-            lines.append(f"L{l} H{h}  " + "  ".join(f"{w:.3f} {labels[j]!r}@{j}" for w, j in keys))
+            lines.append(f"L{l} H{h}{kind}  " + "  ".join(f"{w:.3f} {labels[j]!r}@{j}" for w, j in keys))
     return "\n".join(lines)
 
 
 # ----------------------------------------------------------------------------- PNG
 
-def write_png(maps, stats, labels, path, title="", kinds=None):
+EFFECTIVE = ("linear", "gdn", "mamba2")  # the kinds whose map is their effective attention A (y = A v)
+
+
+def layer_labels(model) -> list:
+    """What each layer is, for the maps: its kind (attnstats.layer_kinds) and for the kinds of softmax
+    attention what narrows it: "softmax", "softmax, window 64", "softmax, moba", "mla (softmax)";
+    "linear", "gdn", "mamba2" for the kinds drawn as their effective attention."""
+    from variants import SELECTS
+    selects = {cls: name for name, cls in SELECTS.items() if cls is not None}
+    out = []
+    for kind, block in zip(layer_kinds(model), model.blocks):
+        attn = block.attn
+        if not attn.softmax:
+            out.append(kind)
+            continue
+        parts = ["softmax" if kind == "softmax" else f"{kind} (softmax)"]
+        if getattr(attn, "window", None) is not None:
+            parts.append(f"window {attn.window}")
+        if getattr(attn, "select", None) is not None:
+            parts.append(selects.get(type(attn.select), type(attn.select).__name__))
+        out.append(", ".join(parts))
+    return out
+
+
+def value_range(layer_map, tol: float = 1e-4):
+    """(lo, hi) a layer's map (nh, T, T) is drawn and packed over: (0, 1) when every value is a weight
+    in [0, 1] (softmax, linear attention without RoPE) or the map is NaN (no map), else (-m, m) for a
+    signed or larger matrix, m its largest |value|."""
+    finite = layer_map[~layer_map.isnan()]
+    if finite.numel() == 0 or (finite.min() >= -tol and finite.max() <= 1 + tol):
+        return 0.0, 1.0
+    m = finite.abs().max().item()
+    return -m, m
+
+
+def entropy_text(stats, notes, l: int, h: int) -> str:
+    """A head's entropy as the maps show it, or n/a and why (attnstats.effective_stats' note)."""
+    note = notes[l][h] if notes else None
+    return f"entropy n/a: {note}" if note else f"entropy {stats['entropy'][l, h]:.2f}"
+
+
+def write_png(maps, stats, labels, path, title="", kinds=None, notes=None):
     """A layer x head grid of heatmaps (query rows, key columns; above the diagonal, which no query
-    may see, in grey), each titled with its head's mean entropy; token labels when short. A layer
-    without softmax weights (NaN maps) says so, with its kind (kinds: one name per layer)."""
-    from matplotlib.colors import PowerNorm
+    may see, in grey), each titled with its layer's kind (kinds: one label per layer) and its head's
+    mean entropy or why it has none (notes, as attnstats.layer_maps gives them); token labels when
+    short. Weights in [0, 1] share one viridis scale; a signed layer (value_range) has its own diverging
+    one. A layer with no map (NaN) says so. The layers' kinds are also in the PNG's metadata (Layers)."""
+    from matplotlib.colors import FuncNorm, PowerNorm
     L, nh, T, _ = maps.shape
     labelled = T <= LABEL_TOKENS
     size = 2.0 + 0.07 * T if labelled else 2.1  # inches a panel: room for each token's label
     font = 8 if T <= 24 else 7
-    fig, axes = plt.subplots(L, nh, figsize=(size * nh + 1.2, size * L + 0.6), squeeze=False,
+    fig, axes = plt.subplots(L, nh, figsize=(size * nh + 1.2, size * L + 0.8), squeeze=False,
                              layout="constrained")
-    cmap = plt.get_cmap("viridis").with_extremes(bad="#e6e6e6")  # grey: keys no query may see
+    kinds = kinds or ["softmax"] * L
     masked = maps.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("nan")).numpy()
-    norm = PowerNorm(gamma=0.5, vmin=0.0, vmax=1.0)  # small weights stay visible; one scale for all
+    weights_cmap = plt.get_cmap("viridis").with_extremes(bad="#e6e6e6")  # grey: keys no query may see
+    signed_cmap = plt.get_cmap("RdBu_r").with_extremes(bad="#e6e6e6")  # blue < 0 < red, white at 0
+    signed_sqrt = (lambda x: np.sign(x) * np.sqrt(np.abs(x)), lambda y: np.sign(y) * y ** 2)
+    ranges = [value_range(maps[l]) for l in range(L)]
+    shared = all(r == (0.0, 1.0) for r in ranges)  # one colour bar for all, else one per layer
     for l in range(L):
+        lo, hi = ranges[l]
+        if (lo, hi) == (0.0, 1.0):  # small weights stay visible; one scale for all weights
+            cmap, norm, bar = weights_cmap, PowerNorm(gamma=0.5, vmin=0.0, vmax=1.0), "weight (square-root scale)"
+        else:
+            cmap, norm, bar = signed_cmap, FuncNorm(signed_sqrt, vmin=lo, vmax=hi), "A (signed square-root scale)"
         for h in range(nh):
             ax = axes[l][h]
             im = ax.imshow(masked[l, h], cmap=cmap, norm=norm, interpolation="nearest")
-            ax.set_title(f"L{l} H{h}  entropy {stats['entropy'][l, h]:.2f}", fontsize=8)
-            if torch.isnan(maps[l, h]).all():  # a kind without softmax weights
-                ax.set_title(f"L{l} H{h}  {kinds[l] if kinds else ''}", fontsize=8)
+            what = f"{kinds[l]}, effective" if kinds[l] in EFFECTIVE else kinds[l]
+            ax.set_title(f"L{l} H{h} {what}\n{entropy_text(stats, notes, l, h)}", fontsize=7)
+            if torch.isnan(maps[l, h]).all():  # a kind with no map
+                ax.set_title(f"L{l} H{h}  {kinds[l]}", fontsize=8)
                 ax.text(0.5, 0.5, "no softmax weights", transform=ax.transAxes, ha="center", va="center", fontsize=8)
             if labelled:
                 ticks = range(T)
@@ -259,31 +321,42 @@ def write_png(maps, stats, labels, path, title="", kinds=None):
                 ax.set_xlabel("key", fontsize=7)
             if h == 0:
                 ax.set_ylabel("query", fontsize=7)
+        if not shared:
+            fig.colorbar(im, ax=list(axes[l]), shrink=0.9, label=bar)
     fig.suptitle(title or "attention weights", fontsize=10)
-    fig.colorbar(im, ax=axes, shrink=min(0.6, 1.5 / L + 0.2), label="weight (square-root scale)")
-    fig.savefig(path, dpi=100 if labelled else 80)
+    if shared:
+        fig.colorbar(im, ax=axes, shrink=min(0.6, 1.5 / L + 0.2), label="weight (square-root scale)")
+    fig.savefig(path, dpi=100 if labelled else 80,
+                metadata={"Layers": ", ".join(f"L{l} {kind}" for l, kind in enumerate(kinds))})
     plt.close(fig)
     return Path(path)
 
 
 # ----------------------------------------------------------------------------- HTML
 
-def pack_weights(maps) -> str:
-    """The lower triangles of maps (L, nh, T, T), row by row, as base64 little-endian uint16 w * 65535."""
+def pack_weights(maps, ranges=None) -> str:
+    """The lower triangles of maps (L, nh, T, T), row by row, as base64 little-endian uint16 (w - lo) /
+    (hi - lo) * 65535 over each layer's range (lo, hi) in ranges (default (0, 1): w * 65535)."""
     T = maps.size(-1)
     rows, cols = torch.tril_indices(T, T)  # row-major: (0,0), (1,0), (1,1), (2,0), ...
-    fixed = (maps[..., rows, cols].double().nan_to_num(0.0) * 65535).round().clamp(0, 65535).to(torch.int32).numpy()
+    lo, hi = torch.tensor(ranges or [(0.0, 1.0)] * maps.size(0), dtype=torch.float64).view(-1, 1, 1, 2).unbind(-1)
+    unit = (maps[..., rows, cols].double().nan_to_num(0.0) - lo) / (hi - lo)
+    fixed = (unit * 65535).round().clamp(0, 65535).to(torch.int32).numpy()
     return base64.b64encode(fixed.astype("<u2").tobytes()).decode("ascii")
 
 
-def write_html(maps, stats, pieces, path, title="", meta="", query=None, kinds=None):
+def write_html(maps, stats, pieces, path, title="", meta="", query=None, kinds=None, notes=None):
     """The viewer: attention.html, the page viewer.html with the data inline. kinds: each layer's
-    attention kind (the viewer names it, and says where a layer has no softmax weights)."""
+    label (the viewer names it; layer_labels); notes: why a head has no entropy (layer_maps')."""
     L, nh, T, _ = maps.shape
     weighted = [l for l in range(L) if not torch.isnan(maps[l]).all()]
+    ranges = [value_range(maps[l]) for l in range(L)]
+    kinds = kinds or ["softmax"] * L
     data = {"title": title or "attention", "meta": meta, "n_layer": L, "n_head": nh,
             "tokens": [{"text": p, "label": label(p)} for p in pieces],
-            "weights": pack_weights(maps), "kinds": kinds or ["softmax"] * L, "weighted": [l in weighted for l in range(L)],
+            "weights": pack_weights(maps, ranges), "ranges": ranges, "kinds": kinds,
+            "effective": [k in EFFECTIVE for k in kinds], "notes": notes or [[None] * nh] * L,
+            "weighted": [l in weighted for l in range(L)],
             "stats": {name: [[None if v != v else round(float(v), 4) for v in row] for row in t.tolist()]
                       for name, t in stats.items()},  # NaN (no weights) as null: JSON has no NaN
             "initial": {"layer": weighted[-1] if weighted else L - 1, "head": 0, "query": T - 1 if query is None else query}}
@@ -299,14 +372,16 @@ def _escape(s: str) -> str:
 
 def write_views(model, idx, tok, out_dir, title="", meta="", query=None) -> dict:
     """attention.png and attention.html for the token ids idx (1, T) in out_dir; returns their paths,
-    the weights (L, nh, T, T), the statistics and the token labels."""
+    the weights (L, nh, T, T) (a layer without softmax: its effective attention), the statistics, the
+    notes on entropy, the token labels, the layers' kinds and their labels (layer_labels)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    maps, stats = attention_maps(model, idx)
+    maps, stats, notes = layer_maps(model, idx)
     ids = idx[0].tolist()
     pieces = token_pieces(tok, ids)
     labels = [label(p) for p in pieces]
-    kinds = layer_kinds(model)
-    png = write_png(maps, stats, labels, out_dir / "attention.png", title, kinds)
-    html = write_html(maps, stats, pieces, out_dir / "attention.html", title, meta, query, kinds)
-    return {"png": png, "html": html, "maps": maps, "stats": stats, "labels": labels, "kinds": kinds}
+    kinds, described = layer_kinds(model), layer_labels(model)
+    png = write_png(maps, stats, labels, out_dir / "attention.png", title, described, notes)
+    html = write_html(maps, stats, pieces, out_dir / "attention.html", title, meta, query, described, notes)
+    return {"png": png, "html": html, "maps": maps, "stats": stats, "notes": notes, "labels": labels,
+            "kinds": kinds, "described": described}

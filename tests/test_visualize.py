@@ -218,22 +218,3 @@ def test_viewer_builds_its_page_in_headless_chromium(tmp_path, chromium):
     img = matplotlib.image.imread(shot)[..., :3]  # (H, W, 3) floats
     colors = {tuple(c) for c in (img[::7, ::7] * 255).astype(int).reshape(-1, 3).tolist()}
     assert img.shape[:2] == (900, 1200) and img.std() > 0.05 and len(colors) > 50, "the screenshot looks blank"
-
-
-@needs_chromium
-def test_the_viewer_says_where_a_layer_has_no_softmax_weights(tmp_path, chromium):
-    """A linear-attention model: visualize prints a line per layer that says so, the PNG titles its
-    panels with the kind, and the viewer's page, built in a real browser, says it for the layer
-    shown and in every cell of the statistics table, with no map or numbers."""
-    tok = CharTokenizer("".join(sorted(set(VOCAB))))
-    model = make_model(vocab=tok.vocab_size, attn={"kind": "linear"})
-    idx = torch.as_tensor(tok.encode("ROMEO: But soft"))[None]
-    views = write_views(model, idx, tok, tmp_path, title="linear")
-    assert views["kinds"] == ["linear", "linear"] and views["maps"].isnan().all()
-    assert format_top_keys(views["maps"], views["labels"], 5, 3, views["kinds"]).splitlines()[1:] == \
-        ["L0  linear attention: no softmax weights", "L1  linear attention: no softmax weights"]
-    dom = chromium(str(tmp_path / "profile"), "--dump-dom", views["html"].resolve().as_uri())
-    assert 'data-ready="1"' in dom, "the script did not run to its end"
-    assert "L1 is linear attention: it has no softmax weights to map" in dom
-    assert dom.count("no softmax weights</small>") == 2 * 2 and "<canvas" not in dom  # every cell; no map
-    assert '<option value="1">L1 (linear)</option>' in dom

@@ -5,10 +5,15 @@
 
 Runs the prompt once through the model; its probe hook hands over each layer's q and k, and each
 layer says what its softmax takes of them (its scale, mask and window, logit bias and sink:
-attnstats.attention_maps), so every model option is covered with no second copy of the model; a
-layer without softmax weights (linear attention) says so. Writes `out`/attention.png (a layer x head grid of heatmaps) and `out`/attention.html
-(one self-contained file: opens from disk, no network), and prints the top-k keys of the last
-query (or `query=INDEX`) for every head on stdout.
+attnstats.layer_maps), so every model option is covered with no second copy of the model. A layer
+without softmax (linear attention, Gated DeltaNet, Mamba-2) writes out its effective attention
+instead: the matrix A with each head's output = A @ v (its effective_attention, variants/), signed
+for Gated DeltaNet and Mamba-2, drawn in a diverging colour map; its entropy is given only where
+A's rows are distributions (linear attention without RoPE), else n/a with the reason. Every layer is
+labelled with its kind (softmax, with its window or key selection; mla; linear, gdn, mamba2), so a
+hybrid stack shows all its layers. Writes `out`/attention.png (a layer x head grid of heatmaps) and
+`out`/attention.html (one self-contained file: opens from disk, no network), and prints the top-k keys
+(largest |weight|) of the last query (or `query=INDEX`) for every head on stdout.
 """
 import logging
 import sys

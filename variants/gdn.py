@@ -6,7 +6,8 @@ forward, new_cache and init_weights; its output gate (RMSNorm of each head's out
 gate from the layer input, as the paper's) fills the core's gate slot. Yang, Kautz & Hatamizadeh 2024,
 arXiv 2412.06464 (Qwen3-Next and Olmo Hybrid mix it 3:1 with attention). Tests:
 tests/variants/test_gdn.py (the chunked and recurrent forms against a float64 loop of the formula,
-outputs and gradients; segmented decoding against the whole sequence; a broken chunk boundary fails).
+outputs and gradients; segmented decoding against the whole sequence; a broken chunk boundary fails);
+tests/test_effective_attention.py (effective_attention against the layer's own output).
 
 Per head, with q and k L2-normalised after a short causal convolution (kernel 4) and SiLU:
 
@@ -171,6 +172,35 @@ class GatedDeltaNet(CausalSelfAttention):
         beta = torch.sigmoid(self.beta_proj(x))
         log_alpha = -self.A_log.exp() * F.softplus(self.alpha_proj(x).to(acc) + self.dt_bias)
         return beta.transpose(1, 2).to(acc), log_alpha.transpose(1, 2).to(acc)
+
+    def effective_attention(self, x, q, k, *, rope=None):
+        """The weights this layer mixes its values with, written out as a matrix A (B, nh, T, T), so that
+        each head's output at hook_z is A @ v for the v read at hook_v, in a forward from position 0
+        without a cache. Unrolling S_t = α_t (I - β_t k_t k_tᵀ) S_{t-1} + β_t k_t v_tᵀ from S_0 = 0 gives
+        S_t = Σ_{s≤t} w_ts v_sᵀ, o_t = S_tᵀ q_t = Σ_s (q_t·w_ts) v_s, so
+
+            A_ts = q_tᵀ α_t (I - β_t k_t k_tᵀ) ⋯ α_{s+1} (I - β_{s+1} k_{s+1} k_{s+1}ᵀ) β_s k_s   for s ≤ t
+
+        (for s = t the product is empty: β_t q_t·k_t). w_ts is what key s has become in the state by
+        step t: written with strength β_s, decayed by every later α and partly erased by every later
+        key it overlaps. It is computed by the recurrence itself, one step per token, on W_t = [w_t1 ...
+        w_tT] (hs, T) per head: W_t = α_t (I - β_t k_t k_tᵀ) W_{t-1} + β_t k_t e_tᵀ (e_t: position t's
+        one-hot), A_t = q_tᵀ W_t: O(T² hs) per head, no hs x hs matrix product. Entries are signed and
+        rows do not sum to 1. q, k (B, T, nh, hs) as read at hook_q and hook_k (after the convolution
+        and the L2 norm); x (B, T, C), the layer input, gives β and α; rope is not used."""
+        q, k = q.transpose(1, 2), k.transpose(1, 2)  # (B, nh, T, hs)
+        beta, log_alpha = self.gates(x)  # (B, nh, T) each, at least fp32
+        q, k = q.to(beta.dtype), k.to(beta.dtype)
+        alpha = log_alpha.exp()
+        B, nh, T, hs = q.shape
+        W = q.new_zeros(B, nh, hs, T)
+        eye = torch.eye(T, dtype=q.dtype, device=q.device)
+        rows = []
+        for t in range(T):
+            k_t, b_t, a_t = k[:, :, t, :, None], beta[:, :, t, None, None], alpha[:, :, t, None, None]  # (B, nh, hs, 1)
+            W = a_t * (W - b_t * k_t @ (k_t.transpose(-1, -2) @ W)) + b_t * k_t * eye[t]  # (B, nh, hs, T)
+            rows.append((q[:, :, t, None] @ W).squeeze(-2))  # A_t (B, nh, T): zero beyond t
+        return torch.stack(rows, dim=2)  # (B, nh, T, T)
 
     def new_cache(self, batch_size: int, length: int, *, device=None, dtype=torch.float32, **_):
         """The layer's recurrent state: constant size whatever `length` (nothing to evict or quantise)."""

@@ -6,12 +6,13 @@ A kind: LinearAttention subclasses attention.CausalSelfAttention and overrides f
 arXiv 2006.16236 ("Transformers are RNNs"); the chunked training form of Hua et al. 2022, arXiv
 2202.10447 and Yang et al. 2023, arXiv 2312.06635. Tests: tests/variants/test_linear.py (parallel,
 chunked and recurrent forms against the causal formula, with and without RoPE and GQA; the state's
-size; counts and gradients).
+size; counts and gradients); tests/test_effective_attention.py (effective_attention, the weights
+written out, against the layer's own output).
 """
 import torch
 import torch.nn.functional as F
 
-from attention import CausalSelfAttention, rotate
+from attention import CausalSelfAttention, repeat_kv, rotate
 
 LINEAR_CHUNK = 64  # positions per chunk of the training form (counting.py counts with it)
 
@@ -65,6 +66,26 @@ class LinearAttention(CausalSelfAttention):
             return (fq, fq), (fk, fk), v
         rot = lambda t: rotate(t.transpose(1, 2), rope).transpose(1, 2)  # noqa: E731
         return (rot(fq), fq), (rot(fk), fk), v
+
+    def effective_attention(self, x, q, k, *, rope=None):
+        """The weights this layer mixes its values with, written out as a matrix A (B, nh, T, T), so that
+        each head's output at hook_z is A @ v for the v read at hook_v (query head h reads kv head
+        h // (nh / n_kv)), in a forward from position 0 without a cache:
+
+            A_ij = rope(φ(q_i))·rope(φ(k_j)) / φ(q_i)·Σ_{j'≤i} φ(k_j')   for j ≤ i, 0 above the diagonal
+
+        q (B, T, nh, hs) and k (B, T, n_kv, hs) as read at hook_q and hook_k (after QK-Norm, before φ);
+        rope: the table the layer was given (None without RoPE); x (the layer input) is not needed here.
+        Without RoPE every row is a distribution (φ > 0 and the denominator is the numerators' sum), a
+        softmax-like weighting; RoPE rotates the numerator only, so then weights can be negative and a
+        row's sum is not 1."""
+        acc = torch.promote_types(q.dtype, torch.float32)
+        q, k = q.transpose(1, 2).to(acc), repeat_kv(k.transpose(1, 2), self.n_head).to(acc)  # (B, nh, T, hs)
+        fq, fk = elu_feature(q), elu_feature(k)
+        den = (fq * fk.cumsum(dim=2)).sum(-1, keepdim=True)  # φ(q_i)·z_i (B, nh, T, 1)
+        if rope is not None:  # the numerator's features, rotated as forward rotates them
+            fq, fk = (rotate(t.transpose(1, 2), rope).transpose(1, 2) for t in (fq, fk))
+        return (fq @ fk.transpose(-1, -2)).tril() / den  # (B, nh, T, T)
 
     def new_cache(self, batch_size: int, length: int, *, device=None, dtype=torch.float32, make=None):
         """The layer's recurrent state: its size does not depend on `length`, so there is nothing to

@@ -5,7 +5,8 @@ A kind: Mamba2 subclasses attention.CausalSelfAttention and overrides make_proje
 new_cache and init_weights; its output gate (RMSNorm of the heads' output times SiLU of a gate from
 the layer input) fills the core's gate slot. Dao & Gu 2024, arXiv 2405.21060 (Jamba mixes Mamba 7:1
 with attention). Tests: tests/variants/test_mamba2.py (the chunked and recurrent forms against the
-materialised matrix and a float64 loop, outputs and gradients; segmented decoding).
+materialised matrix and a float64 loop, outputs and gradients; segmented decoding);
+tests/test_effective_attention.py (effective_attention against the layer's own output).
 
 Per head, x_t (head_dim) and, shared by the heads, B_t and C_t (state_dim), all after a short causal
 convolution and SiLU; Δ_t = softplus(x_t W_Δ + b) > 0 and A = -e^{A_log} < 0 per head:
@@ -102,8 +103,32 @@ class Mamba2(CausalSelfAttention):
         acc = torch.promote_types(x.dtype, torch.float32)  # the recurrence in at least fp32
         xs = self.hook_v(xs.view(Bsz, T, self.n_head, self.head_dim)).transpose(1, 2).to(acc)
         Bm, Cm = self.hook_k(Bm.unsqueeze(2)).squeeze(2).to(acc), self.hook_q(Cm.unsqueeze(2)).squeeze(2).to(acc)
-        dt = F.softplus(dt.to(acc) + self.dt_bias).transpose(1, 2)  # (B, nh, T)
+        dt = self.step_sizes(dt)  # (B, nh, T)
         return xs, dt, dt * -self.A_log.exp().unsqueeze(-1), Bm, Cm
+
+    def step_sizes(self, dt):
+        """Δ = softplus(dt + b) (B, nh, T), in at least fp32, of in_proj's Δ part dt (B, T, nh)."""
+        return F.softplus(dt.to(torch.promote_types(dt.dtype, torch.float32)) + self.dt_bias).transpose(1, 2)
+
+    def effective_attention(self, x, q, k, *, rope=None):
+        """The weights this layer mixes its values with, written out as a matrix A (B, nh, T, T), so that
+        each head's output at hook_z (before the output gate) is A @ v for v its input read at hook_v
+        (the x_t above), in a forward from position 0 without a cache: the SSD paper's matrix M = L ∘ (C Bᵀ)
+        with the step Δ_j folded into each column and the skip D on the diagonal,
+
+            A_tj = exp(Σ_{j<m≤t} Δ_m a) (C_t·B_j) Δ_j + D δ_tj   for j ≤ t   (a = -e^{A_log} per head)
+
+        q (B, T, 1, ds) and k (B, T, 1, ds) are C and B as read at hook_q and hook_k (after the
+        convolution and SiLU, shared by the heads); x (B, T, C), the layer input, gives Δ; rope is not
+        used. Entries are signed and rows do not sum to 1."""
+        dt = self.step_sizes(self.in_proj(x)[..., -self.n_head:])  # (B, nh, T)
+        Cm, Bm = q.squeeze(2).to(dt.dtype), k.squeeze(2).to(dt.dtype)  # (B, T, ds)
+        cum = (dt * -self.A_log.exp().unsqueeze(-1)).cumsum(-1)  # Σ_{m≤t} Δ_m a (B, nh, T)
+        T = dt.size(-1)
+        lower = torch.ones(T, T, dtype=torch.bool, device=dt.device).tril()
+        L = (cum.unsqueeze(-1) - cum.unsqueeze(-2)).masked_fill(~lower, float("-inf")).exp()  # (B, nh, T, T)
+        A = L * (Cm @ Bm.transpose(-1, -2)).unsqueeze(1) * dt.unsqueeze(-2)  # column j times Δ_j
+        return A + torch.diag_embed(self.D.to(dt.dtype).view(1, -1, 1).expand_as(dt))
 
     def new_cache(self, batch_size: int, length: int, *, device=None, dtype=torch.float32, **_):
         """The layer's recurrent state: constant size whatever `length` (nothing to evict or quantise)."""

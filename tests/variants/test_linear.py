@@ -138,5 +138,5 @@ def test_linear_attention_gives_the_probe_no_softmax_weights_and_says_so():
     assert not any(k.startswith("attn_") for k in stats) and "incontext/gain" in stats
     maps, heads = attention_maps(model, torch.randint(40, (1, 8)))
     assert maps.shape == (2, 4, 8, 8) and maps.isnan().all() and heads["entropy"].isnan().all()
-    assert without_softmax(model) == "L0 (linear), L1 (linear): no softmax weights, so no attention statistics or maps"
+    assert without_softmax(model) == "L0 (linear), L1 (linear): no softmax weights, so no logged attention statistics (tools/visualize.py draws their effective attention)"
     assert without_softmax(make()) == ""
