@@ -104,3 +104,28 @@ def test_a_head_the_model_does_not_have_is_one_line(run):
     with pytest.raises(UserError, match=r"heads: L2H0 is not in this model \(2 layers of 4 heads\)") as e:
         ablate(compose_cfg("ablate", [f"ckpt={ckpt}", f"text={text}", "heads=[L2H0]", "out=null"]))
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("variant", [{}, {"n_kv_head": 2}, {"attn": {"kind": "mla"}}, {"attn": {"sink": "learned"}},
+                                     {"attn": {"gate": "head"}}, {"attn": {"layer_kinds": ["gdn", "softmax"]}},
+                                     {"attn": {"layer_kinds": ["linear", "softmax"]}}],
+                         ids=["default", "gqa", "mla", "sink", "gate", "gdn-softmax", "linear-softmax"])
+@pytest.mark.parametrize("layer", [0, 1])
+def test_zeroing_every_head_of_a_layer_removes_its_attention(variant, layer):
+    """Every head of one layer zero-ablated at hook_z = the model with that layer's attention output
+    replaced by zero (its whole module's output, not the heads'), whatever the kind of layer."""
+    from tools.ablate import Ablation
+    from helpers import variant_model
+
+    model = variant_model(n_layer=2, **variant).eval()
+    idx = torch.randint(40, (2, 12))
+    with Ablation(model, [(layer, h) for h in range(model.config.n_head)]), torch.no_grad():
+        ablated = model(idx)
+    handle = model.blocks[layer].attn.register_forward_hook(lambda m, a, out: torch.zeros_like(out))
+    with torch.no_grad():
+        removed = model(idx)
+    handle.remove()
+    with torch.no_grad():
+        intact = model(idx)
+    assert torch.allclose(ablated, removed, atol=1e-5), (ablated - removed).abs().max()
+    assert not torch.allclose(ablated, intact, atol=1e-4)
