@@ -195,14 +195,22 @@ def model_from_checkpoint(state: dict, device="cpu") -> GPT:
 
 def with_selection(state: dict, select=None, topk=None, block=None) -> dict:
     """The checkpoint read through a choice of keys at evaluation or generation time, no training:
-    model.attn.select (moba | oracle | none; None: the checkpoint's own) with its select_topk and
-    select_block (None: the checkpoint's own). What the model cannot take is refused when it is built."""
+    model.attn.select (moba | oracle | indexer | none; None: the checkpoint's own) with its select_topk and
+    select_block (None: the checkpoint's own). What the model cannot take is refused when it is built.
+    An indexer learns in training: select=indexer needs a checkpoint trained with one; another choice
+    on such a checkpoint leaves its indexer's weights out."""
     given = {"select": select, "select_topk": topk, "select_block": block}
     if all(v is None for v in given.values()):
         return state
     mc = dict(state["model_config"])
+    own = (mc.get("attn") or {}).get("select", "none")
+    if select == "indexer" and own != "indexer":
+        raise UserError(f"select=indexer needs a checkpoint trained with model.attn.select=indexer (this one has "
+                        f"{own}): its indexer learns in training; read this one through select=oracle or moba")
     mc["attn"] = {**(mc.get("attn") or {}), **{k: v for k, v in given.items() if v is not None}}
-    return {**state, "model_config": mc}
+    weights = state["model"] if select in (None, own) else \
+        {k: v for k, v in state["model"].items() if ".attn.select." not in k}  # an indexer's, now unused
+    return {**state, "model_config": mc, "model": weights}
 
 
 def with_rope_scaling(state: dict, scaling=None, factor=None, longer: bool = False) -> dict:

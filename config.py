@@ -189,7 +189,7 @@ class SampleConfig:
     kv_sinks: int = 0  # past block_size, keep the first kv_sinks tokens in the cache besides the latest (StreamingLLM); 0: a plain ring
     rope_scaling: Optional[str] = None  # linear | ntk | yarn: stretch a RoPE checkpoint's positions, no training; unset: its own
     rope_scaling_factor: Optional[float] = None  # the context grows to this many times the trained length; unset: its own
-    select: Optional[str] = None  # moba | oracle | none: each query reads only the keys it chooses (model.attn.select); unset: its own
+    select: Optional[str] = None  # moba | oracle | indexer (a checkpoint trained with one) | none: each query reads only the keys it chooses (model.attn.select); unset: its own
     select_topk: Optional[int] = None  # with select: blocks (moba) or keys (oracle) each query reads; unset: its own
     select_block: Optional[int] = None  # with select=moba: keys per block; unset: its own
     stream: bool = False  # print tokens as they are produced (num_samples=1)

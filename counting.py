@@ -79,6 +79,8 @@ def layer_params(c, kind=None) -> dict:
     softmaxish = kind in ("softmax", "linear", "mla")  # the kinds that take QK-Norm, the core gate and a sink
     gain = {"none": 0, "head": 1, "channel": c.head_dim}[c.attn.qk_norm_gain] if c.attn.qk_norm and softmaxish else 0
     gate = {"none": 0, "head": nh, "channel": nh * hs}[c.attn.gate] * d if softmaxish else 0  # a Linear, no bias
+    H, d_i = c.attn.indexer_heads, c.attn.indexer_dim  # select=indexer on a softmax layer: q^I, w from q; k^I from k
+    indexer = nh * hs * (H * d_i + H) + kv * d_i if kind == "softmax" and c.attn.select == "indexer" else 0
     k = mlp_matrices(c)
     attn_bias = b * (d + 2 * kv + d)  # c_attn's q, k, v and c_proj's
     attn_norms = 0
@@ -92,7 +94,7 @@ def layer_params(c, kind=None) -> dict:
         ds = state_dim(c)
         attn_bias, attn_norms = b * (d + 2 * ds + nh + d), (d + 2 * ds) * CONV + 3 * nh + d
     return {
-        "attn_matrices": sum(projection_macs(c, kind).values()) + gate,  # c_attn (q, k, v fused) or the kind's, c_proj
+        "attn_matrices": sum(projection_macs(c, kind).values()) + gate + indexer,  # c_attn (q, k, v fused) or the kind's, c_proj
         "attn_other": attn_bias + gain * (c.n_head + c.n_kv_head) + attn_norms  # biases; q_gain, k_gain per head
         + (nh if c.attn.sink == "learned" and kind in ("softmax", "mla") else 0),  # one sink logit per head
         "mlp_matrices": k * d * c.d_ff,  # c_fc (gate|up fused for swiglu), c_proj
@@ -157,11 +159,11 @@ def attention_macs(c, seq_len, layer: int) -> tuple:
 
 def selected_keys(c, seq_len: int) -> Fraction:
     """The keys a query reads with model.attn.select, the mean over the seq_len causal queries (the
-    full causal table: (N + 1) / 2). oracle: min(k, i + 1) for query i; moba: its own block's keys up
+    full causal table: (N + 1) / 2). oracle and indexer: min(k, i + 1) for query i; moba: its own block's keys up
     to itself and min(K, b) earlier blocks of B for a query in block b (variants/moba.py). What is read,
     not computed: the masked paths still score every key."""
     a, N = c.attn, seq_len
-    if a.select == "oracle":
+    if a.select in ("oracle", "indexer"):
         reads = (min(a.select_topk, i + 1) for i in range(N))
     elif a.select == "moba":
         B, K = a.select_block, a.select_topk
@@ -169,6 +171,22 @@ def selected_keys(c, seq_len: int) -> Fraction:
     else:
         reads = (i + 1 for i in range(N))
     return Fraction(sum(reads), N)
+
+
+def selected_macs(c, seq_len: int) -> dict:
+    """Forward MACs per token of one model.attn.select=moba layer that computes only the blocks it
+    chose (model.attn.impl=gathered, variants/selected.py), the mean over the seq_len causal queries,
+    with n = ceil(N/B) blocks of B keys and a query in block b:
+    - choose: q against every block's mean key, n_head * hs * n (variants/moba.py scores them all);
+    - scores: q.k with every key of its own block and of its min(K, b) chosen earlier blocks, whole
+      blocks (its own block's later keys and a short last block's padding are computed, then hidden):
+      n_head * hs * (min(K, b) + 1) * B, that is (K·B + B) keys once b >= K;
+    - weighted_sum: as many for weights.V.
+    The full table's convention (attention_macs) is N * n_head * hs for each of the last two."""
+    a, N, width = c.attn, seq_len, c.n_head * c.head_dim
+    B, K = a.select_block, a.select_topk
+    keys = Fraction(sum((min(K, i // B) + 1) * B for i in range(N)), N)
+    return {"choose": width * -(-N // B), "scores": width * keys, "weighted_sum": width * keys}
 
 
 def mean_over_layers(values, counts):

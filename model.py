@@ -31,6 +31,7 @@ from attention import HookPoint, resolve_scale, rope_freqs
 from counting import flops_per_token
 from rules import FRACTION, POSITIVE, Needs, OneOf, Range, UserError, check_values
 from variants import ACTIVATIONS, POSITIONS, ROPE_SCALINGS, AttnConfig, check, kinds, kv_cache, make_attention
+from variants.indexer import with_indexer_loss
 
 NORMS, NORM_POSITIONS = ("layernorm", "rmsnorm"), ("pre", "post")
 NORM_EPS = 1e-5  # LayerNorm's and RMSNorm's epsilon (PyTorch's LayerNorm default)
@@ -289,7 +290,7 @@ class GPT(nn.Module):
             return logits
         # teacher forcing: every position predicts its successor in one pass
         loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.reshape(-1), ignore_index=-1)
-        return logits, loss
+        return logits, with_indexer_loss(self, loss)  # select=indexer: its own loss rides in the gradient, not the value
 
     def new_kv_cache(self, batch_size: int, length: int, device=None, dtype=None, static=False, sinks: int = 0,
                      **options):

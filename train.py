@@ -47,6 +47,7 @@ from model import GPT, GPTConfig
 from optim import build_optimizer, lr_at, set_lr, train_step
 from parallel import checkpoint_blocks, parallelism
 from tracking import Tracker, truncate_metrics
+from variants.indexer import indexer_kl
 
 log = logging.getLogger("attnlab")
 
@@ -81,6 +82,7 @@ class Run:
     metrics: dict = field(default_factory=dict)  # the data's own at the latest evaluation (data=mqar: val/recall_acc)
     attn_history: list = field(default_factory=list)
     updates: int = 0  # optimizer steps taken by this process (skipped ones not counted)
+    indexer_kl: Optional[torch.Tensor] = None  # select=indexer: the latest step's KL, mean over layers and micro-batches
     wandb_id: Optional[str] = None  # a resumed run's W&B run, continued
     extensions: list = field(default_factory=list)  # context extensions: (step, block_size and RoPE scaling changes)
     parallel: object = None  # parallel.Replicated (one process, DDP) or FullyShard (FSDP), chosen once in build()
@@ -485,6 +487,7 @@ def optimizer_step(run: Run):
     batches = (run.data.batch("train", s, T) for s in starts[run.dist.rank * local:(run.dist.rank + 1) * local])
     loss, grad_norm, finite = train_step(run.fwd_model, run.optimizer, batches, local, tcfg.grad_clip, run.rt,
                                          run.scaler, run.dist.world)
+    run.indexer_kl = indexer_kl(run.model)  # None without an indexer
     if not finite:
         run.skipped += 1
         log.warning("step %d: loss %s / grad norm %s not finite, step skipped (%d of %d allowed)",
@@ -541,11 +544,17 @@ def log_progress(run: Run, meter: Throughput, loss, grad_norm, lr, peak):
             "ms_per_iter": ms}
     if peak:  # tokens_per_sec counts every process's tokens; MFU is per GPU
         line["mfu"] = run.model.flops_per_token() * tok_s / (peak * run.dist.world)
+    if run.indexer_kl is not None:  # the mean over processes too, as the loss is
+        kl = run.indexer_kl.clone()
+        if run.dist.world > 1:
+            dist.all_reduce(kl)
+        line["train/indexer_kl"] = kl.item() / run.dist.world
     run.tracker.log(line, run.step)
     eta = (run.cfg.train.max_iters - run.step) * ms / 1000
-    log.info("step %d/%d | loss %.4f | lr %.2e | %.0f tok/s | %.1f ms/iter%s | ETA %s", run.step,
-             run.cfg.train.max_iters, loss_value, lr, tok_s, ms, f" | MFU {100 * line['mfu']:.1f}%" if peak else "",
-             time.strftime("%H:%M:%S", time.gmtime(eta)))
+    log.info("step %d/%d | loss %.4f%s | lr %.2e | %.0f tok/s | %.1f ms/iter%s | ETA %s", run.step,
+             run.cfg.train.max_iters, loss_value,
+             f" | indexer KL {line['train/indexer_kl']:.4f}" if "train/indexer_kl" in line else "", lr, tok_s, ms,
+             f" | MFU {100 * line['mfu']:.1f}%" if peak else "", time.strftime("%H:%M:%S", time.gmtime(eta)))
 
 
 def due(step: int, every: int, last: bool) -> bool:

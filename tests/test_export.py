@@ -189,7 +189,10 @@ CODE_VARIANTS = {
     "hybrid_mla_mamba2": dict(attn={"layer_kinds": ["mla", "mamba2"]}),
     "hybrid_linear_gdn": dict(n_kv_head=2, attn={"layer_kinds": ["linear", "gdn"]}),
     "moba_gqa": dict(n_kv_head=2, attn={"select": "moba", "select_block": 8, "select_topk": 2}),
+    "moba_gathered": dict(attn={"select": "moba", "select_block": 8, "select_topk": 1, "impl": "gathered"}),
     "oracle_hybrid": dict(attn={"layer_kinds": ["softmax", "gdn"], "select": "oracle", "select_topk": 5}),
+    "indexer_gqa": dict(n_kv_head=2, attn={"select": "indexer", "select_topk": 5, "indexer_heads": 2, "indexer_dim": 8,
+                                            "indexer_kl": 0.5}),
 }
 SIZES = {"vocab_size", "block_size", "n_layer", "n_head", "n_embd"}  # shapes every variant sets
 

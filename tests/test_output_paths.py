@@ -63,6 +63,9 @@ WRITERS = [
     ("tools/eval_lengths.py", "out", "file", run_tool("eval_lengths", "tools.eval_lengths", "eval_lengths",
                                                       ["ckpt=no-such.pt"])),
     ("tools/ablate.py", "out", "dir", run_tool("ablate", "tools.ablate", "ablate", ["ckpt=no-such.pt"])),
+    ("tools/lens.py", "out", "dir", run_tool("lens", "tools.lens", "lens", ["ckpt=no-such.pt"])),
+    ("tools/needle.py", "out", "dir", run_tool("needle", "tools.needle", "needle", ["ckpt=no-such.pt"])),
+    ("tools/patch.py", "out", "dir", run_tool("patch", "tools.patch", "patch", ["ckpt=no-such.pt"])),
     ("tools/gpu_figures.py", "--out", "file", run_gpu_figures),
 ]
 

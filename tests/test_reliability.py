@@ -626,7 +626,9 @@ ENTRY_POINTS = {"config": "train:train", "sample": "sample:sample", "bench": "to
                 "cost": "tools.cost:cost", "bench_sample": "tools.bench_sample:bench_sample",
                 "visualize": "tools.visualize:visualize", "export": "tools.export:export",
                 "bench_attention": "tools.bench_attention:bench_attention", "eval_stream": "tools.eval_stream:eval_stream",
-                "eval_lengths": "tools.eval_lengths:eval_lengths", "ablate": "tools.ablate:ablate"}
+                "eval_lengths": "tools.eval_lengths:eval_lengths", "ablate": "tools.ablate:ablate",
+                "lens": "tools.lens:lens",
+                "patch": "tools.patch:patch", "needle": "tools.needle:needle"}
 
 
 def entry(name):
@@ -726,8 +728,11 @@ def test_every_config_key_refuses_its_bad_values_in_one_line(name, key, typ, kin
             "bench_attention": ["lengths=[8]", "paths=[sdpa]", "repeats=1", "out=null"],
             "eval_stream": [f"ckpt={enum_dirs['ckpt']}", "out=null"],
             "eval_lengths": [f"ckpt={enum_dirs['ckpt']}", "out=null"],
-            "ablate": [f"ckpt={enum_dirs['ckpt']}", "out=null", "batches=1", "batch_size=1"]}[name]
-    listed = key.rsplit(".", 1)[-1] in ("batch_sizes", "layouts", "kv_dtypes", "lengths", "paths", "policies", "layer_kinds", "pairs")  # a list: one bad element
+            "ablate": [f"ckpt={enum_dirs['ckpt']}", "out=null", "batches=1", "batch_size=1"],
+            "lens": [f"ckpt={enum_dirs['ckpt']}", "out=null", "batches=1", "batch_size=1"],
+            "patch": [f"ckpt={enum_dirs['ckpt']}", "out=null", "n=1", "span=4"],
+            "needle": [f"ckpt={enum_dirs['ckpt']}", "out=null"]}[name]
+    listed = key.rsplit(".", 1)[-1] in ("batch_sizes", "layouts", "kv_dtypes", "lengths", "paths", "policies", "layer_kinds", "pairs", "distances")  # a list: one bad element
     if kind == "schema":
         with pytest.raises((HydraException, OmegaConfBaseException)) as e:
             compose_cfg(name, base + [override(key, value, listed)])
@@ -916,6 +921,8 @@ NO_EFFECT = [  # (command, overrides that idle the key, the key set anyway): one
     ("config", ["model.attn.kind=gdn"], "model.attn.select=moba"),
     ("config", [], "model.attn.select_block=32"),
     ("config", [], "model.attn.select_topk=2"),
+    *[("config", ["model.attn.select=oracle"], f"model.attn.{k}") for k in ("indexer_heads=2", "indexer_dim=8",
+                                                                          "indexer_kl=0.5")],
     ("config", [], "model.attn.rope_head_dim=8"),
     ("config", ["model.pos=alibi"], "model.rope_scaling=yarn"),
     ("config", [], "model.rope_scaling_factor=4"),
@@ -934,11 +941,14 @@ NO_EFFECT = [  # (command, overrides that idle the key, the key set anyway): one
     ("sample", ["kv_cache=false"], "kv_sinks=4"),
     ("sample", ["prompt_file=p.txt"], "prompt=hi"),
     ("visualize", ["prompt_file=p.txt"], "prompt=hi"),
+    *[("patch", ["clean=ab", "corrupted=ba"], k) for k in ("text=t.txt", "n=4", "span=8", "seed=3")],
     ("cost", ["model=debug", "model.vocab_size=100"], "vocab_size=50"),
     ("bench_sample", ["model=debug", "model.vocab_size=100"], "vocab_size=50"),
     ("bench", ["model=debug"], "bench.rounds=3"),
     ("bench_attention", ["paths=[sdpa]"], "window=64"),
     ("bench_attention", ["paths=[sdpa]"], "block=64"),
+    ("bench_attention", ["paths=[sdpa]"], "select_block=32"),
+    ("bench_attention", ["paths=[sdpa]"], "select_topk=2"),
 ]
 
 

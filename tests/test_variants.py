@@ -51,6 +51,9 @@ VARIANTS = [
     {"attn": {"layer_kinds": ["gdn", "mla"]}},
     {"n_kv_head": 2, "attn": {"select": "moba", "select_block": 4, "select_topk": 1, "sink": "learned"}},
     {"attn": {"layer_kinds": ["softmax", "linear"], "select": "oracle", "select_topk": 3, "qk_norm": True}},
+    {"n_kv_head": 2, "attn": {"select": "indexer", "select_topk": 3, "indexer_heads": 2, "indexer_dim": 4, "sink": "learned"}},
+    {"n_kv_head": 1, "pos": "learned", "attn": {"layer_kinds": ["softmax", "gdn"], "select": "indexer", "select_topk": 4,
+                                                "qk_norm": True, "indexer_kl": 0.5}},
 ]
 IDS = [",".join(f"{k}={v}" for k, v in v.items()) or "default" for v in VARIANTS]
 

@@ -9,10 +9,13 @@ Paths: sdpa (PyTorch's fused kernel), reference (the explicit N x N table), tile
 algorithm in plain PyTorch: slow in Python, but it never builds the table), window (sdpa with a
 band of `window` keys: the kernel still computes the whole table, then masks it), tiled_window (the
 tiled path with the band: it skips every block outside it, so its work grows as N·W), linear (elu + 1
-features, prefix sums), gdn (Gated DeltaNet, chunked) and mamba2 (SSD, chunked). With decode=true each
-path with a cache is also timed generating one token after a context of N (its KV cache, or its
-recurrent state, filled first); every path's times are printed as ratios to sdpa's measured in the same
-round, and the N from which a path's training step costs less than sdpa's (the crossover). The
+features, prefix sums), gdn (Gated DeltaNet, chunked), mamba2 (SSD, chunked), moba (MoBA's choice of
+`select_topk` blocks of `select_block` keys, computed by the gathered path, which reads only the
+chosen blocks: its work grows as N·(K+1)·B) and moba_masked (the same choice as a mask over sdpa's
+full table). With decode=true each path with a cache is also timed generating one token after a
+context of N (its KV cache, or its recurrent state, filled first); every path's times are printed as
+ratios to sdpa's measured in the same round, then side by side in one table, and the N from which a
+path's training step costs less than sdpa's (the crossover). The
 memory is the bytes of the tensors autograd saves for the backward pass (torch.autograd.graph.saved_tensors_hooks, each storage counted once): exact and the same on every
 machine, unlike a process's resident size. Times are the median of `repeats` interleaved rounds.
 """
@@ -32,26 +35,29 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as tools/X.p
 from attention import rope_freqs  # noqa: E402
 from common import check_output_file, cli, run_app  # noqa: E402
 from rules import POSITIVE, Needs, OneOf, Range, UserError, check_values  # noqa: E402
-from counting import attention_macs, attention_variants  # noqa: E402
+from counting import attention_macs, attention_variants, selected_macs  # noqa: E402
 from model import GPTConfig  # noqa: E402
 from variants import make_attention  # noqa: E402
 
-PATHS = ("sdpa", "reference", "tiled", "window", "tiled_window", "linear", "gdn", "mamba2")
+PATHS = ("sdpa", "reference", "tiled", "window", "tiled_window", "linear", "gdn", "mamba2", "moba", "moba_masked")
 PREDICTED = {"sdpa": "reference", "reference": "reference", "tiled": "tiled", "window": "window",
-             "tiled_window": "window", "linear": "linear"}  # the row of counting.attention_variants for each
+             "tiled_window": "window", "linear": "linear", "moba_masked": "reference"}  # counting.attention_variants' row
 DECODES = ("sdpa", "window", "linear", "gdn", "mamba2")  # the paths generation runs (the others train only)
 
 
 @dataclass
 class BenchAttentionConfig:
     lengths: List[int] = field(default_factory=lambda: [64, 128, 256, 512, 1024, 2048, 4096])  # N
-    paths: List[str] = field(default_factory=lambda: list(PATHS[:6]))  # sdpa | reference | tiled | window | tiled_window | linear | gdn | mamba2
+    paths: List[str] = field(default_factory=lambda: list(PATHS[:6]))  # sdpa | reference | tiled | window |
+    # tiled_window | linear | gdn | mamba2 | moba (MoBA, the gathered path) | moba_masked (MoBA, sdpa's mask)
     decode: bool = False  # also time one generated token after N of context (paths with a cache)
     n_embd: int = 128  # a CPU width: nanoGPT's CPU config
     n_head: int = 4
     batch_size: int = 1
     window: int = 256  # keys a query sees on the window path
     block: int = 128  # the tiled path's tile
+    select_block: int = 64  # moba: keys per block (B)
+    select_topk: int = 4  # moba: earlier blocks each query reads besides its own (K)
     repeats: int = 3  # timed rounds (interleaved); the median is reported
     max_seconds: float = 20.0  # a path whose one step takes longer stops being timed at longer N
     threads: Optional[int] = None  # intra-op CPU threads; unset: torch's default
@@ -59,12 +65,15 @@ class BenchAttentionConfig:
 
     RULES: ClassVar[dict] = {
         "lengths": POSITIVE, "paths": OneOf(PATHS), "n_embd": POSITIVE, "n_head": POSITIVE, "batch_size": POSITIVE,
-        "window": POSITIVE, "block": POSITIVE, "repeats": POSITIVE, "max_seconds": Range(0, lo_open=True),
+        "window": POSITIVE, "block": POSITIVE, "select_block": POSITIVE, "select_topk": POSITIVE,
+        "repeats": POSITIVE, "max_seconds": Range(0, lo_open=True),
         "threads": Range(1, 4096),
     }
     NEEDS: ClassVar[dict] = {
         "window": Needs(lambda c: {"window", "tiled_window"} & set(c.paths), "paths includes window or tiled_window"),
-        "block": Needs(lambda c: {"tiled", "tiled_window"} & set(c.paths), "paths includes tiled or tiled_window")}
+        "block": Needs(lambda c: {"tiled", "tiled_window"} & set(c.paths), "paths includes tiled or tiled_window"),
+        **dict.fromkeys(("select_block", "select_topk"),
+                        Needs(lambda c: {"moba", "moba_masked"} & set(c.paths), "paths includes moba or moba_masked"))}
 
 
 ConfigStore.instance().store(name="base_bench_attention", node=BenchAttentionConfig)
@@ -72,9 +81,11 @@ ConfigStore.instance().store(name="base_bench_attention", node=BenchAttentionCon
 
 def layer_for(path: str, cfg, N: int):
     """One attention layer (the model's own, as variants.make_attention builds it) at the benchmark's width."""
+    moba = {"select": "moba", "select_block": cfg.select_block, "select_topk": cfg.select_topk}
     attn = {"sdpa": {}, "reference": {"impl": "reference"}, "tiled": {"impl": "tiled", "block": cfg.block},
             "window": {"window": cfg.window}, "tiled_window": {"impl": "tiled", "block": cfg.block, "window": cfg.window},
-            "linear": {"kind": "linear"}, "gdn": {"kind": "gdn"}, "mamba2": {"kind": "mamba2"}}[path]
+            "linear": {"kind": "linear"}, "gdn": {"kind": "gdn"}, "mamba2": {"kind": "mamba2"},
+            "moba": {"impl": "gathered", **moba}, "moba_masked": moba}[path]
     c = GPTConfig(vocab_size=2, block_size=N, n_layer=1, n_head=cfg.n_head, n_embd=cfg.n_embd, attn=attn)
     return make_attention(c, layer=0), c
 
@@ -107,7 +118,9 @@ def decode_step(layer, x, rope, cache, N):
 
 def predicted_macs(path, c, N, batch) -> int:
     """counting's forward MACs per token of the path's attention part (q.k and the weighted sum, or the
-    recurrent kinds' chunked products)."""
+    recurrent kinds' chunked products; moba's also its choice of blocks)."""
+    if path == "moba":
+        return sum(selected_macs(c, N).values())
     if path in PREDICTED:
         return {v["name"].split()[0]: v for v in attention_variants(c, N, batch, 4)}[PREDICTED[path]]["macs"]
     return sum(attention_macs(c, N, 0))
@@ -165,7 +178,7 @@ def bench_attention(cfg) -> dict:
             # against sdpa: the median of the per-round ratios (each round times both side by side)
             row["vs_sdpa"] = ratio(row["seconds"], base["seconds"]) if base else None
             row["decode_vs_sdpa"] = ratio(row["decode_seconds"], base["decode_seconds"]) if base else None
-            row["predicted_macs_per_token"] = predicted_macs(path, layers[path][2], N, cfg.batch_size)
+            row["predicted_macs_per_token"] = float(predicted_macs(path, layers[path][2], N, cfg.batch_size))
             state = layers[path][3].nbytes() if len(layers[path]) > 3 else None
             row["cache_bytes"] = state
             print(f"N={N:5d} {path:12s} {nan(row['ms']):10.2f} ms/step" + (f" ({nan(row['vs_sdpa']):.2f}x sdpa)" if base else "")
@@ -176,6 +189,7 @@ def bench_attention(cfg) -> dict:
     for path, n in result["crossover"].items():
         print(f"{path}: a training step costs less than sdpa's " +
               (f"from N={n} on (of the lengths timed)" if n else "at none of the lengths timed"))
+    print(side_by_side(result["rows"], cfg.paths))
     if cfg.out:
         plot(result["rows"], cfg, cfg.out)
         print(f"wrote {cfg.out}")
@@ -184,6 +198,19 @@ def bench_attention(cfg) -> dict:
 
 def nan(v):
     return float("nan") if v is None else v
+
+
+def side_by_side(rows, paths) -> str:
+    """One line per N: each path's ms per step, its ratio to sdpa's in the same rounds, and the MiB it
+    saves for the backward."""
+    by = {(r["path"], r["N"]): r for r in rows}
+    out = ["ms per training step (x sdpa, the median of the rounds' ratios), MiB saved for the backward",
+           f"{'N':>6}" + "".join(f"{p:>28}" for p in paths)]
+    for N in sorted({r["N"] for r in rows}):
+        cells = [by[(p, N)] for p in paths]
+        out.append(f"{N:>6}" + "".join(f"{nan(r['ms']):>10.1f} ({nan(r['vs_sdpa']):5.2f}x) "
+                                      f"{r['saved_bytes'] / 2**20:7.1f}" for r in cells))
+    return "\n".join(out)
 
 
 def ratio(times, base) -> Optional[float]:

@@ -26,7 +26,7 @@ from common import DTYPES, check_output_file, cli, run_app  # noqa: E402
 from rules import POSITIVE, Needs, OneOf, Range, check_values  # noqa: E402
 from counting import (ADAMW_BYTES_PER_PARAM, RECURRENT, attention_variants, cache_table, count_params, crossovers,
                       kv_cache_bytes, layer_table, macs_per_token, memory_breakdown, mlp_matrices, per_gpu_bytes,
-                      selected_keys, state_bytes)
+                      selected_keys, selected_macs, state_bytes)
 from config import model_config
 from model import GPTConfig
 
@@ -92,6 +92,10 @@ def cost(cfg) -> dict:
     if c.attn.select != "none":  # keys chosen by content: what a query reads, against the causal table's
         result["selected_keys_per_query"] = {"selected": float(selected_keys(c, N)),
                                              "causal": float(selected_keys(replace(c, attn=replace(c.attn, select="none")), N))}
+    if c.attn.select == "moba":  # what a layer computing only the chosen blocks does (model.attn.impl=gathered)
+        sm = selected_macs(c, N)
+        result["selected_macs_per_token"] = {**{k: float(v) for k, v in sm.items()}, "total": float(sum(sm.values())),
+                                             "full_table": 2 * N * c.n_head * c.head_dim}
     if cfg.train_tokens:  # a training run's FLOPs, and its time at the stated peak and MFU
         flops = 6 * m["forward"] * cfg.train_tokens
         result["training_run"] = {"tokens": cfg.train_tokens, "flops": flops,
@@ -111,6 +115,8 @@ def cost(cfg) -> dict:
             print(f"\nmodel.attn.select={c.attn.select}: a query reads {r['selected']:,.1f} keys on average at N={N:,} "
                   f"(the causal table: {r['causal']:,.1f}); the masked paths still compute every score "
                   "(counting.selected_keys)")
+        if "selected_macs_per_token" in result:
+            print(selected_report(result["selected_macs_per_token"], c, N))
         if cfg.train_tokens:
             r = result["training_run"]
             print(f"\na training run of {short(r['tokens'])} tokens at N={N:,}: {r['flops']:.3g} FLOPs (6 x forward "
@@ -249,6 +255,21 @@ def variants_report(rows, c, N, B, dtype) -> str:
         out.append(f"  {r['name']:<26}{r['macs']:>16,}{size(r['memory']):>18}  {r['memory_order']:<10}{beats:>40}")
     out.append("  tiled computes every dot product the reference does (FlashAttention lowers memory, not FLOPs);"
                " a window and linear attention change what is computed")
+    return "\n".join(out)
+
+
+def selected_report(r, c, N) -> str:
+    """counting.selected_macs: one MoBA layer's attention MACs when only the chosen blocks are computed."""
+    B, K = c.attn.select_block, c.attn.select_topk
+    out = [f"MoBA on the gathered path (model.attn.impl=gathered): forward MACs per token and layer at N={N:,}, "
+           f"n = ceil(N/B) = {-(-N // B):,} blocks of B={B}, K={K} (counting.selected_macs)",
+           f"  {'choose the blocks (q.mean(K_block))':<40}{'n_head*hs*n':<28}{r['choose']:>16,.0f}",
+           f"  {'attention scores q.k^T':<40}{'n_head*hs*(min(K,b)+1)*B':<28}{r['scores']:>16,.1f}",
+           f"  {'attention weights.V':<40}{'the same':<28}{r['weighted_sum']:>16,.1f}",
+           f"  {'total':<40}{'':<28}{r['total']:>16,.1f}  ({r['total'] / r['full_table']:.3f} x the full "
+           f"table's 2*N*d = {r['full_table']:,})",
+           f"  a query in block b reads its own block and min(K, b) earlier ones, whole: (K+1)*B = {(K + 1) * B} keys "
+           "once b >= K, whatever N"]
     return "\n".join(out)
 
 

@@ -54,7 +54,7 @@ class EvalLengthsConfig:
     tokens: int = 65536  # tokens evaluated at each length (consecutive windows of L)
     rope_scaling: Optional[str] = None  # none | linear | ntk | yarn; unset: the checkpoint's own
     rope_scaling_factor: Optional[float] = None  # unset: the checkpoint's own
-    select: Optional[str] = None  # moba | oracle | none: each query reads only the keys it chooses; unset: the checkpoint's own
+    select: Optional[str] = None  # moba | oracle | indexer (a checkpoint trained with one) | none: each query reads only the keys it chooses; unset: the checkpoint's own
     select_topk: Optional[int] = None  # with select: blocks (moba) or keys (oracle) each query reads; unset: its own
     select_block: Optional[int] = None  # with select=moba: keys per block; unset: its own
     batch_size: int = 8  # windows per forward pass

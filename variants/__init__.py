@@ -6,11 +6,13 @@ fills, its paper and its test file:
 
     file             chosen by                             fills
     tiled.py         model.attn.impl=tiled                 the attention module's path slot
+    selected.py      model.attn.impl=gathered              the path slot: only the blocks select=moba chose
     alibi.py         model.pos=alibi                       its logit-bias slot
     sinks.py         model.attn.sink=zero|learned          its sink slot
     gates.py         model.attn.gate=head|channel          its output-gate slot
     moba.py          model.attn.select=moba                its key-selection slot (blocks chosen by content)
     oracle.py        model.attn.select=oracle              its key-selection slot (the exact top-k keys)
+    indexer.py       model.attn.select=indexer             its key-selection slot (a learned scorer's top-k keys)
     linear.py        model.attn.kind=linear                a kind: forward, new_cache
     mla.py           model.attn.kind=mla                   a kind: make_projections, forward, new_cache
     gdn.py           model.attn.kind=gdn                   a kind: Gated DeltaNet (a recurrent state)
@@ -42,6 +44,7 @@ from attention import CausalSelfAttention, KVCache, Mask, StaticKVCache, referen
 from rules import Needs, OneOf, Range, Rule, UserError, positive_number
 from variants.alibi import ALiBi
 from variants.gates import ChannelGate, HeadGate
+from variants.indexer import Indexer
 from variants.int8_cache import Int8KVCache
 from variants.gdn import GatedDeltaNet
 from variants.linear import LinearAttention
@@ -54,6 +57,7 @@ from variants.positions import LearnedPositions, SinusoidalPositions
 from variants.rope_scaling import linear, ntk, unscaled, yarn
 from variants.sink_cache import SinkKVCache
 from variants.sinks import learned_sink, zero_sink
+from variants.selected import gathered_attention
 from variants.tiled import tiled_attention
 
 # ----------------------------------------------------------------------------- the table
@@ -64,10 +68,11 @@ PATHS = {  # model.attn.impl: the path, given the tile size (model.attn.block)
     "sdpa": lambda block: sdpa_attention,
     "reference": lambda block: reference_attention,
     "tiled": lambda block: partial(tiled_attention, block=block),
+    "gathered": lambda block: gathered_attention,  # with select=moba: only the chosen blocks (variants/selected.py)
 }
 SINKS = {"none": None, "zero": zero_sink, "learned": learned_sink}  # model.attn.sink
 GATES = {"none": None, "head": HeadGate, "channel": ChannelGate}  # model.attn.gate
-SELECTS = {"none": None, "moba": MoBA, "oracle": Oracle}  # model.attn.select
+SELECTS = {"none": None, "moba": MoBA, "oracle": Oracle, "indexer": Indexer}  # model.attn.select
 POSITIONS = {"rope": None, "none": None, "alibi": None,  # model.pos: a table added to the embeddings,
              "learned": LearnedPositions, "sinusoidal": SinusoidalPositions}
 BIASES = {"alibi": ALiBi}  # model.pos: or a bias on the logits
@@ -84,7 +89,7 @@ class AttnConfig:
     qk_norm: bool = False  # normalise q and k per head before RoPE
     qk_norm_type: str = "rms"  # rms | layer | l2 (all parameter-free unless qk_norm_gain is set)
     qk_norm_gain: str = "none"  # none | head (one scalar per head) | channel (one per head dim)
-    impl: str = "sdpa"  # sdpa (fast) | reference (plain math) | tiled (FlashAttention's algorithm, variants/tiled.py)
+    impl: str = "sdpa"  # sdpa (fast) | reference (plain math) | tiled (FlashAttention's algorithm, variants/tiled.py) | gathered (select=moba's blocks only)
     block: int = 128  # impl=tiled: queries and keys per tile
     window: Optional[int] = None  # each query sees only the latest `window` keys (itself included); unset: all
     window_pattern: str = "L"  # with a window: L (local) or G (global) per layer, repeated over the layers (LG: alternating)
@@ -96,9 +101,12 @@ class AttnConfig:
     q_lora_rank: Optional[int] = None  # kind=mla: a query latent's width too; unset: queries straight from x
     rope_head_dim: Optional[int] = None  # kind=mla: the decoupled RoPE key/query width; unset: head_dim / 2
     state_dim: Optional[int] = None  # kind=mamba2: the state's width per head (B and C); unset: head_dim
-    select: str = "none"  # none | moba (blocks chosen by q.mean(K)) | oracle (the top keys by weight): softmax layers
+    select: str = "none"  # none | moba (blocks chosen by q.mean(K)) | oracle (the top keys by weight) | indexer (a learned scorer's): softmax layers
     select_block: int = 64  # select=moba: keys per block
-    select_topk: int = 4  # select=moba: earlier blocks each query reads (besides its own); oracle: keys
+    select_topk: int = 4  # select=moba: earlier blocks each query reads (besides its own); oracle, indexer: keys
+    indexer_heads: int = 4  # select=indexer: the indexer's heads H
+    indexer_dim: int = 16  # select=indexer: the width d of each indexer head and of its one key head
+    indexer_kl: float = 1.0  # select=indexer: the weight of its KL loss (0: it does not learn; variants/indexer.py)
 
     RULES: ClassVar[dict] = {
         "scale": Rule(lambda v: str(v) in ("sqrt_dk", "none", "dk") or positive_number(v),
@@ -110,6 +118,8 @@ class AttnConfig:
         "sink": OneOf(tuple(SINKS)), "kv_lora_rank": Range(1), "q_lora_rank": Range(1),
         "rope_head_dim": Range(2, why="RoPE rotates pairs of channels"), "state_dim": Range(1),
         "select": OneOf(tuple(SELECTS)), "select_block": Range(1), "select_topk": Range(1),
+        "indexer_heads": Range(1), "indexer_kl": Range(0, why="0 leaves the indexer untrained"),
+        "indexer_dim": Rule(lambda v: Range(2).contains(v) and v % 2 == 0, "an even integer >= 2 (RoPE rotates pairs)"),
     }
     # each option must change what the model computes: set where no layer uses it, it is ignored and said
     SOFTMAX: ClassVar[Needs] = Needs(lambda a: kinds(a) & {"softmax", "mla"}, "a layer is softmax or mla ({p}kind "
@@ -129,7 +139,9 @@ class AttnConfig:
         "window_pattern": Needs(lambda a: a.window is not None, "{p}window=W"),
         "select": Needs(lambda a: "softmax" in kinds(a), "a layer is softmax ({p}kind or {p}layer_kinds)"),
         "select_block": Needs(lambda a: a.select == "moba", "{p}select=moba"),
-        "select_topk": Needs(lambda a: a.select != "none", "{p}select=moba or oracle"),
+        "select_topk": Needs(lambda a: a.select != "none", "{p}select=moba, oracle or indexer"),
+        **dict.fromkeys(("indexer_heads", "indexer_dim", "indexer_kl"), Needs(lambda a: a.select == "indexer",
+                                                                            "{p}select=indexer")),
     }
 
 
@@ -147,16 +159,17 @@ def make_attention(config, layer: int) -> CausalSelfAttention:
     """Layer `layer`'s attention: its kind, with its slots filled from the table."""
     a = config.attn
     return KINDS[layer_kind(a, layer)](config, layer, path=PATHS[a.impl](a.block), bias=BIASES.get(config.pos),
-                                       sink=SINKS[a.sink], gate=GATES[a.gate], select=SELECTS[a.select])
+                                       sink=SINKS[a.sink], gate=GATES[a.gate],
+                                       select=SELECTS[a.select] if layer_kind(a, layer) == "softmax" else None)
 
 
 def check(config) -> list:
     """What the chosen pieces cannot take, refused in one line before anything is built; returns the
     settings they ignore (a line each, as rules.check_values gives them)."""
     used = kinds(config.attn)
-    if config.attn.impl == "tiled" and config.dropout > 0:
-        raise UserError(f"model.attn.impl=tiled does not drop attention weights: set model.dropout=0 (now "
-                        f"{config.dropout}) or use impl=sdpa")
+    if config.attn.impl in ("tiled", "gathered") and config.dropout > 0:
+        raise UserError(f"model.attn.impl={config.attn.impl} does not drop attention weights: set model.dropout=0 "
+                        f"(now {config.dropout}) or use impl=sdpa")
     if "mla" in used and used & {"softmax", "linear"} and config.pos == "rope":
         raise UserError(f"model.attn.layer_kinds={list(config.attn.layer_kinds)} mixes mla with softmax or linear "
                         "layers, whose RoPE rotates a whole head while MLA's rotates its own small part: not "
@@ -169,6 +182,9 @@ def check(config) -> list:
             raise UserError(f"model.attn.select={config.attn.select} chooses keys by content; with {clash[0]} it is "
                             "not implemented: use one or the other")
     ignored = []
+    if config.attn.impl == "gathered" and config.attn.select != "moba" and "softmax" in used:  # sdpa's mask then
+        ignored.append(f"model.attn.impl='gathered' has no effect unless model.attn.select=moba (the blocks it reads; "
+                       f"now {config.attn.select!r}): ignored (its default is 'sdpa')")
     for name in sorted(used):
         ignored += getattr(KINDS[name], "check", lambda c: [])(config)
     return list(dict.fromkeys(ignored))

@@ -12,8 +12,9 @@ out; cached decoding against recomputation; GQA; the probe sees only the chosen 
 
 The choice is applied as a mask over the keys (SelectedMask), so every path the mask reaches (sdpa,
 reference) computes exactly the selected attention, and the attention probe and the viewer read the
-same weights the layer uses. It still computes every score: the saving in work is the job of a kernel
-that skips unchosen blocks, which this file does not have.
+same weights the layer uses. On those paths it still computes every score; the choice comes as a
+BlockChoice, whole blocks per query, which the gathered path (variants/selected.py,
+`model.attn.impl=gathered`) reads to compute only the chosen blocks, never the N x N table.
 """
 from dataclasses import dataclass
 from typing import Optional
@@ -42,18 +43,33 @@ class SelectedMask(Mask):
         return super().__call__(device, q0, q1, k0, k1) & self.chosen[:, :, q0:q1, k0:k1]
 
 
+@dataclass
+class BlockChoice(SelectedMask):
+    """A choice of whole blocks: `blocks` (B, nh, Tq, n) bool, True where the query reads block b; `ids`
+    (Tk,) the block of each key; `size` keys per block. Its (B, nh, rows, cols) table is made only when
+    asked for (the masked paths, the probe), so the gathered path never builds the N x N table."""
+    blocks: Optional[torch.Tensor] = None
+    ids: Optional[torch.Tensor] = None
+    size: int = 0
+
+    def __call__(self, device=None, q0: int = 0, q1=None, k0: int = 0, k1=None):
+        q1, k1 = self.Tq if q1 is None else q1, self.Tk if k1 is None else k1
+        return Mask.__call__(self, device, q0, q1, k0, k1) & self.blocks[:, :, q0:q1][..., self.ids[k0:k1]]
+
+
 class MoBA:
-    """select(q, k, mask, q_pos, k_pos) -> SelectedMask: q (B, nh, Tq, hs), k (B, n_kv, Tk, hs) the keys
+    """select(q, k, mask, q_pos, k_pos) -> BlockChoice: q (B, nh, Tq, hs), k (B, n_kv, Tk, hs) the keys
     the layer attends over, q_pos (Tq,) and k_pos (Tk,) their positions (a cache's slots may hold
     positions in any order)."""
 
     def __init__(self, config):
         self.block, self.topk = config.attn.select_block, config.attn.select_topk
 
-    def __call__(self, q, k, mask: Mask, q_pos, k_pos) -> SelectedMask:
+    def __call__(self, q, k, mask: Mask, q_pos, k_pos) -> BlockChoice:
         nh = q.size(1)
-        visible = mask(q.device)  # (Tq, Tk) or, from a cache's written slots, (1, Tk)
-        written = visible.any(-2).reshape(-1)  # the keys some query sees: a cache's unwritten slots out
+        # the keys some query sees (a cache's unwritten slots out): without a window, all the last query sees
+        visible = mask(q.device, q0=mask.Tq - 1) if mask.window is None else mask(q.device)  # (1 or Tq, Tk)
+        written = visible.any(-2).reshape(-1)
         # blocks count from the oldest key held, so a cache that slid past block_size splits its keys as
         # a recomputation over the same last block_size tokens does
         first = torch.where(written, k_pos, k_pos.max()).min()
@@ -70,4 +86,4 @@ class MoBA:
         top = scores.topk(min(self.topk, n), dim=-1).indices
         chosen = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, top, True) & earlier
         chosen |= torch.arange(n, device=q.device).view(1, -1) == own
-        return SelectedMask(mask.Tq, mask.Tk, mask.window, mask.written, chosen=chosen[..., ids])
+        return BlockChoice(mask.Tq, mask.Tk, mask.window, mask.written, blocks=chosen, ids=ids, size=self.block)
