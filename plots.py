@@ -30,8 +30,9 @@ VIEWER = Path(__file__).with_name("viewer.html")  # the viewer's page; write_htm
 
 
 def save_figure(fig, path):
-    """Write a figure as a PNG and free it (pyplot keeps every open figure alive)."""
+    """Write a figure as a PNG (its folder made if missing) and free it (pyplot keeps every open figure alive)."""
     fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path

@@ -1,0 +1,290 @@
+"""The guided tour: docs/tour.md and docs/tour.zh.md show the same steps, commands and figures; every
+step's command runs and prints the figures its page quotes; notebooks/tour.ipynb runs from top to bottom.
+
+How a page is read (the pages say it to their readers too):
+- A step is a `## ` section that holds the marker `<!-- tour:step -->`; its command is the one line of
+  the first fenced block after the marker.
+- Its figures are its bold code spans, **`...`**: text copied from what the command prints.
+  Without brackets, the span's numbers occur in the output in the span's order (after an occurrence of
+  the span's leading words, where it starts with words; the output may wrap between them, as
+  tools/claims.py's columns do); a span without numbers occurs as written. A number followed by
+  `[LO, HI]` is a training run's figure and the range the page states for it: right after the last
+  occurrence of the span's leading words the output's next numbers are the span's, a ranged one within
+  its range, the others as written.
+"""
+import json
+import os
+import re
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from helpers import REPO, cli_env
+
+PAGES = {"en": REPO / "docs" / "tour.md", "zh": REPO / "docs" / "tour.zh.md"}
+NOTEBOOK = REPO / "notebooks" / "tour.ipynb"
+MARKER = "<!-- tour:step -->"
+FIGURE = re.compile(r"\*\*`([^`]+)`\*\*")
+# a number as the tools print them: 5,120  0.533  -0.12  4e-16  0e+00; not the digits of a name (L1H3, d_k, x10)
+NUMBER = re.compile(r"(?<![A-Za-z0-9_.^])[-+−]?\d+(?:,\d{3})*(?:\.\d+)?(?:e[-+]\d+)?")
+RANGED = re.compile(r"\[\s*([-+−]?[\d.]+(?:e[-+]\d+)?)\s*,\s*([-+−]?[\d.]+(?:e[-+]\d+)?)\s*\]")  # [LO, HI]
+IMAGE = re.compile(r"!\[[^\]]*\]\(([^)\s]+)\)")
+LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s#]+)(?:#[^)]*)?\)")
+STEP_TIMEOUT = 1200  # seconds; the page promises at most 3 minutes on two idle cores
+
+
+@dataclass
+class Step:
+    title: str
+    command: str
+    figures: list
+    text: str
+
+
+def steps_of(page: str) -> list:
+    """The page's steps, in order."""
+    sections = re.split(r"^## ", page, flags=re.M)[1:]
+    found = []
+    for section in sections:
+        if MARKER not in section:
+            continue
+        after = section.split(MARKER, 1)[1]
+        block = re.search(r"^```[\w-]*\n(.*?)^```", after, flags=re.M | re.S)
+        assert block, f"step {section.splitlines()[0]!r}: no fenced block after the marker"
+        lines = [l for l in block.group(1).splitlines() if l.strip()]
+        assert len(lines) == 1, f"step {section.splitlines()[0]!r}: the command is one line, not {lines}"
+        found.append(Step(section.splitlines()[0].strip(), lines[0].strip(), FIGURE.findall(section), section))
+    return found
+
+
+def number(text: str) -> float:
+    return float(text.replace(",", "").replace("−", "-"))
+
+
+def collapse(text: str) -> str:
+    return " ".join(text.replace("−", "-").split())
+
+
+def leading_words(span: str) -> str:
+    """The span's text before its first number, without trailing punctuation."""
+    first = NUMBER.search(span)
+    return collapse(span[:first.start() if first else len(span)]).rstrip(" :=(≥≤≈~<>")
+
+
+def figure_items(span: str) -> list:
+    """[(number text, (lo, hi) or None, skip)] of the span; skip: a `…` stands before it."""
+    ranges = list(RANGED.finditer(span))
+    items, last = [], 0
+    for m in NUMBER.finditer(span):
+        if any(r.start() <= m.start() < r.end() for r in ranges):
+            continue  # a range's own bounds are no figures of the output
+        r = next((r for r in ranges if r.start() >= m.end() and not span[m.end():r.start()].strip()), None)
+        items.append((m.group(), (number(r.group(1)), number(r.group(2))) if r else None, "…" in span[last:m.start()]))
+        last = m.end()
+    return items
+
+
+def fits(text: str, rng, got: str) -> bool:
+    return rng[0] <= number(got) <= rng[1] if rng else number(text) == number(got)
+
+
+def check_figure(span: str, output: str) -> str:
+    """'' if the output prints the figure as the page quotes it, else why not."""
+    out = collapse(output)
+    items = figure_items(span)
+    label = leading_words(span.split("…")[0])
+    if not items:
+        return "" if collapse(span) in out else f"{span!r} is not in the output"
+    if any(rng for _, rng, _ in items):
+        at = out.find(label) if label else -1
+        if at < 0:
+            return f"{span!r}: the output has no {label!r}"
+        printed = iter(m.group() for m in NUMBER.finditer(out, at + len(label)))
+        for text, rng, skip in items:
+            if rng is not None and not rng[0] <= number(text) <= rng[1]:
+                return f"{span!r}: the page's own figure {text} is outside its range"
+            # after a `…`, the first number that fits; else the very next one
+            got = next((g for g in printed if fits(text, rng, g)), None) if skip else next(printed, None)
+            if got is None or not fits(text, rng, got):
+                where = f"[{rng[0]}, {rng[1]}]" if rng else text
+                return f"{span!r}: printed {got} where the page says {where}"
+        return ""
+    starts = [m.end() for m in re.finditer(re.escape(label), out)] if label else [0]
+    wanted = [number(t) for t, _, _ in items]
+    for start in starts:
+        printed = iter(number(m.group()) for m in NUMBER.finditer(out, start))
+        if all(any(p == w for p in printed) for w in wanted):  # a subsequence, in order
+            return ""
+    return f"{span!r}: its numbers are not in the output in this order" + (f" after {label!r}" if label else "")
+
+
+def runnable(command: str) -> str:
+    """The page's command with its script named by absolute path, so it runs from another directory
+    (what it writes under outputs/ then lands there, not in the checkout)."""
+    return re.sub(r"^((?:\w+=\S*\s+)*)python3?\s+(\S+\.py)", lambda m: f"{m.group(1)}{sys.executable} {REPO / m.group(2)}",
+                  command)
+
+
+def chains(steps: list) -> list:
+    """Groups of steps to run together, in order: a step that reads an outputs/tour/... path joins the
+    group of the step that wrote it first."""
+    groups, owner = [], {}
+    for i, step in enumerate(steps):
+        paths = re.findall(r"outputs/tour/[\w.-]+", step.command)
+        joined = next((owner[p] for p in paths if p in owner), None)
+        if joined is None:
+            joined = len(groups)
+            groups.append([])
+        groups[joined].append(i)
+        for p in paths:
+            owner.setdefault(p, joined)
+    return groups
+
+
+def page(lang="en") -> str:
+    return PAGES[lang].read_text(encoding="utf-8")
+
+
+# ----------------------------------------------------------------------------- the checker itself
+
+CLAIMS_LIKE = """C2     holds          Worked example: q = (1,0,1); k = (1,0,1),     raw 2 / 0 / 1; scaled 1.155 / 0.000 / 0.577; weights 0.533 /
+                      (0,1,0), (1,0,0); v = 10, 0, 2. Raw scores    0.168 / 0.299; output 5.927; smallest weight 0.168 > 0 (holds
+intact: val loss 2.0412, in-context gain 0.5234
+L1H3                +0.0812   -0.4521       +0.0700   -0.4000
+done: val loss 2.4448 (best 2.4448) after 100 steps
+done: val loss 2.0100 (best 2.0100) after 100 steps
+| model.attn.scale=none | 3 | 2.0188 ± 0.0317 | 1.9401 to 2.0975 | 2.9125 ± 0.0457 | 0.749 ± 0.073 | 0.755 ± 0.010 |
+  (a) the projections   2*d*(d+d_kv)  N = d + d_kv              =     5,120 tokens
+"""
+
+
+@pytest.mark.parametrize("span", ["weights 0.533 / 0.168 / 0.299", "output 5.927", "5,120 tokens", "holds",
+                                  "in-context gain 0.51 [0.40, 0.60]", "L1H3 +0.0812 -0.4521 [-0.6, -0.3]",
+                                  "done: val loss 2.4448 [2.40, 2.50]",  # the first run's line
+                                  "model.attn.scale=none | 3 | … | 0.749 [0.57, 0.93]"])
+def test_a_figure_the_output_prints_passes(span):
+    assert check_figure(span, CLAIMS_LIKE) == ""
+
+
+@pytest.mark.parametrize("span", ["weights 0.533 / 0.168 / 0.298",  # one digit off
+                                  "weights 0.168 / 0.533",  # out of order
+                                  "output 5.93", "5,121 tokens", "does not hold",
+                                  "in-context gain 0.51 [0.55, 0.60]",  # printed outside the range
+                                  "in-context gain 0.51 [0.52, 0.60]",  # the page's own figure outside it
+                                  "L1H3 +0.0813 -0.4521 [-0.6, -0.3]",  # the exact one off
+                                  "attention 2.4448 [2.40, 2.50]",  # no such words
+                                  "model.attn.scale=none | 4 | … | 0.749 [0.57, 0.93]",  # the exact one off
+                                  "model.attn.scale=none | 3 | … | 0.749 [0.57, 0.70]",  # nothing after in range
+                                  "model.attn.scale=none | 3 | 0.749 [0.57, 0.93]"])  # without `…`: the next number
+def test_a_figure_the_output_does_not_print_fails(span):
+    assert check_figure(span, CLAIMS_LIKE) != ""
+
+
+def test_numbers_are_read_as_the_tools_print_them_and_names_are_no_numbers():
+    assert [m.group() for m in NUMBER.finditer("L1H3 x10 d_k 5,120 tokens 4e-16, 0e+00 −0.035 (1/51) 91.8%")] == [
+        "5,120", "4e-16", "0e+00", "−0.035", "1", "51", "91.8"]
+    assert figure_items("gain 0.51 [0.40, 0.60] and 3") == [("0.51", (0.40, 0.60), False), ("3", None, False)]
+    assert figure_items("arm | 3 | … | 0.749 [0.57, 0.93]") == [("3", None, False), ("0.749", (0.57, 0.93), True)]
+
+
+# ----------------------------------------------------------------------------- the pages (fast)
+
+def test_both_pages_have_the_same_steps_commands_and_figures():
+    en, zh = steps_of(page("en")), steps_of(page("zh"))
+    assert len(en) >= 12 and len(en) == len(zh), (len(en), len(zh))
+    for a, b in zip(en, zh):
+        assert a.command == b.command, (a.title, b.title)
+        assert a.figures == b.figures, (a.title, b.title, set(a.figures) ^ set(b.figures))
+
+
+def test_the_pages_link_each_other_at_the_top_and_the_readme_links_both():
+    assert "(tour.zh.md)" in "\n".join(page("en").splitlines()[:4])
+    assert "(tour.md)" in "\n".join(page("zh").splitlines()[:4])
+    head = "\n".join((REPO / "README.md").read_text(encoding="utf-8").splitlines()[:8])
+    assert "(docs/tour.md)" in head and "(docs/tour.zh.md)" in head
+
+
+@pytest.mark.parametrize("lang", PAGES)
+def test_every_step_has_figures_and_names_a_claim_or_a_tool_and_every_picture_exists(lang):
+    text = page(lang)
+    for step in steps_of(text):
+        assert step.figures, f"{step.title}: no figure quoted"
+        assert re.search(r"claims\.md|tools/\w+\.py", step.text), f"{step.title}: names no claim"
+        assert re.match(r"^(OMP_NUM_THREADS=1 )?python3? ", step.command), step.command
+    for target in IMAGE.findall(text) + LINK.findall(text):
+        if "://" not in target:
+            assert (PAGES[lang].parent / target).exists(), f"{lang}: {target} does not exist"
+
+
+def test_ranged_figures_come_only_from_training_steps():
+    """A figure with a range belongs to a step that trains (train.py) or reads a trained run; counted and
+    seeded figures are quoted exactly."""
+    for step in steps_of(page()):
+        ranged = [f for f in step.figures if any(r for _, r, _ in figure_items(f))]
+        if ranged:
+            assert re.search(r"train\.py|ckpt=|report\.py|--out", step.command), (step.title, ranged)
+
+
+def test_the_notebook_is_stored_without_outputs():
+    nb = json.loads(NOTEBOOK.read_text(encoding="utf-8"))
+    for cell in nb["cells"]:
+        if cell["cell_type"] == "code":
+            assert cell.get("outputs") == [] and cell.get("execution_count") is None, "".join(cell["source"])[:80]
+
+
+def test_the_notebooks_first_code_cell_installs_only_outside_the_repo():
+    nb = json.loads(NOTEBOOK.read_text(encoding="utf-8"))
+    first = "".join(next(c for c in nb["cells"] if c["cell_type"] == "code")["source"])
+    assert "requirements.txt" in first and "git" in first and "clone" in first
+    assert "attention.py" in first  # how it recognises the repository
+
+
+# ----------------------------------------------------------------------------- running it (slow)
+
+STEPS = steps_of(page()) if PAGES["en"].is_file() else []
+CHAINS = chains(STEPS)
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    return tmp_path_factory.mktemp("tour")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("chain", CHAINS, ids=["step" + "+".join(str(i + 1) for i in c) for c in CHAINS])
+def test_each_steps_command_runs_and_prints_the_figures_the_page_quotes(chain, workdir):
+    """In a fresh directory (its outputs/ stays out of the checkout), every command of the chain in turn."""
+    wrong = []
+    cwd = workdir / f"chain{chain[0] + 1}"
+    (cwd / "outputs" / "tour").mkdir(parents=True)  # as the steps before it leave it (step 4 makes it)
+    for i in chain:
+        step = STEPS[i]
+        r = subprocess.run(runnable(step.command), shell=True, cwd=cwd, capture_output=True, text=True,
+                           timeout=STEP_TIMEOUT, env=cli_env())
+        assert r.returncode == 0, f"step {i + 1} ({step.command}) failed:\n{r.stderr[-3000:]}"
+        wrong += [f"step {i + 1}: {why}" for why in (check_figure(f, r.stdout + r.stderr) for f in step.figures) if why]
+    assert not wrong, "\n".join(wrong)
+
+
+@pytest.mark.slow
+def test_the_notebook_runs_from_top_to_bottom(tmp_path):
+    """Executed by a Jupyter kernel (nbclient) at small settings (TOUR_FAST=1), writing under tmp_path."""
+    nbformat = pytest.importorskip("nbformat")
+    nbclient = pytest.importorskip("nbclient")
+    nb = nbformat.read(NOTEBOOK, as_version=4)
+    env = {"TOUR_FAST": "1", "TOUR_OUT": str(tmp_path / "out")}
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)  # the kernel inherits the test's environment
+    try:
+        nbclient.NotebookClient(nb, timeout=900, kernel_name="python3",
+                                resources={"metadata": {"path": str(NOTEBOOK.parent)}}).execute()
+    finally:
+        for k, v in old.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+    ran = [c for c in nb.cells if c.cell_type == "code"]
+    assert all(c.execution_count for c in ran)
+    images = sum(1 for c in ran for o in c.outputs if "image/png" in o.get("data", {}))
+    assert images >= 5, f"the notebook showed {images} pictures"
