@@ -50,7 +50,7 @@ def test_resume_restores_rng_states_on_a_device_other_than_the_cpu(train_cfg, tm
 
 def test_mfu_is_per_gpu_when_tokens_per_sec_counts_every_process():
     logged = []
-    run = types.SimpleNamespace(model=types.SimpleNamespace(flops_per_token=lambda: 6e6), step=10,
+    run = types.SimpleNamespace(model=types.SimpleNamespace(flops_per_token=lambda: 6e6), step=10, indexer_kl=None,
                                 dist=Dist(0, 4), tracker=types.SimpleNamespace(log=lambda line, step: logged.append(line)),
                                 cfg=types.SimpleNamespace(train=types.SimpleNamespace(max_iters=100)))
     meter = train_module.Throughput(tokens_per_step=4 * 8 * 1024)  # the global batch: 4 processes' tokens
