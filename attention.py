@@ -106,14 +106,19 @@ def softmax_with_sink(scores, sink=None):
     return weights if sink is None else weights[..., 1:]
 
 
+def attention_weights(q, k, *, scale: float, mask=None, bias=None, sink=None):
+    """softmax(q·kᵀ·scale + bias + M) with K expanded to one head per query head and the sink's logit
+    as one more choice: (B, nh, Tq, Tk) in q's dtype."""
+    k = repeat_kv(k, q.size(1))
+    return softmax_with_sink(attention_scores(q, k, scale=scale, mask=mask, bias=bias), sink).type_as(q)
+
+
 def reference_attention(q, k, v, *, scale: float, mask=None, bias=None, sink=None, dropout_p: float = 0.0):
-    """The attention function written out: K/V expanded to one head per query head, explicit
-    scores, softmax (with the sink's logit as one more choice), weights @ V."""
-    k, v = repeat_kv(k, q.size(1)), repeat_kv(v, q.size(1))
-    weights = softmax_with_sink(attention_scores(q, k, scale=scale, mask=mask, bias=bias), sink).type_as(q)
+    """The attention function written out: explicit weights (attention_weights), weights @ V."""
+    weights = attention_weights(q, k, scale=scale, mask=mask, bias=bias, sink=sink)
     if dropout_p > 0:
         weights = F.dropout(weights, p=dropout_p)
-    return weights @ v
+    return weights @ repeat_kv(v, q.size(1))
 
 
 def with_sink(q, k, v, sink, scale: float, mask):
@@ -384,9 +389,8 @@ class CausalSelfAttention(nn.Module):
 
     def through_pattern(self, q, k, v, *, scale, mask, bias, sink, dropout_p):
         """The written-out path with its weights (B, nh, Tq, Tk) passed through hook_pattern."""
-        k, v = repeat_kv(k, q.size(1)), repeat_kv(v, q.size(1))
-        weights = softmax_with_sink(attention_scores(q, k, scale=scale, mask=mask, bias=bias), sink).type_as(q)
-        return F.dropout(self.hook_pattern(weights), p=dropout_p) @ v
+        weights = self.hook_pattern(attention_weights(q, k, scale=scale, mask=mask, bias=bias, sink=sink))
+        return F.dropout(weights, p=dropout_p) @ repeat_kv(v, q.size(1))
 
     def positions(self, pos, T: int, kv_cache=None, n_keys: Optional[int] = None):
         """(query positions (T,), key positions (n_keys,)) for a position-dependent bias; pos may be a
