@@ -91,6 +91,32 @@ def find_checkpoint(where=None, root="outputs") -> Path:
     return find_checkpoint(found[-1].parent)
 
 
+def initial_weights(model, where, tokenizer) -> list:
+    """init_from=: load another run's weights into this fresh model (a fine-tune: the caller starts at
+    step 0 with a fresh optimizer). The model may be built otherwise than the checkpoint's wherever no
+    weight differs: a window, a selection, QK-Norm's scale rule. Weights this model has and the
+    checkpoint lacks (a new indexer's) keep their fresh initialisation; returns their names. One line
+    for a checkpoint whose tokenizer or weights do not fit."""
+    try:
+        path = find_checkpoint(where)
+    except UserError:
+        raise UserError(f"init_from={where}: no checkpoint there (give a run dir or a .pt file train.py wrote)") from None
+    state = load_checkpoint(path)
+    if state.get("tokenizer") != tokenizer.to_dict():
+        raise UserError(f"init_from={where}: its tokenizer differs from this run's data (the same ids would mean "
+                        "other tokens); train on the data it was trained on")
+    own, weights = model.state_dict(), state["model"]
+    for name, tensor in weights.items():
+        if name not in own:
+            raise UserError(f"init_from={where}: its {name} has no place in this model; build the model it was "
+                            "trained as (change only settings that add or keep weights)")
+        if own[name].shape != tensor.shape:
+            raise UserError(f"init_from={where}: its {name} is {tuple(tensor.shape)} but {tuple(own[name].shape)} "
+                            "here; build the model it was trained as (n_embd, n_head, vocab, ...)")
+    model.load_state_dict({**own, **weights})
+    return [name for name in own if name not in weights]
+
+
 ZIP_MAGIC = b"PK\x03\x04"  # torch.save's format since 1.6: a zip archive
 LEGACY_MAGIC = b"\x80\x02\x8a\nl\xfc\x9cF\xf9 j\xa8P\x19."  # the older format: a pickled magic number first
 

@@ -151,6 +151,7 @@ class WandbConfig:
 @dataclass
 class LoggerConfig:
     wandb: WandbConfig = field(default_factory=WandbConfig)
+    plots: bool = True  # at the end of a run: loss.png, the entropy plots and the attention maps (PNG + viewer)
 
 
 @dataclass
@@ -165,6 +166,9 @@ class Config:
     seed: int = 1337  # the weights' initialisation and dropout; also the data's (train.data_seed) unless set
     out_dir: Optional[str] = None  # run directory; train.py sets it to Hydra's run dir
     resume: Optional[str] = None  # true: continue this run dir from its newest checkpoint; or a run dir / file
+    # a new run from another run's weights (its best.pt, or the file given): step 0, a fresh optimizer; model.*
+    # may differ where no weight does (attn.window, attn.select, ...), weights it adds start fresh
+    init_from: Optional[str] = None
 
     RULES: ClassVar[dict] = {"seed": SEED, "dtype": OneOf(DTYPE_NAMES)}
 

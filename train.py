@@ -31,8 +31,8 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from attnstats import AttentionProbe, without_softmax
-from checkpoint import (BEST_NAME, check_resumable, context_extension, last_good_checkpoint, latest_checkpoint,
-                        load_checkpoint, prune_checkpoints, resume_source, rng_state, save_checkpoint, set_rng_state,
+from checkpoint import (BEST_NAME, check_resumable, context_extension, initial_weights, last_good_checkpoint,
+                        latest_checkpoint, load_checkpoint, prune_checkpoints, resume_source, rng_state, save_checkpoint, set_rng_state,
                         step_name)
 from common import (Dist, Runtime, StopRequest, all_ranks_agree, check_memory, check_output_dir, cli, compile_wanted,
                     dir_mode, first_line, forget_hydra_run_dir, init_distributed, is_oom, lock_run_dir, new_run_dir,
@@ -229,7 +229,7 @@ def setup(cfg, run_name=None, run_group=None, overrides=None, early_log=()) -> R
                 raise UserError(f"{out_dir} already holds a run: continue it with resume=true, or give a new "
                                 "hydra.run.dir (nothing was overwritten)")
             remove_stale_temps(out_dir, alive_only=False)  # we hold the lock: a temp file here is a killed write's
-        run = build(cfg, out_dir, dist_, grad_accum, lock)
+        run = build(cfg, out_dir, dist_, grad_accum, lock, init_from=cfg.init_from if source is None else None)
         run.ignored = ignored
         if state is not None:
             restore(run, state, source, extension, continues=not branch)
@@ -244,8 +244,9 @@ def setup(cfg, run_name=None, run_group=None, overrides=None, early_log=()) -> R
         raise
 
 
-def build(cfg, out_dir, dist_, grad_accum, lock) -> Run:
-    """The data, the model and the optimizer of a fresh run (seeded), and what steps run through."""
+def build(cfg, out_dir, dist_, grad_accum, lock, init_from=None) -> Run:
+    """The data, the model and the optimizer of a fresh run (seeded; its weights from `init_from`'s
+    checkpoint where it has them), and what steps run through."""
     tcfg = cfg.train
     torch.manual_seed(cfg.seed)  # the same weights and batch draws on every rank
     torch.cuda.manual_seed(cfg.seed + dist_.rank)  # this rank's GPU (the current device): its own dropout masks
@@ -264,6 +265,9 @@ def build(cfg, out_dir, dist_, grad_accum, lock) -> Run:
                  f"model.n_layer={mcfg.n_layer}, model.n_embd={mcfg.n_embd}, model.d_ff={mcfg.d_ff}, "
                  f"model.vocab_size={mcfg.vocab_size}, model.block_size={mcfg.block_size}, {key}={batch}")
     model = GPT(mcfg).to(rt.device)
+    if init_from:
+        fresh = initial_weights(model, init_from, data.tokenizer)
+        log.info("weights from %s%s", init_from, f" (fresh: {', '.join(fresh)})" if fresh else "")
     log.info("model: %.2fM parameters, %d layers x %d heads x %d head dim, block %d, vocab %d, scale %s%s",
              model.num_params() / 1e6, mcfg.n_layer, mcfg.n_head, mcfg.head_dim, mcfg.block_size,
              mcfg.vocab_size, mcfg.attn.scale, f", qk_norm={mcfg.attn.qk_norm_type}" if mcfg.attn.qk_norm else "")
@@ -577,7 +581,10 @@ def oom_error(e: BaseException, run_or_cfg) -> UserError:
 
 def write_plots(run: Run):
     """The run's figures and the attention maps of the probe text, written by rank 0. Every rank calls
-    it: under FSDP the maps' forward needs every rank (its all-gathers), so the others run it too."""
+    it: under FSDP the maps' forward needs every rank (its all-gathers), so the others run it too.
+    logger.plots=false skips them (a few seconds of matplotlib; the metrics hold every figure's data)."""
+    if not run.cfg.logger.plots:
+        return
     if run.dist.master:
         try:
             from plots import plot_run

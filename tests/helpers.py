@@ -35,7 +35,8 @@ def compose_cfg(config_name="config", overrides=()):
 
 
 TINY = ["model=debug", "device=cpu", "logger.wandb.mode=disabled", "train.max_iters=20",
-        "train.eval_interval=10", "train.eval_iters=2", "train.log_interval=5", "train.batch_size=4"]
+        "train.eval_interval=10", "train.eval_iters=2", "train.log_interval=5", "train.batch_size=4",
+        "logger.plots=false"]  # the end-of-run figures cost seconds; the tests of them turn them on
 
 
 def requires_shared(path):

@@ -124,7 +124,7 @@ def test_training_steps_never_build_the_attention_matrix(train_cfg, tmp_path, mo
 
 @pytest.mark.slow  # trains 20 steps, then a second run
 def test_entropy_logged_every_interval_to_metrics(train_cfg, tmp_path):
-    train(train_cfg("train.max_iters=20", "train.log_attn_interval=5"))
+    train(train_cfg("logger.plots=true", "train.max_iters=20", "train.log_attn_interval=5"))
     probes = [m for m in read_metrics(tmp_path / "run") if "attn_entropy/mean" in m]
     assert [m["step"] for m in probes] == [0, 5, 10, 15, 20]
     keys = probes[0].keys()
@@ -324,7 +324,7 @@ def test_a_bos_probe_repeats_the_span_after_bos():
 
 def test_training_logs_head_roles_and_writes_maps_and_figure(train_cfg, tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wandb_env"))
-    train(train_cfg("train.max_iters=10", "train.log_attn_interval=5", "logger.wandb.mode=offline"))
+    train(train_cfg("logger.plots=true", "train.max_iters=10", "train.log_attn_interval=5", "logger.wandb.mode=offline"))
     run = tmp_path / "run"
     probes = [m for m in read_metrics(run) if "attn_entropy/mean" in m]
     assert [m["step"] for m in probes] == [0, 5, 10]

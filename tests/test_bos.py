@@ -55,7 +55,7 @@ def test_a_bos_model_trains_probes_samples_streams_and_resumes(train_cfg, sample
     from sample import sample, start_ids
     from tools.eval_stream import eval_stream
     from train import train
-    train(train_cfg("data.bos=true", "train.max_iters=10", "train.log_attn_interval=5"))
+    train(train_cfg("data.bos=true", "train.max_iters=10", "train.log_attn_interval=5", "logger.plots=true"))
     run = tmp_path / "run"
     state = load_checkpoint(find_checkpoint(str(run)))
     tok = tokenizer_from_dict(state["tokenizer"])

@@ -2,6 +2,7 @@
 import json
 import math
 import struct
+from pathlib import Path
 
 import pytest
 import torch
@@ -216,3 +217,20 @@ def test_the_report_gives_each_arms_first_token_mass_and_largest_activation(tmp_
     assert (f"| {sum(means) / 2:.3f} ± {sd(means):.3f} / {sum(tops) / 2:.3f} ± {sd(tops):.3f} | "
             f"100.0 ± {sd(list(acts.values())):.1f} |") in row
     assert (sweep / "sinks.png").is_file() and png_size(sweep / "sinks.png")[0] >= 600
+
+
+def test_runs_started_from_each_seeds_own_parent_are_one_arm_apart_from_scratch_runs():
+    """init_from differs with the seed (each seed's fine-tune starts from that seed's full run): the
+    arm groups them by whether they started from weights, not by whose."""
+    from tools.report import RunSummary, group_arms
+
+    def run(seed, **config):
+        return RunSummary(Path(f"/r/{len(config)}/{seed}"), {"seed": seed, "model.attn.window": None,
+                                                             "init_from": None, **config}, [], {}, (seed, seed))
+    runs = [run(s) for s in (1, 2, 3)] + \
+        [run(s, **{"init_from": f"/r/full/s{s}", "model.attn.window": 32}) for s in (1, 2, 3)] + \
+        [run(1, **{"model.attn.window": 32})]
+    arms = group_arms(runs)
+    assert [len(a.runs) for a in arms] == [3, 3, 1]
+    assert [sorted(r.seed for r in a.runs) for a in arms] == [[1, 2, 3], [1, 2, 3], [1]]
+    assert "init_from=another run" in arms[1].label and "init_from=None" in arms[2].label

@@ -16,7 +16,7 @@ from train import train
 
 @pytest.mark.slow  # trains 40 steps
 def test_train_then_sample_end_to_end(train_cfg, sample_cfg, tmp_path):
-    cfg = train_cfg("train.max_iters=40")
+    cfg = train_cfg("train.max_iters=40", "logger.plots=true")
     result = train(cfg)
     run = tmp_path / "run"
     # the run dir holds config, code/hardware info, metrics and the checkpoint
@@ -64,6 +64,7 @@ def test_eval_loss_recomputes_from_checkpoint(train_cfg, tmp_path):
             logits = model(x)
             losses.append(torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten()).item())
     assert result["val_loss"] == pytest.approx(sum(losses) / len(losses), rel=1e-5)
+    assert not list((tmp_path / "run").glob("*.png")) and cfg.logger.plots is False  # logger.plots=false: no figures
 
 
 def test_gradient_accumulation_equals_bigger_batch(train_cfg, tmp_path):
@@ -186,7 +187,8 @@ def test_default_run_config_fits_the_budget():
     assert math.isclose(cfg.train.lr, 2e-3)
 
 
-SHRINK = {"recall_cpu": ["data.pairs=[2,4]", "data.examples=200"]}  # 16 tokens hold at most 4 pairs
+SHRINK = {"recall_cpu": ["data.pairs=[2,4]", "data.examples=200"],  # 16 tokens hold at most 4 pairs
+          "needle_cpu": ["data.pairs=[4]", "data.examples=200"]}
 
 
 @pytest.mark.parametrize("experiment", sorted(p.stem for p in (REPO / "configs" / "experiment").glob("*.yaml")))

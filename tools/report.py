@@ -168,8 +168,14 @@ def arm_key(config: dict, run: Path, newer=()):
     `newer` (a run without config.yaml is an arm of its own)."""
     if not config:
         return (("run", str(run)),)
-    return tuple(sorted((k, repr(v)) for k, v in config.items()
+    return tuple(sorted((k, repr(parent_mark(v) if k == "init_from" else v)) for k, v in config.items()
                         if k not in REPLICATES and k not in newer and not k.startswith(IGNORED)))
+
+
+def parent_mark(init_from):
+    """A run started from another's weights (init_from): its arm says so, not which run's, since each
+    seed starts from its own (a window fine-tuned from full runs of seeds 1, 2, 3 is one arm)."""
+    return None if init_from is None else "another run"
 
 
 def newer_keys(configs: list) -> set:
