@@ -304,7 +304,7 @@ def cli_args(run_dir, cache):
     # dropout on, so the resumed run must also restore the RNG that draws the dropout masks
     return ["model=debug", "model.n_embd=64", "model.block_size=64", "model.dropout=0.1", "train.batch_size=16",
             "train.max_iters=60", "train.eval_interval=10", "train.eval_iters=2", "train.log_interval=1",
-            "train.ckpt_interval=10", "train.keep_ckpts=10", "device=cpu", "logger.wandb.mode=disabled",
+            "train.ckpt_interval=10", "train.keep_ckpts=10", "device=cpu", "logger.wandb.mode=disabled", "logger.plots=false",
             f"data.cache_dir={cache}", f"hydra.run.dir={run_dir}"]
 
 

@@ -116,7 +116,7 @@ def test_trained_checks_run_end_to_end_at_a_tiny_size(tmp_path, monkeypatch):
     """The full run's code path (train.train, checkpoints, figures), a few steps per run: each trained
     check returns a verdict (not its figure: 6 steps train nothing)."""
     tiny = {name: overrides + ["train.max_iters=6", "train.eval_interval=3", "train.log_attn_interval=3",
-                               "train.warmup_iters=2", "train.eval_iters=2", "model.n_layer=2"]
+                               "train.warmup_iters=2", "train.eval_iters=2", "model.n_layer=2", "logger.plots=false"]
             for name, overrides in claims.TRAINING_RUNS.items()}
     monkeypatch.setattr(claims, "TRAINING_RUNS", tiny)
     trained = [c.id for c in claims.CLAIMS if c.trains]

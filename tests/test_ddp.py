@@ -9,7 +9,7 @@ from train import train
 
 COMMON = ["model=debug", "model.dropout=0.0", "train.max_iters=10", "train.eval_interval=5", "train.eval_iters=2",
           "train.log_interval=1", "train.batch_size=4", "train.grad_accum=2", "device=cpu",
-          "logger.wandb.mode=disabled"]
+          "logger.wandb.mode=disabled", "logger.plots=false"]
 
 
 def test_torchrun_two_processes_equal_one_process_with_the_same_global_batch(tmp_path, cli):

@@ -41,7 +41,7 @@ def test_fsdp_trains_a_stack_of_every_recurrent_mixer_as_one_process_does(tmp_pa
     common = ["model=debug", "model.n_layer=4", "model.attn.layer_kinds=[gdn,mamba2,linear,softmax]",
               "model.dropout=0.0", "train.max_iters=10", "train.eval_interval=5", "train.eval_iters=2",
               "train.log_interval=1", "train.batch_size=4", "train.grad_accum=4", "train.ckpt_interval=10",
-              "train.final_eval_tokens=1056", "device=cpu", "logger.wandb.mode=disabled",
+              "train.final_eval_tokens=1056", "device=cpu", "logger.wandb.mode=disabled", "logger.plots=false",
               f"data.cache_dir={tmp_path / 'cache'}"]
     single, fsdp = tmp_path / "single", tmp_path / "fsdp"
     train(compose_cfg("config", [*common, f"out_dir={single}"]))

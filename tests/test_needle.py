@@ -266,3 +266,27 @@ def test_runs_of_a_sweep_are_probed_and_grouped_into_arms(train_cfg, tmp_path, c
         assert s["sd"] == pytest.approx(abs(a - b) / math.sqrt(2), abs=1e-12)
         assert s["half"] == pytest.approx(12.706 * s["sd"] / math.sqrt(2), rel=1e-3, abs=1e-12)
     assert "mean ± sd over 2 runs" in capsys.readouterr().out
+
+
+def test_last_probes_each_runs_newest_checkpoint_and_best_its_best_pt(train_cfg, tmp_path):
+    """A run's best.pt and its newest ckpt_*.pt differ (here: best.pt made the newest holds other
+    weights); last=true probes the newest, the default best.pt, each equal to ckpt= on that file."""
+    from checkpoint import BEST_NAME, load_checkpoint, save_checkpoint
+    from helpers import compose_cfg
+    from tools.needle import needle
+    from train import train
+    run = tmp_path / "sweep" / "seed1"
+    train(train_cfg("data=mqar", "data.pairs=[4]", "data.vocab_size=40", "data.examples=100", "model.block_size=32",
+                    "train.max_iters=4", "train.eval_interval=2", f"out_dir={run}"))
+    state = load_checkpoint(run / BEST_NAME)
+    state["model"] = {k: torch.randn_like(v) if v.is_floating_point() else v for k, v in state["model"].items()}
+    save_checkpoint(run / BEST_NAME, state)  # a best.pt unlike the run's last weights
+    args = ["distances=[4,16]", "needles=100", "out=null"]
+    newest = sorted(run.glob("ckpt_*.pt"))[-1]
+    want = {name: [r["accuracy"] for r in needle(compose_cfg("needle", [f"ckpt={path}", *args]))["rows"]]
+            for name, path in (("last", newest), ("best", run / BEST_NAME))}
+    assert want["last"] != want["best"]
+    for name, extra in (("last", ["last=true"]), ("best", [])):
+        arms = needle(compose_cfg("needle", [f"runs=[{tmp_path / 'sweep'}]", *args, *extra]))["arms"]
+        assert [arms[0]["accuracy"][d]["mean"] for d in (4, 16)] == want[name], name
+        assert needle(compose_cfg("needle", [f"ckpt={run}", *args, *extra]))["rows"][0]["accuracy"] == want[name][0]

@@ -180,7 +180,8 @@ def test_fsdp_ranks_hold_half_of_ddp_measured_on_the_live_objects(tmp_path, spaw
 
 FSDP_COMMON = ["model=debug", "model.dropout=0.0", "train.max_iters=30", "train.eval_interval=10", "train.eval_iters=2",
                "train.log_interval=5", "train.batch_size=4", "train.grad_accum=4", "train.ckpt_interval=5",
-               "train.keep_ckpts=10", "train.final_eval_tokens=1056", "device=cpu", "logger.wandb.mode=disabled"]
+               "train.keep_ckpts=10", "train.final_eval_tokens=1056", "device=cpu", "logger.wandb.mode=disabled",
+               "logger.plots=false"]
 # 33 windows of 32 tokens for the last evaluation: 17 on rank 0, 16 on rank 1, so rank 1 runs one
 # spare forward (FSDP needs every rank in every forward) that must not count
 FSDP = ["train.parallel=fsdp", "train.activation_checkpointing=true"]
@@ -220,7 +221,8 @@ def test_fsdp_under_torchrun_equals_one_process_resumes_bitwise_after_kill_and_l
     single, fsdp, killed, one = (tmp_path / name for name in ("single", "fsdp", "killed", "one"))
     train(compose_cfg("config", [*FSDP_COMMON, f"data.cache_dir={cache}", f"out_dir={single}"]))
     args = [*FSDP_COMMON, *FSDP, f"data.cache_dir={cache}"]
-    cli("train.py", *args, f"hydra.run.dir={fsdp}", env=ONE_THREAD, check=True, torchrun=2)
+    cli("train.py", *args, f"hydra.run.dir={fsdp}", "logger.plots=true", env=ONE_THREAD, check=True, torchrun=2)
+    assert (fsdp / "attention.html").stat().st_size > 1000  # the maps' forward ran on both ranks
 
     # weights and every val loss within 1e-5 (reduce-scatters sum in another order), the full val split's too;
     # the checkpoint is the one-process layout (the tied weight stored once)

@@ -64,6 +64,7 @@ def test_a_sweep_runs_every_arm_when_one_arm_ignores_a_setting(tmp_path, cli):
     sweep = tmp_path / "sweep"
     r = cli("train.py", "-m", "model=debug", "train.max_iters=4", "train.eval_interval=4", "train.eval_iters=1",
             "train.batch_size=4", "device=cpu", f"data.cache_dir={tmp_path / 'cache'}", "logger.wandb.mode=disabled",
+            "logger.plots=false",
             "train.optimizer=adamw,muon", "train.muon_lr=0.01", f"hydra.sweep.dir={sweep}")
     assert r.returncode == 0, r.stderr[-3000:]
     runs = sorted(p for p in sweep.iterdir() if (p / "metrics.jsonl").is_file())

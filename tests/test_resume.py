@@ -117,7 +117,7 @@ def test_sigterm_stops_a_whole_sweep_not_only_its_current_run(tmp_path, cli):
     sweep = tmp_path / "sweep"
     proc = cli.popen("train.py", "-m", "model=debug", "model.n_embd=32,64", "train.max_iters=100000",
                      "train.ckpt_interval=100000", "train.eval_interval=1000", "train.eval_iters=1", "device=cpu",
-                     "logger.wandb.mode=disabled", f"data.path={corpus}", f"data.cache_dir={tmp_path / 'cache'}",
+                     "logger.wandb.mode=disabled", "logger.plots=false", f"data.path={corpus}", f"data.cache_dir={tmp_path / 'cache'}",
                      f"hydra.sweep.dir={sweep}")
     deadline = time.time() + 120
     while not list(sweep.glob("0_*/metrics.jsonl")) or '"lr"' not in next(sweep.glob("0_*/metrics.jsonl")).read_text():

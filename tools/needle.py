@@ -7,6 +7,7 @@ this probe asks a data=mqar checkpoint for one pair at a set distance and counts
     python tools/needle.py ckpt=outputs/runs/X window=64                        # the same weights through a window
     python tools/needle.py ckpt=outputs/runs/X select=moba select_block=32 select_topk=1
     python tools/needle.py runs=[outputs/multirun/T]                            # every run of a sweep, by arm
+    python tools/needle.py runs=[outputs/multirun/T] last=true                  # each run's last weights, not best.pt
 
 The sequences are the task's own layout (data/mqar.py): `kv_pairs` key-value pairs first, then each key
 asked once at an even position with its value after it, fillers elsewhere. One key, the needle, is
@@ -40,7 +41,8 @@ from hydra.core.config_store import ConfigStore
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as tools/X.py: the repo's modules
 
-from checkpoint import find_checkpoint, load_checkpoint, model_from_checkpoint, with_selection  # noqa: E402
+from checkpoint import (find_checkpoint, latest_checkpoint, load_checkpoint, model_from_checkpoint,  # noqa: E402
+                        with_selection)
 from common import check_output_dir, cli, pick_device, run_app  # noqa: E402
 from data.mqar import MQARTokenizer  # noqa: E402
 from rules import POSITIVE, SEED, OneOf, Range, UserError, check_values  # noqa: E402
@@ -53,6 +55,7 @@ Z95 = 1.959963984540054  # the standard normal's 97.5% quantile: a two-sided 95%
 class NeedleConfig:
     ckpt: Optional[str] = None  # a data=mqar checkpoint file or run dir; default: the newest run under outputs/
     runs: Optional[List[str]] = None  # run or sweep dirs instead of ckpt: every run, grouped into arms by config
+    last: bool = False  # a run's newest ckpt_*.pt (the weights it ended with), not its best.pt (lowest val loss)
     distances: Optional[List[int]] = None  # positions from the needle's key to its query (even); unset: 1/16..15/16 of block_size
     needles: int = 500  # sequences per distance, one needle scored in each
     kv_pairs: Optional[int] = None  # key-value pairs per sequence, the needle one of them; unset: the most the run trained on
@@ -240,6 +243,17 @@ def probe_checkpoint(cfg, path) -> dict:
     return result
 
 
+def checkpoint_of(cfg, where):
+    """The checkpoint to probe: a file as given; in a run dir its best.pt, or with last=true its newest
+    ckpt_*.pt (a fine-tune that only lost val loss keeps its starting weights as best.pt)."""
+    if cfg.last and where and Path(where).is_dir():
+        found = latest_checkpoint(Path(where))
+        if found is None:
+            raise UserError(f"last=true: {where} holds no ckpt_*.pt (a run dir train.py wrote)")
+        return found
+    return find_checkpoint(str(where) if where else where)
+
+
 def probe_arms(cfg) -> dict:
     """Every run under cfg.runs probed, grouped into arms (tools/report.py's grouping): per arm and
     distance the mean accuracy over its runs, sd and 95% t-interval."""
@@ -247,7 +261,7 @@ def probe_arms(cfg) -> dict:
 
     table = []
     for arm in group_arms([summarize(r) for r in find_runs(cfg.runs)]):
-        per_run = [probe_checkpoint(cfg, find_checkpoint(str(r.dir))) for r in arm.runs]
+        per_run = [probe_checkpoint(cfg, checkpoint_of(cfg, r.dir)) for r in arm.runs]
         stats = {}
         for i, row in enumerate(per_run[0]["rows"]):
             stats[row["distance"]] = describe([run["rows"][i]["accuracy"] for run in per_run])
@@ -324,7 +338,7 @@ def needle(cfg) -> dict:
     out = check_output_dir(cfg.out, "out") if cfg.out else None  # before any work
     if cfg.runs and cfg.ckpt:
         raise UserError("ckpt= and runs= both given: probe one checkpoint (ckpt=) or every run of some dirs (runs=)")
-    result = probe_arms(cfg) if cfg.runs else probe_checkpoint(cfg, find_checkpoint(cfg.ckpt))
+    result = probe_arms(cfg) if cfg.runs else probe_checkpoint(cfg, checkpoint_of(cfg, cfg.ckpt))
     table = markdown(result)
     if cfg.runs:
         print("\n" + table)
