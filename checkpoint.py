@@ -100,7 +100,8 @@ def initial_weights(model, where, tokenizer) -> list:
     try:
         path = find_checkpoint(where)
     except UserError:
-        raise UserError(f"init_from={where}: no checkpoint there (give a run dir or a .pt file train.py wrote)") from None
+        raise UserError(f"init_from={where}: no checkpoint there (give a run dir or a .pt file train.py "
+                        "wrote)") from None
     state = load_checkpoint(path)
     if state.get("tokenizer") != tokenizer.to_dict():
         raise UserError(f"init_from={where}: its tokenizer differs from this run's data (the same ids would mean "

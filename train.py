@@ -32,8 +32,8 @@ from omegaconf import OmegaConf
 
 from attnstats import AttentionProbe, without_softmax
 from checkpoint import (BEST_NAME, check_resumable, context_extension, initial_weights, last_good_checkpoint,
-                        latest_checkpoint, load_checkpoint, prune_checkpoints, resume_source, rng_state, save_checkpoint, set_rng_state,
-                        step_name)
+                        latest_checkpoint, load_checkpoint, prune_checkpoints, resume_source, rng_state, save_checkpoint,
+                        set_rng_state, step_name)
 from common import (Dist, Runtime, StopRequest, all_ranks_agree, check_memory, check_output_dir, cli, compile_wanted,
                     dir_mode, first_line, forget_hydra_run_dir, init_distributed, is_oom, lock_run_dir, new_run_dir,
                     peak_flops, remove_new_run_dir, remove_stale_temps, run_app, run_info, setup_runtime)

@@ -87,8 +87,8 @@ def test_every_point_of_a_seven_point_compile_sweep_really_compiles(tmp_path, cl
     hits dynamo's recompile limit and later points silently run eager (while recording compiled)."""
     log = tmp_path / "compiled.json"
     env = {"COMPILED_LOG": str(log)}
-    r = cli("-c", COMPILE_SWEEP, "-m", "model=debug", "device=cpu", "compile=true", "logger.wandb.mode=disabled" "logger.plots=false",
-            "train.max_iters=2", "train.eval_interval=2", "train.eval_iters=1", "train.log_interval=1",
+    r = cli("-c", COMPILE_SWEEP, "-m", "model=debug", "device=cpu", "compile=true", "logger.wandb.mode=disabled",
+            "logger.plots=false", "train.max_iters=2", "train.eval_interval=2", "train.eval_iters=1", "train.log_interval=1",
             "train.batch_size=4", "train.log_attn_interval=0", "model.dropout=0.01,0.02,0.03,0.04,0.05,0.06,0.07",
             f"data.cache_dir={tmp_path / 'cache'}", f"hydra.sweep.dir={tmp_path / 'sweep'}", timeout=600, env=env)
     assert r.returncode == 0, r.stderr[-3000:]

@@ -42,7 +42,8 @@ def test_a_windowed_run_starts_from_every_weight_of_a_full_one_at_step_0(tmp_pat
         assert run.model.config.attn.window == 8
     finally:
         close(run)
-    result = train(cfg(tmp_path, first, f"init_from={d}", "model.attn.window=8", "train.max_iters=3", "train.eval_interval=3"))
+    result = train(cfg(tmp_path, first, f"init_from={d}", "model.attn.window=8", "train.max_iters=3",
+                       "train.eval_interval=3"))
     assert result["steps"] == 3
     assert {p.name: p.read_bytes() for p in d.iterdir() if p.is_file()} == before  # the first run as it was
 

@@ -284,7 +284,7 @@ def test_bad_optimizer_settings_are_one_line_errors(override, message):
 
 def test_a_bad_muon_setting_is_refused_before_the_data_is_prepared(tmp_path, cli):
     r = cli("train.py", "model=debug", "train.optimizer=muon", "train.muon_ns_dtype=float16", "device=cpu",
-            "logger.wandb.mode=disabled", "logger.plots=false", f"data.cache_dir={tmp_path / 'cache'}", f"hydra.run.dir={tmp_path / 'run'}",
+            "logger.wandb.mode=disabled", f"data.cache_dir={tmp_path / 'cache'}", f"hydra.run.dir={tmp_path / 'run'}",
             env=ONE_THREAD)
     assert r.returncode != 0
     assert r.stderr.strip().splitlines()[-1] == ("error: train.muon_ns_dtype='float16' is unknown: "
@@ -327,8 +327,8 @@ def test_muon_run_stopped_and_resumed_is_bitwise_identical(tmp_path, cli):
 
 
 DDP_COMMON = ["model=debug", "model.dropout=0.0", "train.max_iters=10", "train.eval_interval=5", "train.eval_iters=2",
-              "train.log_interval=5", "train.batch_size=4", "device=cpu", "logger.wandb.mode=disabled", "logger.plots=false",
-              "train.optimizer=muon"]
+              "train.log_interval=5", "train.batch_size=4", "device=cpu", "logger.wandb.mode=disabled",
+              "logger.plots=false", "train.optimizer=muon"]
 
 
 def test_muon_under_torchrun_equals_one_process_with_the_same_global_batch(tmp_path, cli):
