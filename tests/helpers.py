@@ -201,6 +201,19 @@ def variant_model(seed=0, block_size=16, n_layer=2, n_head=4, n_embd=32, vocab=4
     return model.eval()
 
 
+def hooked_outputs(model, attn, idx, names=("hook_q", "hook_k", "hook_v", "hook_z")) -> dict:
+    """{name: output} of attention layer `attn`'s hook points in one no-grad forward of `model` on idx."""
+    import torch
+    seen = {}
+    handles = [getattr(attn, name).register_forward_hook(lambda m, i, o, name=name: seen.__setitem__(name, o))
+               for name in names]
+    with torch.no_grad():
+        model(idx)
+    for h in handles:
+        h.remove()
+    return seen
+
+
 def segments_minus_whole(model, T, cuts=(0, 3, 4, 5, 17, 18)) -> float:
     """A prefill, then single steps and chunks of several tokens through the model's cache, in float64,
     against one forward of the whole sequence: the largest difference."""

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from attention import Mask
-from helpers import variant_model as make
+from helpers import hooked_outputs, variant_model as make
 from model import GPT, GPTConfig
 from rules import UserError
 from variants.indexer import Indexer
@@ -202,11 +202,7 @@ def test_the_layer_and_the_probe_read_the_chosen_keys_only(impl):
     sequence and for a slice of its queries."""
     model = make(block_size=32, n_kv_head=2, impl=impl, attn=ATTN)
     attn = model.blocks[0].attn
-    seen = {}
-    for name in ("hook_q", "hook_k", "hook_v", "hook_z"):
-        getattr(attn, name).register_forward_hook(lambda m, i, o, name=name: seen.__setitem__(name, o))
-    with torch.no_grad():
-        model(torch.randint(40, (2, 32), generator=torch.Generator().manual_seed(2)))
+    seen = hooked_outputs(model, attn, torch.randint(40, (2, 32), generator=torch.Generator().manual_seed(2)))
     q, k, v = (seen[n].transpose(1, 2).double() for n in ("hook_q", "hook_k", "hook_v"))  # (B, heads, T, hs)
     pos = torch.arange(32)
     chosen = chosen_written_out(score_written_out(attn.select, q, k, pos, pos), pos, pos, 3)[:, None]  # (B, 1, T, T)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from attention import Mask
-from helpers import variant_model as make
+from helpers import hooked_outputs, variant_model as make
 from model import GPTConfig
 from rules import UserError
 from sample import generate
@@ -88,11 +88,7 @@ def test_the_layer_is_softmax_over_the_chosen_keys_by_hand(select, impl):
     (from its hook points), and the probe's logits are -inf exactly where the choice says no."""
     model = make(block_size=32, n_kv_head=2, impl=impl, attn={"select": select, "select_block": 4, "select_topk": 2})
     attn = model.blocks[0].attn
-    seen = {}
-    for name in ("hook_q", "hook_k", "hook_v", "hook_z"):
-        getattr(attn, name).register_forward_hook(lambda m, i, o, name=name: seen.__setitem__(name, o))
-    with torch.no_grad():
-        model(torch.randint(40, (2, 32), generator=torch.Generator().manual_seed(2)))
+    seen = hooked_outputs(model, attn, torch.randint(40, (2, 32), generator=torch.Generator().manual_seed(2)))
     q, k, v = (seen[n].transpose(1, 2).double() for n in ("hook_q", "hook_k", "hook_v"))  # (B, heads, T, hs)
     k, v = k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1)
     pos = torch.arange(32)
