@@ -16,6 +16,9 @@ and the module that puts them together.
 - QK-Norm (Henry et al. 2020, arXiv 2010.04245; Dehghani et al. 2023, arXiv 2302.05442): q and k
   are normalised per head *before* RoPE, so the norm (and its optional gain) sees the raw projection
   and RoPE, a rotation, keeps the norm: |logit| <= scale · |q̂| · |k̂|.
+- Soft-capping (Gemma 2, arXiv 2408.00118; `model.attn.softcap`): c·tanh(s/c) on the scaled scores
+  before the mask bounds every logit by c; no fused kernel takes it, so such a layer attends by the
+  reference path.
 - Grouped-query / multi-query attention (`n_kv_head`, Ainslie et al. 2023, arXiv 2305.13245; Shazeer
   2019, arXiv 1911.02150): consecutive query heads share one key/value head.
 
@@ -25,6 +28,7 @@ sink logit and an output gate fill the module's slots, once, at construction.
 """
 import math
 from dataclasses import dataclass
+from functools import partial
 from typing import Optional
 
 import torch
@@ -84,11 +88,14 @@ def repeat_kv(x, n_head: int):
     return x if x.size(1) == n_head else x.repeat_interleave(n_head // x.size(1), dim=1)
 
 
-def attention_scores(q, k, *, scale: float, mask: Optional[Mask] = None, bias=None):
-    """The logits softmax takes, q·kᵀ·scale (+ bias), -inf where the mask hides a key: (B, nh, Tq, hs)
-    and (B, nh, Tk, hs) -> (B, nh, Tq, Tk). bias: a logit bias (variants/alibi.py), bias(rows, cols)
-    -> (nh, Tq, Tk)."""
+def attention_scores(q, k, *, scale: float, mask: Optional[Mask] = None, bias=None, softcap=None):
+    """The logits softmax takes, q·kᵀ·scale (soft-capped) (+ bias), -inf where the mask hides a key:
+    (B, nh, Tq, hs) and (B, nh, Tk, hs) -> (B, nh, Tq, Tk). softcap c: c·tanh(s/c) on the scaled scores,
+    so |logit| < c whatever q and k (Gemma 2, arXiv 2408.00118; `model.attn.softcap`). bias: a logit
+    bias (variants/alibi.py), bias(rows, cols) -> (nh, Tq, Tk)."""
     scores = (q @ k.transpose(-2, -1)) * scale  # (B, nh, Tq, Tk)
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
     if bias is not None:
         scores = scores + bias(slice(None), slice(None)).to(scores.dtype)
     if mask is not None:
@@ -106,16 +113,19 @@ def softmax_with_sink(scores, sink=None):
     return weights if sink is None else weights[..., 1:]
 
 
-def attention_weights(q, k, *, scale: float, mask=None, bias=None, sink=None):
+def attention_weights(q, k, *, scale: float, mask=None, bias=None, sink=None, softcap=None):
     """softmax(q·kᵀ·scale + bias + M) with K expanded to one head per query head and the sink's logit
     as one more choice: (B, nh, Tq, Tk) in q's dtype."""
     k = repeat_kv(k, q.size(1))
-    return softmax_with_sink(attention_scores(q, k, scale=scale, mask=mask, bias=bias), sink).type_as(q)
+    return softmax_with_sink(attention_scores(q, k, scale=scale, mask=mask, bias=bias, softcap=softcap),
+                             sink).type_as(q)
 
 
-def reference_attention(q, k, v, *, scale: float, mask=None, bias=None, sink=None, dropout_p: float = 0.0):
-    """The attention function written out: explicit weights (attention_weights), weights @ V."""
-    weights = attention_weights(q, k, scale=scale, mask=mask, bias=bias, sink=sink)
+def reference_attention(q, k, v, *, scale: float, mask=None, bias=None, sink=None, dropout_p: float = 0.0,
+                        softcap=None):
+    """The attention function written out: explicit weights (attention_weights), weights @ V; the one
+    path that takes a soft-cap (the fused kernels have no place for it)."""
+    weights = attention_weights(q, k, scale=scale, mask=mask, bias=bias, sink=sink, softcap=softcap)
     if dropout_p > 0:
         weights = F.dropout(weights, p=dropout_p)
     return weights @ repeat_kv(v, q.size(1))
@@ -297,7 +307,9 @@ class CausalSelfAttention(nn.Module):
 
     Slots, filled once at construction by variants/__init__.py (None: the plain path): `path`, the
     function that attends; `bias`, a logit bias (ALiBi); `sink`, a logit per head for a key of value
-    zero; `gate`, an output gate; `select`, a choice of keys by content that narrows the mask (MoBA)."""
+    zero; `gate`, an output gate; `select`, a choice of keys by content that narrows the mask (MoBA);
+    `softcap`, c·tanh(s/c) on its scaled scores (model.attn.softcap: the layer then attends by the
+    written-out path, and the probe reads the capped scores)."""
     softmax = True  # its weights are a softmax of logits: the attention probe reads them
 
     def __init__(self, config, layer: int, *, path=sdpa_attention, bias=None, sink=None, gate=None, select=None):
@@ -308,7 +320,8 @@ class CausalSelfAttention(nn.Module):
         self.dropout = config.dropout
         self.make_projections(config)
         self.resid_dropout = nn.Dropout(config.dropout)
-        self.attend = path
+        self.softcap = config.attn.softcap or None
+        self.attend = partial(reference_attention, softcap=self.softcap) if self.softcap else path
         pattern = config.attn.window_pattern
         local = config.attn.window is not None and pattern[layer % len(pattern)] == "L"
         self.window = config.attn.window if local else None  # this layer's own window (None: global)
@@ -389,7 +402,8 @@ class CausalSelfAttention(nn.Module):
 
     def through_pattern(self, q, k, v, *, scale, mask, bias, sink, dropout_p):
         """The written-out path with its weights (B, nh, Tq, Tk) passed through hook_pattern."""
-        weights = self.hook_pattern(attention_weights(q, k, scale=scale, mask=mask, bias=bias, sink=sink))
+        weights = self.hook_pattern(attention_weights(q, k, scale=scale, mask=mask, bias=bias, sink=sink,
+                                                      softcap=self.softcap))
         return F.dropout(weights, p=dropout_p) @ repeat_kv(v, q.size(1))
 
     def positions(self, pos, T: int, kv_cache=None, n_keys: Optional[int] = None):
@@ -418,17 +432,18 @@ class CausalSelfAttention(nn.Module):
         mask = Mask(q1 - q0, q1, self.window)  # the queries are the last q1 - q0 of the q1 positions
         if self.select is not None:
             mask = self.select(q, k, mask, at(q0, q1), at(0, q1))
-        return attention_scores(q, k, scale=self.scale, mask=mask, bias=bias), self.sink_logit
+        return attention_scores(q, k, scale=self.scale, mask=mask, bias=bias, softcap=self.softcap), self.sink_logit
 
     def logit_bound(self):
         """With QK-Norm, the largest |logit| any input can give: scale * |q_hat| * |k_hat|, where
         |x_hat| = sqrt(hs) after rms or layer norm and 1 after l2, times the largest |gain| of q and
-        of k. None without QK-Norm (then logits grow with the inputs)."""
+        of k; with a soft-cap c (model.attn.softcap), c at most. None with neither (then logits grow with
+        the inputs)."""
         if self.norm_kind is None:
-            return None
+            return self.softcap
         norm_sq = 1.0 if self.norm_kind == "l2" else float(self.head_dim)
         gains = 1.0 if self.q_gain is None else self.q_gain.abs().max().item() * self.k_gain.abs().max().item()
-        return self.scale * norm_sq * gains
+        return min(self.scale * norm_sq * gains, self.softcap or math.inf)
 
     def new_cache(self, batch_size: int, length: int, *, device=None, dtype=torch.float32, make=KVCache, **_):
         """This layer's KV cache for generation: `length` positions, or its window's if shorter, kept

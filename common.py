@@ -65,14 +65,18 @@ def cli(main):
     def wrapper(*args, **kwargs):
         global entered
         entered = True
-        if threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGTERM, raise_terminated)
+        main_thread = threading.current_thread() is threading.main_thread()
+        if main_thread:  # restored on the way out: a caller in Python (a test, a notebook) keeps its own
+            previous = signal.signal(signal.SIGTERM, raise_terminated), sys.unraisablehook
             sys.unraisablehook = redeliver_lost_interrupt
         try:
             return main(*args, **kwargs)
         except UserError as e:
             forget_hydra_run_dir()
             print(f"error: {e}", file=sys.stderr)
+            if in_sweep():  # one job of a sweep failed: the sweep records it and goes on (sweep.py)
+                from sweep import JobFailed
+                raise JobFailed(str(e)) from None
             sys.exit(1)
         except KeyboardInterrupt as e:
             forget_hydra_run_dir()
@@ -87,8 +91,22 @@ def cli(main):
                 raise
             print(f"error: out of memory ({first_line(e)}): lower the batch size, sequence length or model "
                   "size", file=sys.stderr)
+            if in_sweep():
+                from sweep import JobFailed
+                raise JobFailed(f"out of memory ({first_line(e)})") from None
             sys.exit(1)
+        finally:
+            if main_thread:
+                signal.signal(signal.SIGTERM, previous[0])
+                sys.unraisablehook = previous[1]
     return wrapper
+
+
+def in_sweep() -> bool:
+    """Is this a job of a Hydra multirun (`-m`)?"""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
 
 
 def first_line(e, limit=200) -> str:

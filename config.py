@@ -15,11 +15,12 @@ from typing import ClassVar, List, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
 
+import sweep  # noqa: F401  (registers ${short:...}, which names a sweep's job directories)
 from common import DTYPES
 from rules import FRACTION, NON_NEGATIVE, POSITIVE, SEED, Needs, OneOf, Range, UserError, check_values, warn_ignored
 from model import GPTConfig
 from variants import ROPE_SCALINGS, SELECTS
-from optim import LR_SCHEDULES, MUON_ADJUST_LR, MUON_NS_DTYPES, OPTIMIZERS
+from optim import LR_SCHEDULES, MUON_ADJUST_LR, MUON_NS_DTYPES, OPTIMIZERS, WEIGHT_DECAY_MODES, min_lr
 from parallel import PARALLEL
 from tracking import WANDB_MODES, check_wandb_mode
 
@@ -71,7 +72,8 @@ class TrainConfig:
     grad_accum: Optional[int] = None  # micro-batches per optimizer step, split across processes; unset: one per process
     max_iters: int = 2000  # optimizer steps
     lr: float = 2e-3  # peak learning rate
-    min_lr: float = 2e-4  # floor of the cosine decay
+    min_lr: Optional[float] = 2e-4  # floor of the cosine decay (null with min_lr_ratio)
+    min_lr_ratio: Optional[float] = None  # the floor as a fraction of lr instead (e.g. 0.1; then min_lr=null)
     warmup_iters: int = 100  # linear warmup steps
     lr_decay_iters: Optional[int] = None  # steps until min_lr; default max_iters
     lr_schedule: str = "cosine"  # cosine | wsd (constant, then a linear cooldown over the last cooldown_frac)
@@ -79,6 +81,8 @@ class TrainConfig:
     beta1: float = 0.9
     beta2: float = 0.99
     weight_decay: float = 0.1  # on matrices only
+    weight_decay_mode: str = "coupled"  # coupled (AdamW's: a step shrinks by lr_t * wd) | independent (by lr_t / lr * wd: not by the peak lr)
+    z_loss: float = 0.0  # > 0: add z_loss * (log Z)^2 of the output softmax to the loss (PaLM: 1e-4); train/log_z logged
     # optimizer: adamw, or muon = torch.optim.Muon on the blocks' Linear weights + AdamW (lr, betas, weight_decay
     # above) on everything else; the lr schedule scales both (optim.py)
     optimizer: str = "adamw"  # adamw | muon
@@ -99,7 +103,8 @@ class TrainConfig:
     probe_batch_size: int = 4  # sequences in the fixed attention probe batch
     ckpt_interval: Optional[int] = None  # steps between checkpoints; default eval_interval
     keep_ckpts: int = 2  # periodic checkpoints kept (best.pt is kept besides)
-    skip_nonfinite: int = 0  # steps with NaN/Inf loss or gradients skipped before the run stops
+    skip_nonfinite: int = 0  # steps with NaN/Inf loss or gradients skipped; one more and the run has diverged
+    collapse_entropy: float = 0.1  # warn when a layer's mean attention entropy on the probe falls below this (nats); 0 = off
     peak_flops: Optional[float] = None  # FLOP/s that MFU is measured against; default: the GPU's table entry
     data_seed: Optional[int] = None  # seed of the batch order, the eval windows and the probe batch; unset: seed
     final_eval_tokens: int = 1000000  # at the last step, val loss over the whole val split up to this many tokens; 0 = off
@@ -109,7 +114,9 @@ class TrainConfig:
     RULES: ClassVar[dict] = {
         "batch_size": POSITIVE, "grad_accum": POSITIVE, "max_iters": NON_NEGATIVE,
         "lr": Range(0, 10, lo_open=True, why="a larger lr diverges at once"),
-        "min_lr": NON_NEGATIVE, "warmup_iters": NON_NEGATIVE, "lr_decay_iters": POSITIVE,
+        "min_lr": NON_NEGATIVE, "min_lr_ratio": Range(0, 1, why="a fraction of train.lr"),
+        "weight_decay_mode": OneOf(WEIGHT_DECAY_MODES), "z_loss": Range(0, why="0 turns the z-loss off"),
+        "collapse_entropy": Range(0, why="0 turns the collapse warning off"), "warmup_iters": NON_NEGATIVE, "lr_decay_iters": POSITIVE,
         "lr_schedule": OneOf(tuple(LR_SCHEDULES)), "cooldown_frac": Range(0, 1, lo_open=True),
         "beta1": FRACTION, "beta2": FRACTION, "weight_decay": NON_NEGATIVE,
         "optimizer": OneOf(OPTIMIZERS),
@@ -132,6 +139,8 @@ class TrainConfig:
                                      "{p}optimizer=muon and {p}muon_momentum_warmup > 0"),
         "cooldown_frac": Needs(lambda t: t.lr_schedule == "wsd", "{p}lr_schedule=wsd"),
         "probe_batch_size": Needs(lambda t: t.log_attn_interval != 0, "the attention probe runs "
+                                  "({p}log_attn_interval=0 turns it off)"),
+        "collapse_entropy": Needs(lambda t: t.log_attn_interval != 0, "the attention probe runs "
                                   "({p}log_attn_interval=0 turns it off)"),
     }
 
@@ -227,9 +236,13 @@ def check_train_config(cfg) -> list:
     warn_ignored(more)  # what the model's pieces ignore besides (GPTConfig: n_embd divisible by n_head, etc.)
     check_wandb_mode(cfg.logger.wandb)  # online needs a key
     t = cfg.train
-    if t.min_lr > t.lr:
+    if (t.min_lr is None) == (t.min_lr_ratio is None):
+        raise UserError(f"train.min_lr={t.min_lr} and train.min_lr_ratio={t.min_lr_ratio}: set exactly one floor "
+                        "of the lr schedule (train.min_lr=null with train.min_lr_ratio=R, or min_lr_ratio=null)")
+    if min_lr(t) > t.lr:
         raise UserError(f"train.min_lr={t.min_lr} is above train.lr={t.lr}: the cosine \"decay\" would raise the "
-                        "learning rate; set min_lr <= lr (e.g. lr/10)")
+                        "learning rate; set min_lr <= lr (e.g. lr/10), or give the floor as train.min_lr_ratio "
+                        "(with train.min_lr=null)")
     if t.optimizer == "muon" and t.parallel == "fsdp":
         raise UserError("train.optimizer=muon with train.parallel=fsdp is not supported: Muon's Newton-Schulz step "
                         "orthogonalises each whole matrix, and FSDP leaves each process only some of its rows; use "
@@ -238,9 +251,14 @@ def check_train_config(cfg) -> list:
         raise UserError(f"train.lr_decay_iters={t.lr_decay_iters} is not past train.warmup_iters={t.warmup_iters}: the "
                         "lr would drop from its peak straight to train.min_lr when the warmup ends; set "
                         "lr_decay_iters > warmup_iters (or leave it unset: train.max_iters)")
-    if t.lr * t.weight_decay >= 1:
+    if t.weight_decay_mode == "independent" and t.weight_decay >= 1:
+        raise UserError(f"train.weight_decay={t.weight_decay} with train.weight_decay_mode=independent is >= 1: each "
+                        "step would zero or flip every weight at the schedule's peak; use weight_decay < 1 "
+                        "(Wortsman et al. use about 1e-4)")
+    if t.weight_decay_mode == "coupled" and t.lr * t.weight_decay >= 1:
         raise UserError(f"train.weight_decay={t.weight_decay} times train.lr={t.lr} is >= 1: AdamW would zero or "
-                        "flip every weight each step; use weight_decay < 1/lr")
+                        "flip every weight each step; use weight_decay < 1/lr, or train.weight_decay_mode=independent (the decay "
+                        "then does not grow with the peak lr)")
     return ignored + more
 
 

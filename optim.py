@@ -35,10 +35,11 @@ def build_optimizer(model, tcfg, device):
     config an AdamW step takes 0.55 ms fused against 1.8 ms, ~3% of a training step)."""
     fused = device.type in ("cuda", "cpu")
     if tcfg.optimizer == "adamw":
-        return adamw(model, tcfg.lr, tcfg.weight_decay, (tcfg.beta1, tcfg.beta2), fused=fused)
+        return adamw(model, tcfg.lr, decay_factor(tcfg.weight_decay, tcfg.lr, tcfg), (tcfg.beta1, tcfg.beta2),
+                     fused=fused)
     muon_params, decay, no_decay = split_params(model)
     muon_lr = tcfg.lr if tcfg.muon_lr is None else tcfg.muon_lr
-    wd = tcfg.weight_decay if tcfg.muon_weight_decay is None else tcfg.muon_weight_decay
+    wd = decay_factor(tcfg.weight_decay if tcfg.muon_weight_decay is None else tcfg.muon_weight_decay, muon_lr, tcfg)
     ns_dtype = tcfg.muon_ns_dtype
     if ns_dtype == "auto":  # bf16 where matmuls run natively in it (torch's choice), else fp32
         ns_dtype = "bfloat16" if has_native_bf16(device) else "float32"
@@ -52,10 +53,30 @@ def build_optimizer(model, tcfg, device):
     muon = Muon(groups, lr=muon_lr, weight_decay=wd,
                 momentum=tcfg.muon_momentum, nesterov=True, ns_steps=tcfg.muon_ns_steps,
                 adjust_lr_fn=tcfg.muon_adjust_lr, ns_dtype=MUON_NS_DTYPES[ns_dtype])
-    rest = torch.optim.AdamW([{"params": decay, "weight_decay": tcfg.weight_decay},
+    rest = torch.optim.AdamW([{"params": decay, "weight_decay": decay_factor(tcfg.weight_decay, tcfg.lr, tcfg)},
                               {"params": no_decay, "weight_decay": 0.0}],
                              lr=tcfg.lr, betas=(tcfg.beta1, tcfg.beta2), fused=fused)
     return MuonAdamW(muon, rest, tcfg.muon_momentum_start, tcfg.muon_momentum_warmup)
+
+
+WEIGHT_DECAY_MODES = ("coupled", "independent")
+
+
+def decay_factor(weight_decay: float, peak_lr: float, tcfg) -> float:
+    """The weight_decay torch's AdamW (and Muon) take, whose step shrinks a weight by lr_t * weight_decay.
+    train.weight_decay_mode=coupled (the default, AdamW as Loshchilov & Hutter wrote it): that product,
+    so the decay grows with the peak lr. independent (Wortsman et al. 2023, arXiv 2309.14322): the shrink
+    per step is s_t * weight_decay, s_t = lr_t / peak lr the schedule's factor, whatever the peak lr, so
+    an lr sweep changes the step size alone; torch's factor is then weight_decay / peak lr."""
+    independent = getattr(tcfg, "weight_decay_mode", "coupled") == "independent"
+    return weight_decay / peak_lr if independent else weight_decay
+
+
+def min_lr(tcfg) -> float:
+    """The schedule's floor: train.min_lr_ratio times the peak lr when set (an lr sweep then decays
+    every lr to the same fraction), else train.min_lr."""
+    ratio = getattr(tcfg, "min_lr_ratio", None)
+    return tcfg.lr * ratio if ratio is not None else tcfg.min_lr
 
 
 def adamw(model, lr, weight_decay, betas=(0.9, 0.95), fused=False):
@@ -224,12 +245,13 @@ LR_SCHEDULES = {"cosine": cosine, "wsd": wsd}
 def lr_at(step: int, tcfg) -> float:
     """Linear warmup to lr, then `train.lr_schedule`'s decay to min_lr at lr_decay_iters, then min_lr."""
     decay_iters = tcfg.lr_decay_iters or tcfg.max_iters
+    floor = min_lr(tcfg)
     if step < tcfg.warmup_iters:
         return tcfg.lr * (step + 1) / (tcfg.warmup_iters + 1)
     if step >= decay_iters:
-        return tcfg.min_lr
+        return floor
     progress = (step - tcfg.warmup_iters) / max(1, decay_iters - tcfg.warmup_iters)
-    return tcfg.min_lr + LR_SCHEDULES[tcfg.lr_schedule](progress, tcfg.cooldown_frac) * (tcfg.lr - tcfg.min_lr)
+    return floor + LR_SCHEDULES[tcfg.lr_schedule](progress, tcfg.cooldown_frac) * (tcfg.lr - floor)
 
 
 def set_lr(optimizer, lr: float):
@@ -238,23 +260,45 @@ def set_lr(optimizer, lr: float):
         group["lr"] = lr * group.get("lr_scale", 1.0)
 
 
-def train_step(model, optimizer, batches, grad_accum, grad_clip, runtime, scaler, world=1):
+def z_loss_term(logits, targets):
+    """PaLM's auxiliary z-loss (Chowdhery et al. 2022, arXiv 2204.02311): the mean over predicted
+    positions of (log Z)^2, Z = sum_v exp(logit_v), which pulls the softmax's normaliser toward 1 (log Z
+    toward 0) without changing which token wins. Returns ((log Z)^2, log Z), both means over positions
+    whose target is not -1."""
+    log_z = logits.float().logsumexp(dim=-1)
+    keep = (targets != -1).float()
+    n = keep.sum().clamp(min=1)
+    return (log_z.square() * keep).sum() / n, (log_z.detach() * keep).sum() / n
+
+
+def train_step(model, optimizer, batches, grad_accum, grad_clip, runtime, scaler, world=1, z_loss=0.0, extra=None):
     """One optimizer step over this process's micro-batches (x, y), each weighted 1/grad_accum so
     the step sees their mean (DDP, or FSDP's reduce-scatter, then averages over processes; FSDP
     reduces every micro-batch, DDP the last). grad_accum: this process's share of them. Returns
     (the mean loss of the step's whole global batch, every micro-batch of every process: the same
     figure whatever the number of processes; global grad norm; finite): a step whose loss or
-    gradients are not finite on any rank is skipped on every rank, the weights untouched."""
+    gradients are not finite on any rank is skipped on every rank, the weights untouched.
+    z_loss > 0: the objective adds z_loss * (log Z)^2 (z_loss_term); the loss returned stays the
+    cross-entropy, and `extra` (a dict) receives this process's mean log Z as "log_z"."""
     batches = list(batches)
     device = runtime.device
     total = torch.zeros((), device=device)
+    log_z = torch.zeros((), device=device)
     for i, (x, y) in enumerate(batches):
         # under DDP, gradients are all-reduced once, on the last micro-batch
         sync = i == len(batches) - 1 or not hasattr(model, "no_sync")
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         with (nullcontext() if sync else model.no_sync()), runtime.autocast():
-            _, loss = model(x.to(device, non_blocking=True), y.to(device, non_blocking=True))
-        scaler.scale(loss / grad_accum).backward()
+            logits, loss = model(x, y)
+            objective = loss
+            if z_loss:
+                z_sq, z = z_loss_term(logits, y)
+                objective = loss + z_loss * z_sq
+                log_z += z
+        scaler.scale(objective / grad_accum).backward()
         total += loss.detach().float()
+    if z_loss and extra is not None:
+        extra["log_z"] = log_z / len(batches)
     scaler.unscale_(optimizer)
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip if grad_clip > 0 else float("inf"))
     if hasattr(grad_norm, "full_tensor"):  # FSDP: a DTensor, the norm over every rank's shards, replicated

@@ -82,6 +82,18 @@ class Tracker:
             import wandb
             self.run.log({key: wandb.Image(str(path))}, step=step)
 
+    def summarize(self, results: dict):
+        """The run's results: results.json in the run dir (written whole, then renamed into place) and
+        the W&B run's summary."""
+        if not self.enabled:
+            return
+        path = self.path.with_name("results.json")
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        tmp.write_text(json.dumps(results, indent=1, default=str) + "\n")
+        os.replace(tmp, path)
+        if self.run is not None:
+            self.run.summary.update({k: v for k, v in results.items() if v is not None})
+
     def close(self):
         if not self.enabled:
             return

@@ -38,6 +38,7 @@ from common import (Dist, Runtime, StopRequest, all_ranks_agree, check_memory, c
                     dir_mode, first_line, forget_hydra_run_dir, init_distributed, is_oom, lock_run_dir, new_run_dir,
                     peak_flops, remove_new_run_dir, remove_stale_temps, run_app, run_info, setup_runtime)
 from rules import UserError
+from stability import Watch, diverged_line
 from config import check_train_config, data_seed, model_config
 from counting import training_bytes
 from data.loader import TokenData
@@ -83,11 +84,14 @@ class Run:
     attn_history: list = field(default_factory=list)
     updates: int = 0  # optimizer steps taken by this process (skipped ones not counted)
     indexer_kl: Optional[torch.Tensor] = None  # select=indexer: the latest step's KL, mean over layers and micro-batches
+    log_z: Optional[torch.Tensor] = None  # train.z_loss > 0: the latest step's mean log Z of the output softmax
+    update_norm: Optional[float] = None  # the latest logged step's ||theta_after - theta_before||
     wandb_id: Optional[str] = None  # a resumed run's W&B run, continued
     extensions: list = field(default_factory=list)  # context extensions: (step, block_size and RoPE scaling changes)
     parallel: object = None  # parallel.Replicated (one process, DDP) or FullyShard (FSDP), chosen once in build()
     log_file: Optional[logging.Handler] = None  # train.log in the run dir (rank 0), from record() on
     ignored: list = field(default_factory=list)  # settings without effect in this config (warned, in run_info.json)
+    watch: Watch = field(default_factory=Watch)  # divergence, attention collapse, spikes (stability.py)
 
     @property
     def finished(self) -> bool:
@@ -128,16 +132,18 @@ def train(cfg, run_name=None, run_group=None, overrides=None) -> dict:
                         evaluate(run, last)
                     if run.probe is not None and due(run.step, probe_every(tcfg), last):
                         probe_s += probe_attention(run)
-                    if run.step > 0 and due(run.step, ckpt_every, last):
+                    if run.step > 0 and due(run.step, ckpt_every, last) and not diverged(run):
                         save(run)  # on every rank: see save()
                 if not last:
                     stop.agree(run.rt.device, run.dist.world)
-            if last or stop.signal:
+            if last or stop.signal or diverged(run):
                 break
             loss, grad_norm, lr = optimizer_step(run)
             meter.steps += 1
-            if run.step % tcfg.log_interval == 0 or run.step == tcfg.max_iters:
+            if run.step % tcfg.log_interval == 0 or run.step == tcfg.max_iters or run.watch.stop:
                 log_progress(run, meter, loss, grad_norm, lr, peak)
+            if diverged(run):  # a result, not an error: recorded, and the run ends here
+                break
         if stop.signal and run.saved_at != run.step:
             save(run)  # on every rank: see save()
         if stop.signal and master:
@@ -145,6 +151,7 @@ def train(cfg, run_name=None, run_group=None, overrides=None) -> dict:
             print(f"stopped by {stop.signal} at step {run.step}; checkpoint {path}\nresume with: "
                   f"python train.py hydra.run.dir={run.out_dir} resume=true (and the same overrides)", file=sys.stderr)
         write_plots(run)
+        results = record_results(run)
     except RuntimeError as e:
         if is_oom(e):
             raise oom_error(e, run) from None
@@ -152,11 +159,37 @@ def train(cfg, run_name=None, run_group=None, overrides=None) -> dict:
     finally:
         stop.restore()
         close(run)
-    result = summary(run, meter.tokens_per_sec, stop.signal, time.perf_counter() - t_start, meter.train_s, probe_s)
-    log.info("done: val loss %.4f (best %.4f) after %d steps; run dir %s; attention probes took %.2f s "
-             "(%.2f%% of training time)", result["val_loss"] or math.nan, run.best_val, run.step, run.out_dir,
-             probe_s, 100 * probe_s / max(meter.train_s, 1e-9))
+    result = {**summary(run, meter.tokens_per_sec, stop.signal, time.perf_counter() - t_start, meter.train_s, probe_s),
+              **results}
+    if result["diverged"]:
+        log.warning("%s; run dir %s", diverged_line(result), run.out_dir)
+    else:
+        log.info("done: val loss %.4f (best %.4f) after %d steps; run dir %s; attention probes took %.2f s "
+                 "(%.2f%% of training time)", result["val_loss"] or math.nan, run.best_val, run.step, run.out_dir,
+                 probe_s, 100 * probe_s / max(meter.train_s, 1e-9))
     return result
+
+
+def diverged(run: Run) -> bool:
+    """Has the run diverged (stability.Watch)? Every rank takes rank 0's decision: one stops, all stop."""
+    return all_ranks_agree(run.watch.stop is not None, run.rt.device, run.dist.world)
+
+
+def record_results(run: Run) -> dict:
+    """The run's results (its stability figures beside its losses) in results.json, the W&B summary
+    and, when it diverged, one metrics line that says where."""
+    results = run.watch.results()
+    if results["diverged"]:
+        good = last_good_checkpoint(run.out_dir, run.step) if run.dist.master else None
+        results["last_good_checkpoint"] = str(good) if good else None
+        results["lr"] = run.cfg.train.lr
+        log_metrics(run, {"diverged": 1, "diverged_step": results["diverged_step"],
+                          **({"last_finite_loss": results["diverged_last_finite_loss"]}
+                             if results["diverged_last_finite_loss"] is not None else {})})
+    run.tracker.summarize({"val_loss": run.evals.get("val"), "val_loss_full": run.evals.get("val_full"),
+                           "best_val_loss": run.best_val if math.isfinite(run.best_val) else None,
+                           "steps": run.step, **results})
+    return results
 
 
 def summary(run: Run, tokens_per_sec=None, stopped=None, wall_s=0.0, train_s=0.0, probe_s=0.0) -> dict:
@@ -175,7 +208,7 @@ def already_finished(run: Run) -> dict:
                 "pass train.max_iters > %d to train on", run.out_dir, run.step,
                 "unknown" if run.evals["val"] is None else f"{run.evals['val']:.4f}", run.best_val, run.step)
     close(run)
-    return summary(run)
+    return {**summary(run), **run.watch.results()}
 
 
 def close(run: Run):
@@ -282,7 +315,7 @@ def build(cfg, out_dir, dist_, grad_accum, lock, init_from=None) -> Run:
         fwd_model = torch.compile(fwd_model)
     return Run(cfg, out_dir, dist_, rt, data, mcfg, model, fwd_model, optimizer, scaler,
                sampler=torch.Generator().manual_seed(data_seed(cfg)), grad_accum=grad_accum, compiled=compiled,
-               lock=lock, file_mode=file_mode, parallel=par)
+               lock=lock, file_mode=file_mode, parallel=par, watch=Watch(tcfg.collapse_entropy))
 
 
 def restore(run: Run, state: dict, source: Path, extension=None, continues=True):
@@ -308,6 +341,7 @@ def restore(run: Run, state: dict, source: Path, extension=None, continues=True)
         raise UserError(f"cannot resume from {source}: its optimizer or random state does not fit this run "
                         f"({type(e).__name__}: {first_line(e, 120)}); resume with the run's own config") from None
     run.step, run.best_val = state["step"], state["best_val_loss"]
+    run.watch.load_state_dict(state.get("watch") or {})  # older checkpoints: watched from here on
     run.wandb_id = state.get("wandb_id") if continues else None
     run.resuming, run.saved_at, run.evals = True, run.step, {"val": state.get("val_loss")}
     run.extensions = list(state.get("context_extensions") or [])
@@ -378,7 +412,8 @@ def checkpoint_contents(run: Run, full: bool = True) -> dict:
     if full:
         state.update(optimizer=run.parallel.optimizer_state(run.model, run.optimizer), scaler=run.scaler.state_dict(),
                      sampler=run.sampler.get_state(), rng=rng_state(run.rt.device, run.dist.world),
-                     wandb_id=run.tracker.run.id if run.tracker.run is not None else None)
+                     wandb_id=run.tracker.run.id if run.tracker.run is not None else None,
+                     watch=run.watch.state_dict())
     bad = [n for n, t in state["model"].items() if t.is_floating_point() and not torch.isfinite(t).all()]
     if bad:  # never write a checkpoint that holds NaN/Inf
         raise UserError(f"weights are not finite at step {run.step} ({bad[0]}): not saving; "
@@ -458,7 +493,7 @@ def evaluate(run: Run, last: bool = False):
         run.evals["val_full"] = full
         line.update({"val/loss_full": full, "val/tokens_full": tokens, **({"val/bpc_full": full * bpc} if bpc else {})})
         log.info("step %d: val loss %.4f over the whole val split (%d tokens)", run.step, full, tokens)
-    run.tracker.log(line, run.step)
+    log_metrics(run, line)
     log.info("eval step %d: train loss %.4f, val loss %.4f%s", run.step, run.evals["train"], run.evals["val"],
              "".join(f", {k} {v:.4f}" for k, v in run.metrics.items()))
     # every rank takes the same decision: under FSDP the weights are gathered from all of them
@@ -476,32 +511,58 @@ def probe_attention(run: Run) -> float:
     t0 = time.perf_counter()
     with run.rt.autocast():
         stats = run.probe.run(run.model)
-    run.tracker.log(stats, run.step)
+    log_metrics(run, stats)
     run.attn_history.append({"step": run.step, **stats})
     return time.perf_counter() - t0
 
 
+def log_metrics(run: Run, line: dict):
+    """One metrics line of this step: to metrics.jsonl and W&B, and to the run's stability watch."""
+    run.tracker.log(line, run.step)
+    run.watch.see(run.step, line)
+
+
 def optimizer_step(run: Run):
-    """One training step on this process's share of a freshly drawn global batch."""
+    """One training step on this process's share of a freshly drawn global batch. A step whose loss
+    or gradients are not finite is skipped; more of them than train.skip_nonfinite allows is a
+    divergence (stability.py), unless the fresh model already gives one (then its config is at fault)."""
     tcfg, T = run.cfg.train, run.mcfg.block_size
     lr = lr_at(run.step, tcfg)
     set_lr(run.optimizer, lr)
     starts = run.data.sample_starts("train", (run.grad_accum, tcfg.batch_size), T, run.sampler)
     local = run.grad_accum // run.dist.world
     batches = (run.data.batch("train", s, T) for s in starts[run.dist.rank * local:(run.dist.rank + 1) * local])
+    logged = (run.step + 1) % tcfg.log_interval == 0 or run.step + 1 == tcfg.max_iters
+    before = [p.detach().clone() for p in run.model.parameters()] if logged else None  # for the update's norm
+    extra = {}
     loss, grad_norm, finite = train_step(run.fwd_model, run.optimizer, batches, local, tcfg.grad_clip, run.rt,
-                                         run.scaler, run.dist.world)
+                                         run.scaler, run.dist.world, z_loss=tcfg.z_loss, extra=extra)
     run.indexer_kl = indexer_kl(run.model)  # None without an indexer
+    run.log_z = extra.get("log_z")
+    run.update_norm = update_norm(before, run.model) if logged and finite else None
+    run.watch.step(run.step, loss.item(), grad_norm.item())  # floats: train_step has synchronised already
     if not finite:
         run.skipped += 1
         log.warning("step %d: loss %s / grad norm %s not finite, step skipped (%d of %d allowed)",
                     run.step, loss.item(), grad_norm.item(), run.skipped, tcfg.skip_nonfinite)
         if run.skipped > tcfg.skip_nonfinite:
-            raise nonfinite_error(run, loss.item())
+            if run.updates == 0 and not run.resuming:
+                raise nonfinite_error(run, loss.item())
+            run.watch.nonfinite(run.step + 1, loss.item(), tcfg.skip_nonfinite)
     else:
         run.updates += 1
     run.step += 1
     return loss, grad_norm, lr
+
+
+def update_norm(before: list, model) -> float:
+    """The global L2 norm of what the optimizer step changed, ||theta_after - theta_before|| (under
+    FSDP each process holds a shard: the squares are summed over processes)."""
+    total = 0.0
+    for old, p in zip(before, model.parameters()):
+        sq = (p.detach() - old).float().pow(2).sum()
+        total = total + (sq.full_tensor() if hasattr(sq, "full_tensor") else sq)
+    return math.sqrt(float(total))
 
 
 def nonfinite_error(run: Run, loss: float) -> UserError:
@@ -545,7 +606,8 @@ def log_progress(run: Run, meter: Throughput, loss, grad_norm, lr, peak):
     loss_value = loss.item()  # waits for the device, so the time read next covers its work
     tok_s, ms = meter.read()
     line = {"train/loss": loss_value, "lr": lr, "grad_norm": grad_norm.item(), "tokens_per_sec": tok_s,
-            "ms_per_iter": ms}
+            "ms_per_iter": ms, **({"update_norm": run.update_norm} if run.update_norm is not None else {}),
+            **({"train/log_z": run.log_z.item()} if run.log_z is not None else {})}
     if peak:  # tokens_per_sec counts every process's tokens; MFU is per GPU
         line["mfu"] = run.model.flops_per_token() * tok_s / (peak * run.dist.world)
     if run.indexer_kl is not None:  # the mean over processes too, as the loss is
@@ -553,7 +615,7 @@ def log_progress(run: Run, meter: Throughput, loss, grad_norm, lr, peak):
         if run.dist.world > 1:
             dist.all_reduce(kl)
         line["train/indexer_kl"] = kl.item() / run.dist.world
-    run.tracker.log(line, run.step)
+    log_metrics(run, line)
     eta = (run.cfg.train.max_iters - run.step) * ms / 1000
     log.info("step %d/%d | loss %.4f%s | lr %.2e | %.0f tok/s | %.1f ms/iter%s | ETA %s", run.step,
              run.cfg.train.max_iters, loss_value,
@@ -643,6 +705,10 @@ def main(cfg):
         cfg.out_dir = HydraConfig.get().runtime.output_dir
     name, group, overrides = hydra_run_info()
     result = train(cfg, run_name=name, run_group=group, overrides=overrides)
+    if result["diverged"]:  # a result: a sweep goes on with its next job (sweep.py counts them)
+        if group is None:
+            raise UserError(f"{diverged_line(result)}; run dir {result['out_dir']}")
+        print(f"{diverged_line(result)}; run dir {result['out_dir']}", file=sys.stderr)
     if result["stopped"] and group is not None:  # a signal stops the whole sweep, not only this run
         print("sweep stopped: the runs after this one were not started", file=sys.stderr)
         sys.exit(0)

@@ -3,6 +3,7 @@ forced to CPU, tiny sizes and tmp_path, with W&B disabled unless a test turns it
 fixtures that start processes, which mark their tests `slow`. What tests share besides fixtures is
 in helpers.py."""
 import os
+import sys
 
 # OpenMP threads that spin while they wait make every op take a scheduler time slice once more
 # processes than cores compute (a test's subprocess next to the test itself, or a shared
@@ -24,6 +25,45 @@ from helpers import TINY, compose_cfg, dead_pid as exited_pid, popen_cli, run_ch
 os.environ.setdefault("WANDB_SILENT", "true")
 os.environ.pop("WANDB_MODE", None)  # tests choose the mode explicitly
 torch.set_num_threads(min(THREADS, torch.get_num_threads()))
+
+# set by pytest, by inductor's first compile, by W&B's service, by scikit-learn's import (through lm-eval or
+# datasets): the libraries' own bookkeeping
+LIBRARIES_OWN_ENV = ("PYTEST_CURRENT_TEST", "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR", "WANDB_SERVICE",
+                     "KMP_DUPLICATE_LIB_OK")
+
+
+def _global_state():
+    """What one test can change for every later test in its worker: torch's threads, default dtype and
+    grad mode, its compiler config modules, the signal handlers, and the environment."""
+    import signal
+
+    import torch._dynamo.config
+    import torch._functorch.config
+    import torch._inductor.config
+    return {"threads": torch.get_num_threads(), "default dtype": torch.get_default_dtype(),
+            "grad mode": torch.is_grad_enabled(),
+            "torch._inductor.config": torch._inductor.config.get_config_copy(),
+            "torch._functorch.config": torch._functorch.config.get_config_copy(),
+            "torch._dynamo.config": torch._dynamo.config.get_config_copy(),
+            "signal handlers": {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGALRM)},
+            "unraisable hook": sys.unraisablehook,
+            "environment": {k: v for k, v in os.environ.items() if k not in LIBRARIES_OWN_ENV}}
+
+
+@pytest.fixture(autouse=True)
+def leaves_global_state_as_found():
+    """A test that changes global state must restore it (monkeypatch, torch's config.patch, a
+    subprocess): a leak makes a later test in the same worker pass or fail by the order of the files."""
+    before = _global_state()
+    yield
+    after = _global_state()
+    changed = [k for k in before if before[k] != after[k]]
+    if changed:
+        detail = {k: sorted(str(n) for n in before[k].keys() | after[k].keys()
+                            if before[k].get(n, "unset") != after[k].get(n, "unset"))[:4]
+                  if isinstance(before[k], dict) else (before[k], after[k]) for k in changed}
+        pytest.fail(f"the test left global state changed: {detail}", pytrace=False)
+
 
 # Fixtures that start processes: every test that uses one (directly or through another fixture) is
 # marked `slow` at collection, so `pytest -m "not slow"` starts none.

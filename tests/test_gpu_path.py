@@ -51,6 +51,7 @@ def test_resume_restores_rng_states_on_a_device_other_than_the_cpu(train_cfg, tm
 def test_mfu_is_per_gpu_when_tokens_per_sec_counts_every_process():
     logged = []
     run = types.SimpleNamespace(model=types.SimpleNamespace(flops_per_token=lambda: 6e6), step=10, indexer_kl=None,
+                                update_norm=None, log_z=None, watch=train_module.Watch(),
                                 dist=Dist(0, 4), tracker=types.SimpleNamespace(log=lambda line, step: logged.append(line)),
                                 cfg=types.SimpleNamespace(train=types.SimpleNamespace(max_iters=100)))
     meter = train_module.Throughput(tokens_per_step=4 * 8 * 1024)  # the global batch: 4 processes' tokens
@@ -264,12 +265,15 @@ def test_compiled_decode_step_mutates_only_static_inputs_so_cuda_graphs_can_capt
         static = {**dict(zip(names, args)), **kwargs}.get("static_input_idxs") or ()
         seen.append((sorted(self.mutated_input_idxs), sorted(static)))
     monkeypatch.setattr(output_code.CompiledFxGraph, "__init__", spy)
-    # an earlier compile of the same graph would be a cache hit, which builds no CompiledFxGraph
-    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)
-    monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", False)
     torch._dynamo.reset()
     model = variant_model(block_size=32)
-    generate(model, torch.zeros(1, 3, dtype=torch.long), 40, temperature=0, compile=True)  # past block_size too
+    # an earlier compile of the same graph would be a cache hit, which builds no CompiledFxGraph. The
+    # caches are switched off through torch's own config.patch: it restores the config modules exactly
+    # (setting them as plain attributes and undoing that broke the next test's compile in this worker)
+    with torch._inductor.config.patch(fx_graph_cache=False), \
+            torch._functorch.config.patch(enable_autograd_cache=False):
+        generate(model, torch.zeros(1, 3, dtype=torch.long), 40, temperature=0, compile=True)  # past block_size
+    torch._dynamo.reset()
     assert len(seen) == 1, f"{len(seen)} graphs compiled"
     mutated, static = seen[0]
     assert mutated and set(mutated) <= set(static), f"mutated inputs {mutated} not all static {static}"

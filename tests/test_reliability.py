@@ -34,6 +34,7 @@ from data.prepare import cache_key, prepare
 from tools.report import report
 from sample import sample
 from tracking import check_wandb_mode, read_metrics, truncate_metrics
+from stability import diverged_line
 from train import train
 
 
@@ -519,10 +520,11 @@ def test_last_good_checkpoint_names_a_good_one(tmp_path, shared, monkeypatch):
     real_estimate = train_module.estimate_loss
     monkeypatch.setattr(train_module, "estimate_loss",
                         lambda run: {"train": math.nan, "val": math.nan} if run.step == 20 else real_estimate(run))
-    poison_training_forward(monkeypatch, from_call=24)  # step 23
-    with pytest.raises(UserError, match=r"at step 23 .*last good checkpoint: \S*ckpt_0000010.pt;") as e:
-        train(make_cfg(tmp_path, shared, "train.max_iters=40", "train.keep_ckpts=5"))
-    one_line(e)
+    poison_training_forward(monkeypatch, from_call=24)  # step 23: the run diverges (stability.py)
+    result = train(make_cfg(tmp_path, shared, "train.max_iters=40", "train.keep_ckpts=5"))
+    assert result["diverged"] and result["diverged_step"] == 24
+    assert re.search(r"at step 24: the loss or gradients were not finite .*last good checkpoint: \S*ckpt_0000010.pt;",
+                     diverged_line(result)) and "\n" not in diverged_line(result)
     assert (tmp_path / "run" / ck.step_name(20)).exists()  # the newer one exists, but its val loss is NaN
 
 
@@ -549,9 +551,9 @@ def test_nan_from_a_bad_model_value_is_not_blamed_on_the_learning_rate(tmp_path,
         train(make_cfg(tmp_path, shared, "train.skip_nonfinite=2"))
     assert "lower train.lr" not in one_line(e)
     monkeypatch.undo()
-    poison_training_forward(monkeypatch, from_call=6)  # after 5 updates the step size is the suspect
-    with pytest.raises(UserError, match=r"at step 5 .*lower train.lr \(now 0.002\)"):
-        train(make_cfg(tmp_path / "b", shared))
+    poison_training_forward(monkeypatch, from_call=6)  # after 5 updates the step size is the suspect: a divergence
+    result = train(make_cfg(tmp_path / "b", shared))
+    assert result["diverged_step"] == 6 and re.search(r"at step 6: .*lower train.lr \(now 0.002\)", diverged_line(result))
 
 
 @pytest.mark.parametrize("script,sig", [("data/prepare.py", "SIGINT"), ("train.py", "SIGINT"), ("data/prepare.py", "SIGTERM")])
@@ -912,6 +914,8 @@ NO_EFFECT = [  # (command, overrides that idle the key, the key set anyway): one
     ("config", ["train.optimizer=muon"], "train.muon_momentum_start=0.5"),
     ("config", [], "train.cooldown_frac=0.2"),
     ("config", ["train.log_attn_interval=0"], "train.probe_batch_size=8"),
+    ("config", ["train.log_attn_interval=0"], "train.collapse_entropy=0.2"),
+    ("config", ["model.attn.kind=gdn"], "model.attn.softcap=30"),
     ("config", ["model.pos=learned"], "model.rope_base=500"),
     ("config", [], "model.attn.qk_norm_type=l2"),
     ("config", [], "model.attn.qk_norm_gain=head"),

@@ -133,7 +133,8 @@ UNMAPPED_WHY = {"attn.window": "the mapped classes attend to every earlier token
                 "attn.gate": "the mapped classes do not gate attention",
                 "attn.sink": "the mapped classes' softmax has no sink",
                 "attn.window_pattern": "the mapped classes attend to every earlier token",
-                "attn.kind": "the mapped classes' attention is a softmax of q.k"}
+                "attn.kind": "the mapped classes' attention is a softmax of q.k",
+                "attn.softcap": "the mapped classes do not cap attention logits"}
 
 
 def pick_target(c: GPTConfig) -> str:

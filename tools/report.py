@@ -12,6 +12,10 @@ attention entropy, peak weight and largest logit. For each pair of arms: the dif
 means with its 95% interval, a paired t-test when both arms ran the same seeds (else Welch's), and
 a verdict in words. One run per arm gives no interval, and the report says so.
 
+Runs that vary train.lr get the learning-rate view besides (lr_sweep.py): an arm is then every setting
+but the seeds and the lr; loss against lr, the LR sensitivity with its interval, the best lr and the
+basin, diverged runs counted at their step-0 loss; loss_vs_lr.png and logit_entropy_steps.png.
+
 Writes into --out (default: the sweep dir when given one, else ./report): report.md, val_loss.png
 and attn_stats.png (mean per arm with a band over seeds), sinks.png (the top head's weight on the
 first token and the largest activation over training), val_loss_diff.png (each arm minus the
@@ -34,6 +38,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as tools/X.p
 from common import check_output_dir, cli  # noqa: E402
 from rules import UserError  # noqa: E402
 from plots import plot_bands, plot_head_roles_compare, series  # noqa: E402
+from intervals import LEVEL, describe, paired_interval, t_quantile, welch_interval  # noqa: E402,F401
+from lr_sweep import lr_view  # noqa: E402
 from tracking import read_metrics  # noqa: E402
 
 REPLICATES = ("seed", "train.data_seed")  # what sets runs of one arm apart
@@ -45,7 +51,6 @@ METRICS = [  # (name, column title, format)
     ("attn_peak", "attn peak", ".3f"), ("attn_logit_max", "max logit", ".2f"),
     ("attn_first", "first-token mass (mean / top head)", ".3f"), ("act_max", "largest activation", ".1f"),
     ("recall_acc", "recall acc", ".3f")]
-LEVEL = 0.95
 
 
 def find_runs(paths) -> list:
@@ -206,49 +211,6 @@ def group_arms(runs: list) -> list:
 
 
 # ----------------------------------------------------------------------------- statistics
-
-def t_quantile(df: float) -> float:
-    """The two-sided 95% quantile of Student's t with df degrees of freedom (df may be fractional)."""
-    from scipy import stats
-    return float(stats.t.ppf(0.5 + LEVEL / 2, df))
-
-
-def describe(values: list) -> dict:
-    """n, mean, sd (n - 1 in the denominator) and the half width of the 95% t-interval of the mean;
-    sd and the interval are None for one value."""
-    n = len(values)
-    if n == 0:
-        return {"n": 0, "mean": None, "sd": None, "half": None}
-    mean = statistics.fmean(values)
-    if n == 1:
-        return {"n": 1, "mean": mean, "sd": None, "half": None}
-    sd = statistics.stdev(values)
-    return {"n": n, "mean": mean, "sd": sd, "half": t_quantile(n - 1) * sd / math.sqrt(n)}
-
-
-def paired_interval(a: list, b: list) -> dict:
-    """b - a for values paired by position: the mean difference, the half width of its 95%
-    t-interval and the p-value of the paired t-test (Student 1908)."""
-    from scipy import stats
-
-    d = [y - x for x, y in zip(a, b)]
-    half = t_quantile(len(d) - 1) * statistics.stdev(d) / math.sqrt(len(d))
-    p = float(stats.ttest_rel(b, a).pvalue) if any(d) else 1.0
-    return {"diff": statistics.fmean(d), "half": half, "p": p, "df": len(d) - 1, "test": "paired t", "n": len(d)}
-
-
-def welch_interval(a: list, b: list) -> dict:
-    """mean(b) - mean(a) for independent samples: Welch's t-test, its Welch-Satterthwaite degrees
-    of freedom and the half width of the 95% interval of the difference (Welch 1947)."""
-    from scipy import stats
-
-    va, vb = statistics.variance(a) / len(a), statistics.variance(b) / len(b)
-    df = (va + vb) ** 2 / (va ** 2 / (len(a) - 1) + vb ** 2 / (len(b) - 1)) if va + vb > 0 else math.inf
-    half = t_quantile(df) * math.sqrt(va + vb) if va + vb > 0 else 0.0
-    p = float(stats.ttest_ind(b, a, equal_var=False).pvalue) if va + vb > 0 else 1.0
-    return {"diff": statistics.fmean(b) - statistics.fmean(a), "half": half, "p": p, "df": df, "test": "Welch t",
-            "n": min(len(a), len(b))}
-
 
 def compare(a: Arm, b: Arm, name: str = "val_loss") -> dict:
     """b minus a for metric `name`: the difference of the means with its 95% interval and p-value.
@@ -416,13 +378,21 @@ def report(paths, out=None, baseline=None) -> dict:
         rows = [{"run": f"{a.label} [{r.seed}]" if len(a.runs) > 1 else a.label, "metrics": r.metrics}
                 for a in arms for r in a.runs]
         files.append(plot_head_roles_compare(rows, out / "attn_heads.png"))
-    md = "\n\n".join(p for p in [arm_table(arms), pairs_table(comparisons) if comparisons else "", ignored_lines(arms),
+    lr = None
+    if len({repr(r.config.get("train.lr")) for r in runs}) > 1:  # an lr sweep: its own view (lr_sweep.py)
+        newer = newer_keys([r.config for r in runs])
+        lr = lr_view(runs, lambda r: arm_key({k: v for k, v in r.config.items() if k != "train.lr"}, r.dir, newer),
+                     out)
+        files += lr["files"]
+    md = "\n\n".join(p for p in [arm_table(arms), pairs_table(comparisons) if comparisons else "",
+                                  "## Learning-rate sweep\n\n" + lr["table"] if lr else "", ignored_lines(arms),
                                   footnote(arms)] if p)
     (out / "report.md").write_text(md + "\n")
     files.append(out / "report.md")
     rows = [{"run": a.label, "dir": str(r.dir), "seed": r.seed, **r.final, "metrics": r.metrics}
             for a in arms for r in a.runs]
-    return {"table": md, "arms": arms, "comparisons": comparisons, "rows": rows, "files": files}
+    return {"table": md, "arms": arms, "comparisons": comparisons, "rows": rows, "files": files,
+            "lr_arms": lr["arms"] if lr else None}
 
 
 @cli

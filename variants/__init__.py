@@ -107,6 +107,7 @@ class AttnConfig:
     indexer_heads: int = 4  # select=indexer: the indexer's heads H
     indexer_dim: int = 16  # select=indexer: the width d of each indexer head and of its one key head
     indexer_kl: float = 1.0  # select=indexer: the weight of its KL loss (0: it does not learn; variants/indexer.py)
+    softcap: float = 0.0  # > 0: attention logits c*tanh(s/c) (Gemma 2: 50); the layer takes the reference path; 0 = off
 
     RULES: ClassVar[dict] = {
         "scale": Rule(lambda v: str(v) in ("sqrt_dk", "none", "dk") or positive_number(v),
@@ -119,6 +120,7 @@ class AttnConfig:
         "rope_head_dim": Range(2, why="RoPE rotates pairs of channels"), "state_dim": Range(1),
         "select": OneOf(tuple(SELECTS)), "select_block": Range(1), "select_topk": Range(1),
         "indexer_heads": Range(1), "indexer_kl": Range(0, why="0 leaves the indexer untrained"),
+        "softcap": Range(0, why="0 turns the soft-cap off"),
         "indexer_dim": Rule(lambda v: Range(2).contains(v) and v % 2 == 0, "an even integer >= 2 (RoPE rotates pairs)"),
     }
     # each option must change what the model computes: set where no layer uses it, it is ignored and said
@@ -127,7 +129,7 @@ class AttnConfig:
     QK_NORM: ClassVar[Needs] = Needs(lambda a: a.qk_norm, "{p}qk_norm=true")
     MLA: ClassVar[Needs] = Needs(lambda a: "mla" in kinds(a), "a layer is mla ({p}kind or {p}layer_kinds)")
     NEEDS: ClassVar[dict] = {
-        "impl": SOFTMAX, "scale": SOFTMAX, "window": SOFTMAX, "sink": SOFTMAX, "qk_norm_type": QK_NORM,
+        "impl": SOFTMAX, "scale": SOFTMAX, "window": SOFTMAX, "sink": SOFTMAX, "softcap": SOFTMAX, "qk_norm_type": QK_NORM,
         "qk_norm_gain": QK_NORM, "kv_lora_rank": MLA, "q_lora_rank": MLA, "rope_head_dim": MLA,
         "qk_norm": Needs(lambda a: kinds(a) & {"softmax", "linear"}, "a layer is softmax or linear ({p}kind or "
                          "{p}layer_kinds: MLA's keys come from its latent, gdn normalises q and k itself)"),
@@ -181,6 +183,9 @@ def check(config) -> list:
         if clash:
             raise UserError(f"model.attn.select={config.attn.select} chooses keys by content; with {clash[0]} it is "
                             "not implemented: use one or the other")
+    if config.attn.softcap and config.attn.impl in ("tiled", "gathered") and used & {"softmax", "mla"}:
+        raise UserError(f"model.attn.softcap={config.attn.softcap} caps scores that model.attn.impl={config.attn.impl} "
+                        "never writes out: use impl=sdpa or reference (a capped layer attends by the reference path)")
     ignored = []
     if config.attn.impl == "gathered" and config.attn.select != "moba" and "softmax" in used:  # sdpa's mask then
         ignored.append(f"model.attn.impl='gathered' has no effect unless model.attn.select=moba (the blocks it reads; "

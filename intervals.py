@@ -1,0 +1,49 @@
+"""Intervals for comparing runs: the mean of a few seeds with its Student-t interval, and the difference
+of two arms, paired by seed (a paired t-test) or not (Welch's). tools/report.py and lr_sweep.py use them."""
+import math
+import statistics
+
+LEVEL = 0.95
+
+
+def t_quantile(df: float) -> float:
+    """The two-sided 95% quantile of Student's t with df degrees of freedom (df may be fractional)."""
+    from scipy import stats
+    return float(stats.t.ppf(0.5 + LEVEL / 2, df))
+
+
+def describe(values: list) -> dict:
+    """n, mean, sd (n - 1 in the denominator) and the half width of the 95% t-interval of the mean;
+    sd and the interval are None for one value."""
+    n = len(values)
+    if n == 0:
+        return {"n": 0, "mean": None, "sd": None, "half": None}
+    mean = statistics.fmean(values)
+    if n == 1:
+        return {"n": 1, "mean": mean, "sd": None, "half": None}
+    sd = statistics.stdev(values)
+    return {"n": n, "mean": mean, "sd": sd, "half": t_quantile(n - 1) * sd / math.sqrt(n)}
+
+
+def paired_interval(a: list, b: list) -> dict:
+    """b - a for values paired by position: the mean difference, the half width of its 95%
+    t-interval and the p-value of the paired t-test (Student 1908)."""
+    from scipy import stats
+
+    d = [y - x for x, y in zip(a, b)]
+    half = t_quantile(len(d) - 1) * statistics.stdev(d) / math.sqrt(len(d))
+    p = float(stats.ttest_rel(b, a).pvalue) if any(d) else 1.0
+    return {"diff": statistics.fmean(d), "half": half, "p": p, "df": len(d) - 1, "test": "paired t", "n": len(d)}
+
+
+def welch_interval(a: list, b: list) -> dict:
+    """mean(b) - mean(a) for independent samples: Welch's t-test, its Welch-Satterthwaite degrees
+    of freedom and the half width of the 95% interval of the difference (Welch 1947)."""
+    from scipy import stats
+
+    va, vb = statistics.variance(a) / len(a), statistics.variance(b) / len(b)
+    df = (va + vb) ** 2 / (va ** 2 / (len(a) - 1) + vb ** 2 / (len(b) - 1)) if va + vb > 0 else math.inf
+    half = t_quantile(df) * math.sqrt(va + vb) if va + vb > 0 else 0.0
+    p = float(stats.ttest_ind(b, a, equal_var=False).pvalue) if va + vb > 0 else 1.0
+    return {"diff": statistics.fmean(b) - statistics.fmean(a), "half": half, "p": p, "df": df, "test": "Welch t",
+            "n": min(len(a), len(b))}

@@ -1,0 +1,126 @@
+"""What a sweep (`python train.py -m ...`) does around its jobs: a Hydra callback (configs/config.yaml,
+hydra.callbacks.sweep) and the short name of each job's directory.
+
+- Before the first job starts, every job's config is composed and checked (config.check_train_config):
+  an arm that would be refused (say one lr times weight_decay >= 1) fails the sweep in seconds, with one
+  line per refused job, instead of after the jobs before it trained for hours.
+- A job that diverges (stability.py) is a result: it records it and the sweep goes on. A job that fails
+  (one line `error: ...`) is reported and the sweep goes on too.
+- The sweep's last line counts its jobs: how many finished, diverged and failed. It exits 1 if any
+  failed, 0 otherwise (divergence is an outcome of the experiment, not a fault of the command).
+- A job's directory is named by its number and its overrides, shortened with a hash of them when long
+  (a sweep with many overrides otherwise fails with "File name too long").
+"""
+import hashlib
+import json
+import logging
+import sys
+from pathlib import Path
+
+from hydra.experimental.callback import Callback
+from omegaconf import OmegaConf
+
+NAME_LIMIT = 120  # characters of a job directory's name (file systems allow 255 bytes)
+
+
+def short_name(name: str, limit: int = NAME_LIMIT) -> str:
+    """`name` (a job's overrides joined) as is when short, else its head and a hash of the whole: two
+    jobs' names stay apart, and a person still reads what they set first."""
+    if len(name.encode()) <= limit:
+        return name
+    digest = hashlib.sha1(name.encode()).hexdigest()[:10]
+    head = name.encode()[:limit - len(digest) - 1].decode(errors="ignore")
+    return f"{head}-{digest}"
+
+
+if not OmegaConf.has_resolver("short"):
+    OmegaConf.register_new_resolver("short", short_name)
+
+
+class JobFailed(Exception):
+    """A sweep job's refusal (a UserError's line, already printed): a failed job, not the sweep's end."""
+
+
+def sweep_jobs(config) -> list:
+    """Every job's overrides, as Hydra's basic sweeper will run them: hydra.sweeper.params (an
+    experiment's grid) then the command line's overrides, crossed."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    params = [f"{k}={v}" for k, v in (config.hydra.sweeper.get("params") or {}).items()]
+    parsed = OverridesParser.create().parse_overrides([*params, *config.hydra.overrides.task])
+    return [job for batch in BasicSweeper.split_arguments(parsed, None) for job in batch]
+
+
+def refused_jobs(config) -> list:
+    """[(job number, its overrides, the one line that refuses it)] for every job whose config
+    check_train_config refuses; the settings a job ignores are not warned here (each job warns them)."""
+    from hydra import compose
+
+    from config import check_train_config
+    from rules import UserError
+
+    refused = []
+    quiet = logging.getLogger("attnlab")
+    level, quiet.level = quiet.level, logging.ERROR
+    try:
+        for i, job in enumerate(sweep_jobs(config)):
+            try:
+                check_train_config(compose(config_name=config.hydra.job.config_name, overrides=list(job)))
+            except UserError as e:
+                refused.append((i, job, str(e)))
+    finally:
+        quiet.level = level
+    return refused
+
+
+def outcome(job_return) -> dict:
+    """A finished job's outcome, from its results.json: {"diverged": bool, ...}, or {} without one."""
+    out_dir = job_return.cfg.get("out_dir") or job_return.hydra_cfg.hydra.runtime.output_dir
+    try:
+        return json.loads((Path(out_dir) / "results.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+class SweepReport(Callback):
+    """hydra.callbacks.sweep: checks every job first, keeps the sweep going past a failed or diverged
+    job, and ends with one line that counts them."""
+
+    def __init__(self):
+        self.finished, self.diverged, self.failed = [], [], []
+
+    def on_multirun_start(self, config, **kwargs):
+        refused = refused_jobs(config)
+        if refused:
+            for i, job, line in refused:
+                print(f"error: job {i} ({' '.join(job)}): {line}", file=sys.stderr)
+            print(f"error: {len(refused)} of the sweep's jobs would be refused (above); no job was started",
+                  file=sys.stderr)
+            sys.exit(1)
+
+    def on_job_end(self, config, job_return, **kwargs):
+        from hydra.core.utils import JobStatus
+
+        num = job_return.hydra_cfg.hydra.job.get("num") if job_return.hydra_cfg is not None else None
+        name = f"job {num} ({' '.join(job_return.overrides or [])})"
+        if job_return.status == JobStatus.FAILED:
+            error = job_return._return_value
+            self.failed.append((name, str(error).splitlines()[0] if str(error) else type(error).__name__))
+            if not isinstance(error, JobFailed):  # its line is printed already; anything else is not
+                print(f"error: {name} failed: {type(error).__name__}: {error}", file=sys.stderr)
+            job_return.status, job_return.return_value = JobStatus.COMPLETED, None  # the next jobs run
+        elif outcome(job_return).get("diverged"):
+            self.diverged.append(name)
+        else:
+            self.finished.append(name)
+
+    def on_multirun_end(self, config, **kwargs):
+        n = len(self.finished) + len(self.diverged) + len(self.failed)
+        parts = [f"{len(self.finished)} finished", f"{len(self.diverged)} diverged", f"{len(self.failed)} failed"]
+        print(f"sweep done: {n} jobs: {', '.join(parts)}"
+              + (f"; diverged: {'; '.join(self.diverged)}" if self.diverged else "")
+              + (f"; failed: {'; '.join(f'{j} ({e})' for j, e in self.failed)}" if self.failed else ""),
+              file=sys.stderr)
+        if self.failed:
+            sys.exit(1)
