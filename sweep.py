@@ -20,15 +20,24 @@ from pathlib import Path
 from hydra.experimental.callback import Callback
 from omegaconf import OmegaConf
 
-NAME_LIMIT = 120  # characters of a job directory's name (file systems allow 255 bytes)
+NAME_LIMIT = 200  # bytes of a job directory's name (file systems allow 255)
+
+
+def swept_keys(argv=None) -> set:
+    """The keys a sweep's command line gives several values (key=a,b): what sets its jobs apart."""
+    return {a.split("=", 1)[0].lstrip("+~") for a in (sys.argv[1:] if argv is None else argv)
+            if "=" in a and "," in a.split("=", 1)[1] and not a.split("=", 1)[1].startswith("[")}
 
 
 def short_name(name: str, limit: int = NAME_LIMIT) -> str:
-    """`name` (a job's overrides joined) as is when short, else its head and a hash of the whole: two
-    jobs' names stay apart, and a person still reads what they set first."""
+    """`name` (a job's overrides joined) as is when short, else the swept keys' settings first, cut, and a
+    hash of the whole: two jobs' names stay apart, and a person still reads what sets them apart."""
     if len(name.encode()) <= limit:
         return name
-    digest = hashlib.sha1(name.encode()).hexdigest()[:10]
+    swept = swept_keys()
+    parts = name.split(",")
+    name = ",".join(sorted(parts, key=lambda p: p.split("=", 1)[0] not in swept))
+    digest = hashlib.sha1(",".join(parts).encode()).hexdigest()[:10]
     head = name.encode()[:limit - len(digest) - 1].decode(errors="ignore")
     return f"{head}-{digest}"
 

@@ -248,12 +248,14 @@ def test_a_sweep_refuses_a_bad_arm_before_any_job_and_goes_past_a_failing_one(cl
     assert "sweep done: 2 jobs: 0 finished, 0 diverged, 2 failed" in r.stderr
 
 
-def test_job_directory_names_stay_short_and_apart():
+def test_job_directory_names_stay_short_and_apart(monkeypatch):
     long_a = ",".join(f"model.attn.option_{i}=value_{i}" for i in range(40))
     long_b = long_a.replace("value_39", "value_x")
     assert short_name("train.lr=0.1") == "train.lr=0.1"
     a, b = short_name(long_a), short_name(long_b)
-    assert len(a.encode()) <= 120 and len(b.encode()) <= 120 and a != b and a.startswith("model.attn.option_0=")
+    assert len(a.encode()) <= 200 and len(b.encode()) <= 200 and a != b and a.startswith("model.attn.option_0=")
+    monkeypatch.setattr("sys.argv", ["train.py", "-m", "model.attn.option_39=value_39,value_x"])
+    assert short_name(long_a).startswith("model.attn.option_39=value_39,")  # the swept key first: it tells jobs apart
     cfg = compose_cfg("config", [])
     assert "${short:" in yaml.safe_load(open("configs/config.yaml"))["hydra"]["sweep"]["subdir"]
     assert cfg is not None
