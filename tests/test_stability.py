@@ -12,7 +12,7 @@ import torch.nn.functional as F
 import yaml
 
 from common import setup_runtime
-from helpers import SHAKESPEARE, TINY, compose_cfg, requires_shared
+from helpers import REPO, SHAKESPEARE, TINY, compose_cfg, requires_shared
 from model import GPT, GPTConfig
 from optim import build_optimizer, lr_at, set_lr, train_step, z_loss_term
 from rules import UserError
@@ -256,9 +256,10 @@ def test_job_directory_names_stay_short_and_apart(monkeypatch):
     assert len(a.encode()) <= 200 and len(b.encode()) <= 200 and a != b and a.startswith("model.attn.option_0=")
     monkeypatch.setattr("sys.argv", ["train.py", "-m", "model.attn.option_39=value_39,value_x"])
     assert short_name(long_a).startswith("model.attn.option_39=value_39,")  # the swept key first: it tells jobs apart
-    cfg = compose_cfg("config", [])
-    assert "${short:" in yaml.safe_load(open("configs/config.yaml"))["hydra"]["sweep"]["subdir"]
-    assert cfg is not None
+    subdir = yaml.safe_load((REPO / "configs" / "config.yaml").read_text())["hydra"]["sweep"]["subdir"]
+    assert "${short:${hydra.job.override_dirname}}" in subdir  # what Hydra names each job's dir by
+    from omegaconf import OmegaConf
+    assert OmegaConf.create({"d": long_a, "s": "${short:${d}}"}).s == short_name(long_a)  # the resolver is registered
 
 
 # ----------------------------------------------------------------------------- the report's LR view
