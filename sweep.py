@@ -110,7 +110,10 @@ class SweepReport(Callback):
 
     def on_job_end(self, config, job_return, **kwargs):
         from hydra.core.utils import JobStatus
+        from hydra.types import RunMode
 
+        if job_return.hydra_cfg is None or job_return.hydra_cfg.hydra.mode != RunMode.MULTIRUN:
+            return  # a lone run (callbacks see those too): its failure stays a failure
         num = job_return.hydra_cfg.hydra.job.get("num") if job_return.hydra_cfg is not None else None
         name = f"job {num} ({' '.join(job_return.overrides or [])})"
         if job_return.status == JobStatus.FAILED:

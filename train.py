@@ -533,7 +533,7 @@ def optimizer_step(run: Run):
     local = run.grad_accum // run.dist.world
     batches = (run.data.batch("train", s, T) for s in starts[run.dist.rank * local:(run.dist.rank + 1) * local])
     logged = (run.step + 1) % tcfg.log_interval == 0 or run.step + 1 == tcfg.max_iters
-    before = [p.detach().clone() for p in run.model.parameters()] if logged else None  # for the update's norm
+    before = params_now(run.model) if logged else None  # for the update's norm
     extra = {}
     loss, grad_norm, finite = train_step(run.fwd_model, run.optimizer, batches, local, tcfg.grad_clip, run.rt,
                                          run.scaler, run.dist.world, z_loss=tcfg.z_loss, extra=extra)
@@ -553,6 +553,14 @@ def optimizer_step(run: Run):
         run.updates += 1
     run.step += 1
     return loss, grad_norm, lr
+
+
+def params_now(model) -> list:
+    """A copy of the parameters as the optimizer sees them. Under FSDP an eval's forward (no backward)
+    leaves the root's parameters gathered; resharding first makes every copy a shard like the params."""
+    if hasattr(model, "reshard"):
+        model.reshard()
+    return [p.detach().clone() for p in model.parameters()]
 
 
 def update_norm(before: list, model) -> float:

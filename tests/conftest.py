@@ -26,10 +26,12 @@ os.environ.setdefault("WANDB_SILENT", "true")
 os.environ.pop("WANDB_MODE", None)  # tests choose the mode explicitly
 torch.set_num_threads(min(THREADS, torch.get_num_threads()))
 
-# set by pytest, by inductor's first compile, by W&B's service, by scikit-learn's import (through lm-eval or
-# datasets): the libraries' own bookkeeping
+# set by pytest, by inductor's first compile, by W&B's service, by scikit-learn's import (KMP_*, through
+# lm-eval, datasets or TransformerLens), by lm-eval's import (HF_XET_*), by torch._dynamo.package's import
+# (its default cache dir): the libraries' own bookkeeping, set once per process by whichever test first
+# imports them (checked: importing each library the tests use, in one process, sets no other variable)
 LIBRARIES_OWN_ENV = ("PYTEST_CURRENT_TEST", "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR", "WANDB_SERVICE",
-                     "KMP_DUPLICATE_LIB_OK")
+                     "KMP_DUPLICATE_LIB_OK", "KMP_INIT_AT_FORK", "HF_XET_HIGH_PERFORMANCE", "TORCHINDUCTOR_CACHE_DIR")
 
 
 def _global_state():

@@ -348,7 +348,7 @@ def poison_training_loss(monkeypatch, at: dict):
 
 def assert_same_training(single, multi, step: int, tol: float):
     """The two runs' weights at `step`, their val losses and the train loss they logged at every
-    logged step (the mean over the step's whole global batch) agree within tol."""
+    logged step (the mean over the step's whole global batch) agree within tol, the update norms within 0.1%."""
     from checkpoint import load_checkpoint, step_name
     from tracking import read_metrics
 
@@ -361,6 +361,11 @@ def assert_same_training(single, multi, step: int, tol: float):
         lb = [(m["step"], m[key]) for m in read_metrics(multi) if key in m]
         assert la and [s for s, _ in la] == [s for s, _ in lb], key
         assert [v for _, v in la] == pytest.approx([v for _, v in lb], abs=tol), key
+    # the step's update norm: under FSDP each process sums its shard's squares, then they are added
+    ua = [(m["step"], m["update_norm"]) for m in read_metrics(single) if "update_norm" in m]
+    ub = [(m["step"], m["update_norm"]) for m in read_metrics(multi) if "update_norm" in m]
+    assert ua and [s for s, _ in ua] == [s for s, _ in ub]
+    assert [v for _, v in ua] == pytest.approx([v for _, v in ub], rel=1e-3), "update_norm"
 
 
 # ----------------------------------------------------------------------------- W&B offline logs

@@ -233,6 +233,24 @@ def test_a_sweep_with_a_diverging_job_completes_and_counts_it(cli, tmp_path):
     assert [json.loads(p.read_text())["diverged"] for p in results] == [False, True]
 
 
+def test_the_sweep_callback_keeps_a_lone_runs_failure_and_counts_a_sweep_jobs():
+    """Hydra calls on_job_end for a lone run too: its failure must stay a failure (exit 1 from
+    `python train.py`, and from every process of torchrun); only a sweep's job is counted and passed."""
+    from hydra.core.utils import JobReturn, JobStatus
+    from hydra.types import RunMode
+    from omegaconf import OmegaConf
+
+    from sweep import SweepReport
+
+    for mode, kept in ((RunMode.RUN, JobStatus.FAILED), (RunMode.MULTIRUN, JobStatus.COMPLETED)):
+        job = JobReturn(overrides=["train.lr=5"], status=JobStatus.FAILED, _return_value=RuntimeError("boom"),
+                        hydra_cfg=OmegaConf.create({"hydra": {"mode": mode, "job": {"num": 3}}}))
+        report = SweepReport()
+        report.on_job_end(None, job)
+        assert job.status == kept
+        assert report.failed == ([] if mode == RunMode.RUN else [("job 3 (train.lr=5)", "boom")])
+
+
 @pytest.mark.slow
 def test_a_sweep_refuses_a_bad_arm_before_any_job_and_goes_past_a_failing_one(cli, tmp_path):
     r = cli("train.py", "-m", *TINY, "compile=false", "train.lr=1e-3,3", "train.weight_decay=0.5",
