@@ -311,6 +311,7 @@ class CausalSelfAttention(nn.Module):
     `softcap`, c·tanh(s/c) on its scaled scores (model.attn.softcap: the layer then attends by the
     written-out path, and the probe reads the capped scores)."""
     softmax = True  # its weights are a softmax of logits: the attention probe reads them
+    rotates_heads = True  # with model.pos=rope, RoPE rotates its whole q and k heads (pairs of channels)
 
     def __init__(self, config, layer: int, *, path=sdpa_attention, bias=None, sink=None, gate=None, select=None):
         super().__init__()

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from common import first_line
-from rules import UserError
+from rules import UserError, warn_ignored
 from config import DataConfig, data_seed
 from model import GPT, GPTConfig
 from parallel import load_weights
@@ -235,6 +235,11 @@ def with_selection(state: dict, select=None, topk=None, block=None) -> dict:
         raise UserError(f"select=indexer needs a checkpoint trained with model.attn.select=indexer (this one has "
                         f"{own}): its indexer learns in training; read this one through select=oracle or moba")
     mc["attn"] = {**(mc.get("attn") or {}), **{k: v for k, v in given.items() if v is not None}}
+    try:  # what the choice cannot do in this model (no softmax layer, no selection, a selection of everything)
+        own_lines = set(GPTConfig(**state["model_config"]).ignored)
+        warn_ignored([line.replace("model.attn.", "") for line in GPTConfig(**mc).ignored if line not in own_lines])
+    except TypeError:
+        pass  # another version's config: model_from_checkpoint says so in one line
     weights = state["model"] if select in (None, own) else \
         {k: v for k, v in state["model"].items() if ".attn.select." not in k}  # an indexer's, now unused
     return {**state, "model_config": mc, "model": weights}
@@ -384,9 +389,8 @@ def check_same_data(state: dict, cfg, data):
     evaluation windows, so the val curve would jump). Checkpoints from before data checksums were
     recorded are compared by their config alone."""
     if state.get("data_sha256") not in (None, data.meta.get("sha256")):
-        raise UserError(f"cannot resume: the prepared data ({data.dir.name}) holds other tokens than the checkpoint "
-                        "was trained on (another text, or other data.split_seed / val_fraction / val_split / "
-                        "max_tokens); resume with the run's own data settings")
+        raise UserError(f"cannot resume: {data.label} holds other tokens than the checkpoint was trained on "
+                        f"({data.what_differs}); resume with the run's own data settings")
     saved = state.get("config") or {}
     if "train" in saved and "seed" in saved and data_seed(saved) != data_seed(cfg):
         raise UserError(f"cannot resume: the data seed (train.data_seed, else seed) is {data_seed(cfg)} here but "

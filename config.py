@@ -61,6 +61,12 @@ class DataConfig:
                             "{p}tokenizer=bpe or data=mqar (the other tokenizers have their own)"),
         "pairs": Needs(lambda d: d.name == "mqar", "data=mqar"), "examples": Needs(lambda d: d.name == "mqar", "data=mqar"),
         "bos": Needs(lambda d: d.name != "mqar", "the data is text (data=mqar's examples have a fixed layout)"),
+        **{key: Needs(lambda d: d.name != "mqar", "the data is text (data=mqar generates its examples in memory)")
+           for key in ("path", "url", "hub", "text_column", "val_split", "max_tokens", "num_proc", "cache_dir")},
+        "val_fraction": Needs(lambda d: d.name != "mqar" and d.val_split is None,
+                              "the data is text and {p}val_split is unset (data=mqar: a tenth of data.examples)"),
+        "tokenizer": Needs(lambda d: (d.name == "mqar") == (d.tokenizer == "mqar"),
+                           "data=mqar and {p}tokenizer=mqar go together (mqar's tokens are its own)"),
         "hub_config": Needs(lambda d: d.hub is not None, "{p}hub=NAME"),
         "streaming": Needs(lambda d: d.hub is not None, "{p}hub=NAME (a file or URL is read whole)"),
     }
@@ -196,7 +202,7 @@ class SampleConfig:
     device: str = "auto"
     kv_cache: bool = True  # false: recompute the whole context for every token
     compile: Optional[bool] = None  # torch.compile the cached decode step (CUDA graphs on CUDA); unset: on for CUDA
-    threads: Optional[int] = None  # intra-op CPU threads; unset: torch's default. 1 decodes ~2x faster on 2 cores
+    threads: Optional[int] = None  # intra-op CPU threads; unset on a CPU: 1 for one cached sequence, every core for a batch
     dtype: str = "auto"  # autocast dtype as in training: auto = bfloat16 on capable GPUs, else float32
     kv_dtype: str = "auto"  # KV cache dtype: auto = dtype's if 16-bit, else float32; bfloat16 halves it; int8: quantised
     kv_sinks: int = 0  # past block_size, keep the first kv_sinks tokens in the cache besides the latest (StreamingLLM); 0: a plain ring
@@ -235,6 +241,9 @@ def check_train_config(cfg) -> list:
     more = [line for line in model_config(cfg.model, cfg.model.vocab_size or 1).ignored if line not in ignored]
     warn_ignored(more)  # what the model's pieces ignore besides (GPTConfig: n_embd divisible by n_head, etc.)
     check_wandb_mode(cfg.logger.wandb)  # online needs a key
+    if cfg.data.name == "mqar":
+        from data.mqar import check_config
+        check_config(cfg.data, cfg.model.block_size)  # the pairs against the window, the examples against memory
     t = cfg.train
     if (t.min_lr is None) == (t.min_lr_ratio is None):
         raise UserError(f"train.min_lr={t.min_lr} and train.min_lr_ratio={t.min_lr_ratio}: set exactly one floor "

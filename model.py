@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from attention import HookPoint, resolve_scale, rope_freqs
 from counting import flops_per_token
 from rules import FRACTION, POSITIVE, Needs, OneOf, Range, UserError, check_values
-from variants import ACTIVATIONS, POSITIONS, ROPE_SCALINGS, AttnConfig, check, kinds, kv_cache, make_attention
+from variants import ACTIVATIONS, KINDS, POSITIONS, ROPE_SCALINGS, AttnConfig, check, kinds, kv_cache, make_attention
 from variants.indexer import with_indexer_loss
 
 NORMS, NORM_POSITIONS = ("layernorm", "rmsnorm"), ("pre", "post")
@@ -91,9 +91,10 @@ class GPTConfig:
             raise ConfigError(f"model.n_embd={self.n_embd} is not divisible by model.n_head="
                               f"{self.n_head}: pick n_embd as a multiple of n_head")
         self.head_dim = self.n_embd // self.n_head
-        if self.head_dim % 2:
-            raise ConfigError(f"head size n_embd/n_head={self.head_dim} is odd, but RoPE rotates "
-                              "pairs of channels: make n_embd/n_head even")
+        rotated = [k for k in sorted(kinds(self.attn)) if KINDS[k].rotates_heads]
+        if self.head_dim % 2 and self.pos == "rope" and rotated:
+            raise ConfigError(f"head size n_embd/n_head={self.head_dim} is odd, but RoPE rotates pairs of channels of "
+                              f"each {'/'.join(rotated)} head: make n_embd/n_head even (or model.pos=none)")
         self.n_kv_head = self.n_head if self.n_kv_head is None else self.n_kv_head
         if self.n_head % self.n_kv_head:
             raise ConfigError(f"model.n_kv_head={self.n_kv_head} must divide model.n_head={self.n_head} "

@@ -10,6 +10,7 @@ newest token, whose query attends to the cached keys and values. `kv_cache=false
 whole context every step instead; both give the same logits (tests hold them equal).
 """
 import logging
+import os
 import sys
 
 import hydra
@@ -18,7 +19,7 @@ import torch
 from checkpoint import find_checkpoint, load_checkpoint, model_from_checkpoint, with_rope_scaling, with_selection
 from common import (check_memory, cli, compile_wanted, first_line, interruption, is_oom, pick_dtype, read_prompt,
                     run_app, setup_runtime)
-from rules import UserError, check_value, check_values
+from rules import UserError, check_value, check_values, warn_ignored
 from config import SampleConfig  # also registers the config schema with Hydra
 from counting import generation_bytes
 from data.tokenizer import StreamDecoder, tokenizer_from_dict
@@ -168,8 +169,12 @@ def start_ids(tok, prompt: str, state: dict) -> list:
     bos = getattr(tok, "bos", None)
     if bos is not None:
         return [bos, *tok.encode(prompt).tolist()]
-    if prompt:
-        return tok.encode(prompt)
+    ids = tok.encode(prompt) if prompt else []
+    if len(ids):
+        return ids
+    if getattr(tok, "kind", None) == "mqar":  # its tokens are names split on whitespace: "\n" is none
+        raise UserError(f"prompt={prompt!r} holds no mqar tokens: an mqar model continues key-value pairs, e.g. "
+                        "prompt='k1 v9 k2 v17 k1' (it should answer v9)")
     if tok.eot is None:
         raise UserError("prompt is empty: a char-level model needs at least one character to start from")
     seen = state.get("eot_in_train")
@@ -180,6 +185,18 @@ def start_ids(tok, prompt: str, state: dict) -> list:
         log.warning("empty prompt: starting from <|endoftext|>, which this checkpoint cannot tell its model ever "
                     "saw; if the output is noise, pass prompt=TEXT")
     return [tok.eot]
+
+
+def warn_without_cache(model, cfg):
+    """The cache's settings do nothing for a model whose every layer keeps a constant-size recurrent
+    state (linear, gdn, mamba2: nothing to quantise or evict): warned, one line each."""
+    if any(getattr(block.attn, "softmax", True) for block in model.blocks):
+        return
+    kinds = sorted({type(block.attn).__name__ for block in model.blocks})
+    for key, value, default in (("kv_dtype", cfg.kv_dtype, "auto"), ("kv_sinks", cfg.kv_sinks, 0)):
+        if value != default:
+            warn_ignored([f"{key}={value!r} has no effect on this checkpoint: its layers ({', '.join(kinds)}) keep a "
+                          f"constant-size recurrent state, not a KV cache: ignored"])
 
 
 def kv_cache_dtype(name: str, rt, num_samples: int) -> torch.dtype:
@@ -206,10 +223,33 @@ def sample(cfg, out=None) -> list:
     check_values(cfg)
     if cfg.stream and cfg.num_samples != 1:
         raise UserError("stream=true prints one sample as it is produced: set num_samples=1")
-    if cfg.threads:  # a single-token step is dozens of tiny ops: syncing threads can cost more than it saves
-        torch.set_num_threads(cfg.threads)
+    threads = torch.get_num_threads()
+    try:
+        return sample_with_threads(cfg, out)
+    finally:
+        torch.set_num_threads(threads)  # as found: sample() is also called in-process (tools, tests)
+
+
+def decode_threads(num_samples: int, kv_cache: bool, cores: int) -> int:
+    """The CPU threads a decode step of this much work runs fastest on: a cached step of one sequence
+    is dozens of tiny ops (one row each), where syncing threads costs more than it saves, so one thread;
+    a batch, or recomputing the whole context each step, gives each op rows to split: every core.
+    Measured on 2 cores in docs/sampling.md; an explicit threads= wins."""
+    rows = num_samples if kv_cache else num_samples * 64  # a recomputed step reads its whole context
+    return 1 if rows < 4 else cores
+
+
+def cpu_cores() -> int:
+    """The CPUs this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def sample_with_threads(cfg, out=None) -> list:
+    """sample()'s work, with the CPU threads set (cfg.threads, else decode_threads' choice)."""
     rt = setup_runtime(cfg.device, cfg.dtype)
     device = rt.device
+    if cfg.threads or device.type == "cpu":
+        torch.set_num_threads(cfg.threads or decode_threads(cfg.num_samples, cfg.kv_cache, cpu_cores()))
     kv_dtype = kv_cache_dtype(cfg.kv_dtype, rt, cfg.num_samples)
     prompt = read_prompt(cfg)
     path = find_checkpoint(cfg.ckpt)
@@ -220,6 +260,7 @@ def sample(cfg, out=None) -> list:
     state = with_selection(state, cfg.select, cfg.select_topk, cfg.select_block)
     model = model_from_checkpoint(with_rope_scaling(state, cfg.rope_scaling, cfg.rope_scaling_factor, longer=True),
                                   device)
+    warn_without_cache(model, cfg)
     if device.type == "cpu":  # measured on CPU only (bench_sample.py layouts=[row,column])
         decode_layout(model)
     n = cfg.num_samples

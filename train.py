@@ -164,9 +164,9 @@ def train(cfg, run_name=None, run_group=None, overrides=None) -> dict:
     if result["diverged"]:
         log.warning("%s; run dir %s", diverged_line(result), run.out_dir)
     else:
-        log.info("done: val loss %.4f (best %.4f) after %d steps; run dir %s; attention probes took %.2f s "
-                 "(%.2f%% of training time)", result["val_loss"] or math.nan, run.best_val, run.step, run.out_dir,
-                 probe_s, 100 * probe_s / max(meter.train_s, 1e-9))
+        share = f" ({100 * probe_s / meter.train_s:.2f}% of training time)" if meter.train_s > 0 and run.updates else ""
+        log.info("done: val loss %.4f (best %.4f) after %d steps; run dir %s; attention probes took %.2f s%s",
+                 result["val_loss"] or math.nan, run.best_val, run.step, run.out_dir, probe_s, share)
     return result
 
 

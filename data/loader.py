@@ -36,8 +36,12 @@ class TokenData:
     data/prepare.py has checked every byte against its checksum; the lengths are checked again here.
     With bos, every window starts with the tokenizer's extra id `bos` (data.bos)."""
 
+    # what a refusal to resume on other data names: the data, and the settings that change its tokens
+    what_differs = "another text, or other data.split_seed / val_fraction / val_split / max_tokens"
+
     def __init__(self, directory: Path, bos: bool = False):
         self.dir = Path(directory)
+        self.label = f"the prepared data ({self.dir.name})"
         self.bos = None
         try:
             self.meta = json.loads((self.dir / "meta.json").read_text())

@@ -29,42 +29,127 @@ class MQARTokenizer:
 
     def __init__(self, vocab_size: int):
         self.vocab_size = vocab_size
-        self.keys = (vocab_size - 1) // 2
-        self.names = [FILLER] + [f"k{i}" for i in range(1, self.keys + 1)] + \
-            [f"v{i}" for i in range(1, vocab_size - self.keys)]
-        self.ids = {n: i for i, n in enumerate(self.names)}
+        self.keys = (vocab_size - 1) // 2  # names are computed, not listed: a vocabulary may be millions
+
+    def name(self, i: int) -> str:
+        return FILLER if i == 0 else f"k{i}" if i <= self.keys else f"v{i - self.keys}"
+
+    def id(self, name: str):
+        """The id of a token name, or None if it is not one."""
+        if name == FILLER:
+            return 0
+        head, num = name[:1], name[1:]
+        if head not in ("k", "v") or not num.isdigit() or num != str(int(num)) or int(num) < 1:
+            return None
+        i = int(num) + (self.keys if head == "v" else 0)
+        return i if (i <= self.keys if head == "k" else i < self.vocab_size) else None
 
     def encode(self, text: str) -> np.ndarray:
-        unknown = [t for t in text.split() if t not in self.ids]
-        if unknown:
-            raise UserError(f"{unknown[0]!r} is not an mqar token: write keys k1..k{self.keys}, values "
-                            f"v1..v{self.vocab_size - 1 - self.keys} and {FILLER}, separated by spaces")
-        return np.array([self.ids[t] for t in text.split()], dtype=np.int64)
+        ids = [self.id(t) for t in text.split()]
+        if None in ids:
+            raise UserError(f"{text.split()[ids.index(None)]!r} is not an mqar token: write keys k1..k{self.keys}, "
+                            f"values v1..v{self.vocab_size - 1 - self.keys} and {FILLER}, separated by spaces")
+        return np.array(ids, dtype=np.int64)
 
     def decode(self, ids) -> str:
-        return "".join(" " + self.names[int(i)] for i in ids)  # a leading space: pieces join as the text does
+        return "".join(" " + self.name(int(i)) for i in ids)  # a leading space: pieces join as the text does
 
     def to_dict(self) -> dict:
         return {"kind": self.kind, "vocab_size": self.vocab_size}
 
 
+ROWS = 4096  # examples drawn per chunk: every random matrix is at most ROWS x max(keys, slots)
+
+
+def distinct_keys(rng, n: int, pairs: int, keys: int) -> np.ndarray:
+    """n rows of `pairs` distinct keys out of 1..keys. A uniform random ordering of the keys, cut to
+    `pairs`: a row's sorting keys are drawn in chunks of ROWS rows, so memory stays ROWS x keys
+    (the random stream is the same as one n x keys draw). With many keys (over 2^16) and few pairs, draws
+    with replacement and redraws the rows that repeat a key."""
+    out = np.empty((n, pairs), dtype=np.int64)
+    if keys <= 2 ** 16:
+        for i in range(0, n, ROWS):
+            out[i:i + ROWS] = np.argsort(rng.random((min(ROWS, n - i), keys)), axis=1)[:, :pairs] + 1
+        return out
+    out[:] = rng.integers(1, keys + 1, (n, pairs))
+    while True:
+        s = np.sort(out, axis=1)
+        bad = np.flatnonzero((s[:, 1:] == s[:, :-1]).any(axis=1))
+        if not len(bad):
+            return out
+        out[bad] = rng.integers(1, keys + 1, (len(bad), pairs))
+
+
 def generate(n: int, length: int, pairs: int, vocab_size: int, seed: int):
     """n examples (x, y) of `length` tokens with `pairs` pairs each: x the tokens, y the answers (-1
-    where none)."""
+    where none). The random draws come in chunks of rows (see distinct_keys), so the memory beyond x
+    and y stays bounded whatever the vocabulary."""
     tok = MQARTokenizer(vocab_size)
     rng = np.random.default_rng(seed)
-    rows = np.arange(n)[:, None]
     x = np.zeros((n, length + 1), dtype=np.int64)
     y = np.full((n, length), -1, dtype=np.int64)
     slots = (length + 1 - 2 * pairs) // 2  # (key, value) slots after the context's pairs
-    keys = np.argsort(rng.random((n, tok.keys)), axis=1)[:, :pairs] + 1  # distinct keys per example
+    keys = distinct_keys(rng, n, pairs, tok.keys)
     values = rng.integers(tok.keys + 1, vocab_size, (n, pairs))
     x[:, 0:2 * pairs:2], x[:, 1:2 * pairs:2] = keys, values
     asked = np.argsort(rng.random((n, pairs)), axis=1)  # the order the keys are asked in
-    where = 2 * pairs + 2 * np.sort(np.argsort(rng.random((n, slots)), axis=1)[:, :pairs], axis=1)  # each query's key
+    where = np.empty((n, pairs), dtype=np.int64)  # each query's key
+    for i in range(0, n, ROWS):
+        draw = rng.random((min(ROWS, n - i), slots))
+        where[i:i + ROWS] = 2 * pairs + 2 * np.sort(np.argsort(draw, axis=1)[:, :pairs], axis=1)
+    rows = np.arange(n)[:, None]
     x[rows, where], x[rows, where + 1] = keys[rows, asked], values[rows, asked]
     y[rows, where] = values[rows, asked]  # predicted at the key: the next token
     return torch.from_numpy(x[:, :length]), torch.from_numpy(y)
+
+
+def examples_per_split(examples: int, pairs: list) -> dict:
+    """How many examples of each number of pairs each split holds."""
+    return {"train": -(-examples // len(pairs)), "val": max(256, examples // 10 // len(pairs))}
+
+
+def check_memory(examples: int, pairs: list, block_size: int):
+    """Refuse, before anything is drawn, a set of examples larger than half the memory this machine
+    has available (x and y, int64, and generation's working copy)."""
+    per = examples_per_split(examples, pairs)
+    need = len(pairs) * (per["train"] + per["val"]) * (2 * block_size + 1) * 8 * 2
+    have = available_memory()
+    if have is not None and need > have / 2:
+        raise UserError(f"data.examples={examples} windows of model.block_size={block_size} need about "
+                        f"{need / 2**30:.1f} GiB in memory, and this machine has {have / 2**30:.1f} GiB available: "
+                        "lower data.examples (or model.block_size)")
+
+
+def available_memory():
+    """Bytes of memory available now (Linux's MemAvailable), or None where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def check_config(cfg, block_size: int):
+    """The data config's relations to the model's window and the machine, before anything is drawn:
+    a one-line UserError for the first that fails (train.py checks this with the rest of the config)."""
+    pairs, vocab = list(cfg.pairs), cfg.vocab_size or 256
+    if not pairs:
+        raise UserError("data.pairs=[] names no number of pairs: give at least one, e.g. data.pairs=[8] "
+                        "(several make an equal mix: data.pairs=[4,8,16])")
+    for p in pairs:
+        if 4 * p > block_size + 1:
+            raise UserError(f"data.pairs={p} needs windows of at least {4 * p - 1} tokens (each pair once "
+                            f"as context and once asked), but model.block_size={block_size}: lower data.pairs or "
+                            "raise model.block_size")
+        if p > (vocab - 1) // 2:
+            raise UserError(f"data.pairs={p} needs as many distinct keys, but data.vocab_size={vocab} has "
+                            f"{(vocab - 1) // 2}: raise data.vocab_size")
+    if len(set(pairs)) != len(pairs):
+        raise UserError(f"data.pairs={pairs} names a number twice: give each once")
+    check_memory(cfg.examples, pairs, block_size)
 
 
 class MQARData:
@@ -74,21 +159,17 @@ class MQARData:
     of both sets, and the recall is logged for each too (val/recall_acc/pairs8). Windows are whole
     examples: a start is an example's index times the window length."""
 
+    what_differs = "other data.pairs / vocab_size / examples / split_seed"  # as TokenData's
+
     def __init__(self, cfg, block_size: int):
+        check_config(cfg, block_size)
+        self.label = f"the mqar examples (data.pairs={list(cfg.pairs)}, data.examples={cfg.examples})"
         pairs, vocab = list(cfg.pairs), cfg.vocab_size or 256
-        for p in pairs:
-            if 4 * p > block_size + 1:
-                raise UserError(f"data.pairs={p} needs windows of at least {4 * p - 1} tokens (each pair once "
-                                f"as context and once asked), but model.block_size={block_size}: lower data.pairs or "
-                                "raise model.block_size")
-            if p > (vocab - 1) // 2:
-                raise UserError(f"data.pairs={p} needs as many distinct keys, but data.vocab_size={vocab} has "
-                                f"{(vocab - 1) // 2}: raise data.vocab_size")
-        if len(set(pairs)) != len(pairs):
-            raise UserError(f"data.pairs={pairs} names a number twice: give each once")
+        per = examples_per_split(cfg.examples, pairs)
         self.block_size, self.bos, self.pairs = block_size, None, pairs
         self.tokenizer, self.vocab_size = MQARTokenizer(vocab), vocab
-        per = {"train": -(-cfg.examples // len(pairs)), "val": max(256, cfg.examples // 10 // len(pairs))}
+        check_memory(cfg.examples, pairs, block_size)
+        per = examples_per_split(cfg.examples, pairs)
         self.examples, self.groups = {}, {}
         for i, split in enumerate(per):
             parts = [generate(per[split], block_size, p, vocab, cfg.split_seed + 2 * i + 1000 * j)

@@ -129,3 +129,47 @@ def test_zeroing_every_head_of_a_layer_removes_its_attention(variant, layer):
         intact = model(idx)
     assert torch.allclose(ablated, removed, atol=1e-5), (ablated - removed).abs().max()
     assert not torch.allclose(ablated, intact, atol=1e-4)
+
+
+@pytest.mark.parametrize("variant", [{}, {"n_kv_head": 2}, {"attn": {"kind": "mla"}}, {"attn": {"sink": "learned"}},
+                                     {"attn": {"gate": "head"}}, {"attn": {"layer_kinds": ["gdn", "softmax"]}},
+                                     {"attn": {"layer_kinds": ["linear", "softmax"]}},
+                                     {"attn": {"layer_kinds": ["mamba2", "softmax"]}}],
+                         ids=["default", "gqa", "mla", "sink", "gate", "gdn", "linear", "mamba2"])
+def test_one_head_zeroed_at_hook_z_is_its_projection_columns_zeroed_except_where_a_norm_spans_the_heads(variant):
+    """Zeroing head 1 of layer 0 at hook_z = the layer's own output gate and projection applied to its
+    heads' outputs with that head's zeroed (recomputed from the layer's input and hook_z). That equals
+    zeroing the head's columns of the output projection wherever the gate acts head by head (softmax,
+    GQA, MLA, sinks, a sigmoid gate, gdn's per-head norm, linear); mamba2's gated norm spans all the
+    heads, so there the other heads are rescaled and the two differ (docs/looking_inside.md says so)."""
+    from tools.ablate import Ablation
+    from helpers import variant_model
+
+    torch.manual_seed(0)
+    model = variant_model(n_layer=2, **variant).eval()
+    attn, hs, h = model.blocks[0].attn, model.config.head_dim, 1
+    idx = torch.randint(40, (2, 12))
+    seen = {}
+    hooks = [attn.register_forward_pre_hook(lambda m, args: seen.update(x=args[0])),
+             attn.hook_z.register_forward_hook(lambda m, args, out: seen.update(z=out.clone()))]
+    with torch.no_grad():
+        model(idx)
+    for hook in hooks:
+        hook.remove()
+    z = seen["z"].clone()
+    z[:, :, h] = 0
+    with torch.no_grad():
+        y = z if attn.gate is None else attn.gate.transform(seen["x"], z)
+        recomputed = attn.c_proj(y.reshape(*y.shape[:2], -1))
+    hook = attn.register_forward_hook(lambda m, args, out: recomputed)
+    with torch.no_grad():
+        reference = model(idx)
+    hook.remove()
+    with Ablation(model, [(0, h)]), torch.no_grad():
+        ablated = model(idx)
+    assert torch.allclose(ablated, reference, atol=1e-5), (ablated - reference).abs().max()
+    with torch.no_grad():
+        attn.c_proj.weight[:, h * hs:(h + 1) * hs] = 0
+        columns = model(idx)
+    spans_heads = variant.get("attn", {}).get("layer_kinds", [None])[0] == "mamba2"
+    assert torch.allclose(ablated, columns, atol=1e-5) != spans_heads, (ablated - columns).abs().max()

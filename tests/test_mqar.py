@@ -135,3 +135,16 @@ def test_a_short_run_logs_recall_and_the_tools_read_it(train_cfg, tmp_path, caps
     out = capsys.readouterr().out
     assert "| 2 pairs | 4 pairs |" in out and f"{result['val/recall_acc/pairs4']:.3f} (one run)" in out
     assert (tmp_path / "recall" / "recall.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_recall_labels_name_each_arms_kinds_and_drop_unset_settings():
+    """An arm of softmax layers is "softmax", a hybrid its kinds; unset or `none` settings say nothing."""
+    from types import SimpleNamespace as NS
+
+    from tools.recall import arm_label
+    softmax = NS(label="model.attn.layer_kinds=None, model.attn.select=none, model.n_layer=2",
+                 runs=[NS(config={"model.attn.kind": "softmax", "model.attn.layer_kinds": None})])
+    hybrid = NS(label="model.attn.layer_kinds=[gdn, softmax], model.attn.select=moba, model.n_layer=2",
+                runs=[NS(config={"model.attn.kind": "softmax", "model.attn.layer_kinds": ["gdn", "softmax"]})])
+    assert arm_label(softmax) == "softmax, model.n_layer=2"
+    assert arm_label(hybrid) == "[gdn,softmax], select=moba, model.n_layer=2"

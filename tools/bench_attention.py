@@ -128,8 +128,10 @@ def predicted_macs(path, c, N, batch) -> int:
 
 def bench_attention(cfg) -> dict:
     check_values(cfg)
-    if cfg.decode and "sdpa" not in cfg.paths:
-        raise UserError("decode=true compares each path's decoding with sdpa's: add sdpa to paths")
+    if "sdpa" not in cfg.paths:  # the ratios and crossovers are all to sdpa's time in the same round
+        others = ",".join(cfg.paths) or "reference"
+        raise UserError(f"paths={list(cfg.paths)} leaves out sdpa, the path every ratio and crossover is measured "
+                        f"against (timed side by side in each round): add it, e.g. paths=[sdpa,{others}]")
     if cfg.out:
         check_output_file(cfg.out, "out")
     if cfg.threads:

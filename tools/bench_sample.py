@@ -34,7 +34,7 @@ from rules import POSITIVE, SEED, Needs, OneOf, Range, UserError, check_values  
 from config import model_config
 from counting import decode_bytes
 from model import GPT, GPTConfig
-from sample import decode_layout, generate, kv_cache_dtype
+from sample import cpu_cores, decode_layout, decode_threads, generate, kv_cache_dtype
 
 
 @dataclass
@@ -46,7 +46,7 @@ class BenchSampleConfig:
     batch_sizes: List[int] = field(default_factory=lambda: [1, 8])  # samples decoded together
     compile: List[bool] = field(default_factory=lambda: [False, True])  # cached decode step eager / compiled
     recompute: bool = True  # also time the no-cache path (batch 1, eager)
-    threads: Optional[int] = None  # intra-op CPU threads for the timed runs; unset: torch's default
+    threads: Optional[int] = None  # intra-op CPU threads for the timed runs; unset: sample.py's choice per case
     dtype: str = "auto"  # autocast dtype, as sample.py: auto = bfloat16 on capable GPUs, else float32
     layouts: List[str] = field(default_factory=lambda: ["auto"])  # Linear weights: auto (what sample.py does: column-major on CPU) | row | column
     kv_dtypes: List[str] = field(default_factory=lambda: ["float32", "bfloat16"])  # KV cache dtypes (sample.kv_dtype; auto = sample.py's choice)
@@ -102,7 +102,7 @@ def bench_sample(cfg) -> dict:
     models = {layout: decode_layout(copy.deepcopy(model)) if column[layout] else model for layout in cfg.layouts}
     bandwidth = memory_bandwidth(device)
     print(f"{model.num_params() / 1e6:.1f}M params, block {mcfg.block_size}, {cfg.tokens} new tokens, "
-          f"device {device}, {torch.get_num_threads()} threads, memory bandwidth {bandwidth / 1e9:.1f} GB/s, "
+          f"device {device}, {cfg.threads or 'per case as sample.py chooses:'} threads, memory bandwidth {bandwidth / 1e9:.1f} GB/s, "
           f"median of {cfg.repeats} interleaved runs")
 
     def suffix(layout, kv):  # the layout and cache dtype, where the command compares more than one
@@ -120,6 +120,8 @@ def bench_sample(cfg) -> dict:
 
     def timed(case, tokens):
         m, batch, kw = case
+        if not cfg.threads and device.type == "cpu":  # sample.py's choice for this much work
+            torch.set_num_threads(decode_threads(batch, kw["kv_cache"], cpu_cores()))
         if "kv_dtype" in kw:
             kw = {**kw, "kv_dtype": kv_cache_dtype(kw["kv_dtype"], rt, batch)}  # sample.py's rule for auto
         prompt = torch.zeros(batch, 1, dtype=torch.long, device=device)

@@ -79,9 +79,17 @@ def stream_tokens(state: dict, cfg, n=None) -> torch.Tensor:
 
         from config import DataConfig
         from data.loader import TokenData
+        from data.mqar import MQARData
         from data.prepare import prepare
         data_cfg = OmegaConf.merge(OmegaConf.structured(DataConfig), state["config"]["data"])  # the run's own data
-        ids = TokenData(prepare(data_cfg)).splits["val"][:n].tolist()
+        try:
+            if data_cfg.name == "mqar":  # generated again from its seed: the val examples one after another
+                ids = MQARData(data_cfg, state["model_config"]["block_size"]).examples["val"][0].reshape(-1)[:n].tolist()
+            else:
+                ids = TokenData(prepare(data_cfg)).splits["val"][:n].tolist()
+        except UserError as e:  # its keys are the run's, not this tool's
+            raise UserError(f"the run's own val split cannot be made again here ({e}); give text=FILE, a held-out "
+                            "UTF-8 text") from None
     if n is not None and len(ids) < n:
         raise UserError(f"the text has {len(ids)} tokens, fewer than tokens={n}: give a longer text= or fewer tokens")
     return torch.tensor(ids[:n], dtype=torch.long)

@@ -481,6 +481,17 @@ def char_tokenizer(chars: str):
     return tk
 
 
+def mqar_tokenizer(tok):
+    """data=mqar's tokens: whole words (the filler, k1.., v1..) split on whitespace, one id each in
+    attnlab's order; decoded joined by spaces."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    tk = Tokenizer(models.WordLevel(vocab={tok.name(i): i for i in range(tok.vocab_size)}, unk_token=None))
+    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tk.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with a space
+    return tk
+
+
 def char_bos(chars: str) -> str:
     """The character a char vocabulary names its BOS: a newline (where a text, or a paragraph,
     starts), else its first character. Tools need one: lm-evaluation-harness predicts a text's first
@@ -511,6 +522,8 @@ def hf_tokenizer(tok_dict: dict, block_size: int):
     tok = tokenizer_from_dict(tok_dict)
     if tok.kind == "char":  # no special token: one of its characters is named BOS (char_bos)
         tk, special = char_tokenizer(tok.chars), {"bos_token": char_bos(tok.chars)}
+    elif tok.kind == "mqar":
+        tk, special = mqar_tokenizer(tok), {}
     else:  # a named tiktoken encoding or our trained BPE: both are tiktoken Encodings, whose ranks,
         enc = tok.enc  # pattern and special tokens tiktoken keeps in attributes without a public getter
         tk = bpe_tokenizer(enc._mergeable_ranks, enc._pat_str, enc._special_tokens)
@@ -529,6 +542,9 @@ def check_tokenizer(tok, fast):
     whole val splits."""
     if tok.kind == "char":
         text, want = tok.chars, list(range(len(tok.chars)))
+    elif tok.kind == "mqar":
+        want = list(range(min(tok.vocab_size, 4096)))
+        text = " ".join(tok.name(i) for i in want)
     else:
         docs = ["Hello, world! It's 2024:\n\tcafé, naïve, 日本語, emoji 😀 and    spaces.",
                 "def f(x):\n    return x**2\n"]
@@ -609,7 +625,7 @@ def model_card(state: dict, model: GPT, target_cls: str, ckpt: Path, tok, code: 
     fill = lambda text: "\n\n".join(textwrap.fill(p, 100) for p in text.split("\n\n"))  # noqa: E731
     remote = ", trust_remote_code=True" if code else ""
     keep_bos = ", skip_special_tokens=False" if tok.kind == "char" and not bos else ""
-    prompt = "ROMEO:" if tok.kind == "char" else "Once upon a time"
+    prompt = {"char": "ROMEO:", "mqar": "k1 v9 k2 v17 k1"}.get(tok.kind, "Once upon a time")
     return f"""---
 library_name: transformers
 pipeline_tag: text-generation

@@ -45,13 +45,25 @@ def recall_runs(paths) -> list:
     return runs
 
 
+def arm_label(arm) -> str:
+    """The arm's differing settings, short: its layers' kinds first (layer_kinds, else kind), then what
+    else differs and is set (an unset value or `none` says nothing of the arm)."""
+    config = arm.runs[0].config
+    kinds = config.get("model.attn.layer_kinds") or config.get("model.attn.kind") or "softmax"
+    kinds = "[" + ",".join(kinds) + "]" if isinstance(kinds, (list, tuple)) else str(kinds)
+    rest = [part.replace("model.attn.", "") for part in arm.label.split(", ") if "=" in part
+            and not part.startswith(("model.attn.layer_kinds=", "model.attn.kind="))
+            and part.split("=", 1)[1] not in ("None", "none", "(unset)")]
+    return ", ".join([kinds, *rest])
+
+
 def recall_table(runs) -> tuple:
     """(pairs, rows): the pair counts in order, and per arm (label, {pairs: describe(recall values)})."""
     without = [replace(r, config={k: v for k, v in r.config.items() if k != PAIRS}) for r in runs]
     pairs = sorted({p for r in runs for p in r.final["recall"]})
     rows = []
     for arm in group_arms(without):
-        label = arm.label.replace("model.attn.layer_kinds=", "").replace("model.attn.kind=", "")
+        label = arm_label(arm)
         values = {p: [r.final["recall"][p] for r in arm.runs if p in r.final["recall"]] for p in pairs}
         cells = {p: {**describe(v), "values": v} for p, v in values.items()}
         rows.append((label, cells))

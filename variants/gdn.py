@@ -136,6 +136,7 @@ def gated_delta_step(q, k, v, beta, g, S):
 
 class GatedDeltaNet(CausalSelfAttention):
     softmax = False  # no softmax weights: the probe has no statistics for it
+    rotates_heads = False  # no RoPE: its order comes from the recurrence
     chunk = 64  # positions per chunk of the training form
 
     def __init__(self, config, layer: int, **slots):

@@ -46,6 +46,7 @@ import torch.nn.functional as F
 
 from attention import Mask, apply_rope, attention_scores, repeat_kv, rope_theta
 from variants.moba import SelectedMask
+from variants.oracle import Oracle
 
 
 def turn(x, pos, theta, sign: int = 1):
@@ -59,6 +60,8 @@ def turn(x, pos, theta, sign: int = 1):
 class Indexer(nn.Module):
     """select(q, k, mask, q_pos, k_pos) -> SelectedMask, as variants.moba.MoBA; q (B, nh, Tq, hs), k
     (B, n_kv, Tk, hs), or one per query head as CausalSelfAttention.scores hands them."""
+
+    reads_everything = staticmethod(Oracle.reads_everything)  # select_topk keys per query, as the oracle
 
     def __init__(self, config):
         super().__init__()

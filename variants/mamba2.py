@@ -65,6 +65,7 @@ def ssd_step(x, a, Bm, Cm, state):
 
 class Mamba2(CausalSelfAttention):
     softmax = False  # no softmax weights: the probe has no statistics for it
+    rotates_heads = False  # no RoPE: its order comes from the recurrence
     chunk = 64  # positions per chunk of the training form
 
     def __init__(self, config, layer: int, **slots):

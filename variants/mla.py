@@ -28,6 +28,7 @@ class LatentAttention(CausalSelfAttention):
     keys and values, then attend) and absorbed (fold W_uk into the query, q̃_h = W_uk,hᵀ q_C,h, and
     attend over the latents themselves, all heads sharing them like one key/value head; then W_uv,h
     turns each head's weighted latent into its output): the cache is read, never expanded."""
+    rotates_heads = False  # RoPE rotates its own decoupled part (model.attn.rope_head_dim), not the heads
 
     @staticmethod
     def check(config) -> list:

@@ -65,6 +65,17 @@ class MoBA:
     def __init__(self, config):
         self.block, self.topk = config.attn.select_block, config.attn.select_topk
 
+    @staticmethod
+    def reads_everything(a, length: int):
+        """Why this selection reads every key of a `length`-token window (dense attention), or None:
+        each query reads its own block and up to select_topk earlier ones, of ceil(length / B)."""
+        n = -(-length // a.select_block)
+        if a.select_topk >= n - 1:
+            fix = f"lower select_block (e.g. {max(1, length // 8)})" + (f" or select_topk (below {n - 1})" if n > 2 else "")
+            return (f"select_block={a.select_block} cuts {length} tokens into {n} block(s) and select_topk="
+                    f"{a.select_topk} reads up to {a.select_topk} earlier ones besides a query's own: every key; {fix}")
+        return None
+
     def __call__(self, q, k, mask: Mask, q_pos, k_pos) -> BlockChoice:
         nh = q.size(1)
         # the keys some query sees (a cache's unwritten slots out): without a window, all the last query sees

@@ -19,6 +19,13 @@ class Oracle:
     def __init__(self, config):
         self.topk = config.attn.select_topk
 
+    @staticmethod
+    def reads_everything(a, length: int):
+        """Why this selection reads every key of a `length`-token window, or None: select_topk keys each."""
+        if a.select_topk >= length:
+            return f"select_topk={a.select_topk} keys per query of at most {length}: every key; lower select_topk"
+        return None
+
     def __call__(self, q, k, mask: Mask, q_pos=None, k_pos=None) -> SelectedMask:
         visible = mask(q.device)
         logits = (q.float() @ repeat_kv(k, q.size(1)).float().transpose(-1, -2)).masked_fill(~visible, float("-inf"))
