@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from data.mqar import FILLER, MQARData, MQARTokenizer, generate
+from helpers import compose_cfg
 from rules import UserError
 
 
@@ -148,3 +149,49 @@ def test_recall_labels_name_each_arms_kinds_and_drop_unset_settings():
                 runs=[NS(config={"model.attn.kind": "softmax", "model.attn.layer_kinds": ["gdn", "softmax"]})])
     assert arm_label(softmax) == "softmax, model.n_layer=2"
     assert arm_label(hybrid) == "[gdn,softmax], select=moba, model.n_layer=2"
+
+
+# every data key, by what data=mqar does with it: a new key must be classified here
+MQAR_USES = {"name", "vocab_size", "pairs", "examples", "split_seed", "tokenizer"}
+TEXT_ONLY = {"path": "x.txt", "url": "https://example.com/x.txt", "hub": "a/b", "hub_config": "c", "text_column": "body",
+             "val_split": "validation", "val_fraction": 0.2, "max_tokens": 1000, "num_proc": 2, "cache_dir": "/tmp/c",
+             "bos": True, "streaming": True}
+
+
+def test_every_data_key_is_used_by_mqar_or_warned_as_ignored(caplog):
+    """data=mqar generates its examples: each text source key set with it is one warning naming the key
+    (nothing refused: a sweep's arm may set what another arm's data uses); and the other way round, the
+    mqar keys with text data."""
+    import dataclasses
+
+    from config import DataConfig, check_train_config
+    assert {f.name for f in dataclasses.fields(DataConfig)} == MQAR_USES | TEXT_ONLY.keys()
+    for key, value in TEXT_ONLY.items():
+        cfg = compose_cfg("config", ["data=mqar", "model=debug", f"data.{key}={value}"])
+        assert any(line.startswith(f"data.{key}=") for line in check_train_config(cfg)), key
+    cfg = compose_cfg("config", ["model=debug", "data.tokenizer=mqar"])
+    assert any(line.startswith("data.tokenizer=") for line in check_train_config(cfg))
+    for key, value in (("pairs", "[4]"), ("examples", 100), ("vocab_size", 300)):
+        cfg = compose_cfg("config", ["model=debug", f"data.{key}={value}"])
+        assert any(line.startswith(f"data.{key}=") for line in check_train_config(cfg)), key
+    for key in MQAR_USES - {"name", "tokenizer"}:  # what mqar uses is not warned
+        cfg = compose_cfg("config", ["data=mqar", "model=debug", f"data.{key}=" + {"pairs": "[4]"}.get(key, "300")])
+        assert not any(line.startswith(f"data.{key}=") for line in check_train_config(cfg)), key
+
+
+def test_mqar_sizes_that_cannot_fit_are_refused_before_anything_is_drawn(monkeypatch):
+    """No pairs, and examples x window past half the available memory, are one line from the config
+    check (before a sweep's first job); a huge vocabulary draws its keys without a vocab-sized matrix."""
+    import data.mqar as mqar
+    from config import check_train_config
+    with pytest.raises(UserError, match=r"data.pairs=\[\] names no number"):
+        check_train_config(compose_cfg("config", ["data=mqar", "model=debug", "data.pairs=[]"]))
+    monkeypatch.setattr(mqar, "available_memory", lambda: 2**30)  # a machine with 1 GiB free
+    with pytest.raises(UserError, match="data.examples=1000000 windows .* need about .* GiB") as e:
+        check_train_config(compose_cfg("config", ["data=mqar", "model=debug", "data.examples=1000000"]))
+    assert "\n" not in str(e.value)
+    x, y = mqar.generate(64, 32, 4, 10**7, seed=1)  # 5M keys: drawn with replacement, rows with repeats redrawn
+    keys = x[:, 0:8:2]
+    assert all(len(set(row.tolist())) == 4 for row in keys) and int(keys.max()) <= (10**7 - 1) // 2
+    answered = y >= 0
+    assert answered.sum(1).eq(4).all()

@@ -288,3 +288,39 @@ def test_old_checkpoint_config_without_the_new_keys_builds_the_default_model():
     torch.manual_seed(0)
     model = GPT(cfg)
     assert sorted(model.state_dict()) == sorted(make().state_dict())
+
+
+@pytest.mark.parametrize("attn, block, says", [
+    ({"select": "moba", "select_block": 64, "select_topk": 4}, 128, "select=moba selects nothing away"),
+    ({"select": "moba", "select_block": 64}, 32, "select=moba selects nothing away"),
+    ({"select": "moba", "select_block": 8, "select_topk": 3}, 32, "select=moba selects nothing away"),  # 4 blocks
+    ({"select": "oracle", "select_topk": 32}, 32, "select=oracle selects nothing away"),
+    ({"select": "indexer", "select_topk": 40}, 32, "select=indexer selects nothing away"),
+    ({"window": 32}, 32, "windows no layer"),
+    ({"window": 4, "window_pattern": "LG", "layer_kinds": ["gdn", "softmax"]}, 32, "windows no layer"),
+    ({"select": "moba", "select_block": 8, "select_topk": 2}, 32, None),  # 4 blocks, each query reads 3 at most
+    ({"select": "oracle", "select_topk": 31}, 32, None),
+    ({"window": 4, "window_pattern": "GL", "layer_kinds": ["gdn", "softmax"]}, 32, None),
+])
+def test_a_selection_or_window_that_changes_nothing_is_warned(attn, block, says):
+    """Counted from the sizes: MoBA reads its own block and select_topk earlier ones of ceil(N/B); the
+    oracle and the indexer select_topk keys of N; a window acts on softmax/mla layers marked L, below N."""
+    config = GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=block, vocab_size=40, attn=attn)
+    lines = [line for line in config.ignored if "selects nothing" in line or "windows no layer" in line]
+    assert [says in line for line in lines] == ([True] if says else [])
+
+
+def test_layer_kinds_longer_than_the_model_is_one_line():
+    """A kind past the last layer would never be built (a window_pattern may be longer: a depth sweep's
+    arms share it, and a window that acts on no layer is warned above)."""
+    with pytest.raises(UserError, match=r"model.attn.layer_kinds=\[.*\] names 3 layers but model.n_layer=2") as e:
+        GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=32, vocab_size=40,
+                  attn={"layer_kinds": ["gdn", "softmax", "mamba2"]})
+    assert "\n" not in str(e.value)
+
+
+def test_an_odd_head_size_is_refused_only_where_rope_rotates_heads():
+    with pytest.raises(UserError, match="RoPE rotates pairs of channels of each softmax head"):
+        GPTConfig(n_layer=2, n_head=2, n_embd=30, block_size=32, vocab_size=40)
+    for attn, pos in (({"kind": "gdn"}, "rope"), ({"kind": "gdn"}, "none"), ({}, "none"), ({"kind": "mamba2"}, "rope")):
+        GPTConfig(n_layer=2, n_head=2, n_embd=30, block_size=32, vocab_size=40, attn=attn, pos=pos)  # builds

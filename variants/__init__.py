@@ -187,15 +187,13 @@ def check(config) -> list:
         raise UserError(f"model.attn.softcap={config.attn.softcap} caps scores that model.attn.impl={config.attn.impl} "
                         "never writes out: use impl=sdpa or reference (a capped layer attends by the reference path)")
     a, n_layer = config.attn, config.n_layer
-    for key in ("layer_kinds", "window_pattern"):  # a repeated pattern: entries past the last layer never act
-        value = getattr(a, key)
-        if value is not None and len(value) > n_layer:
-            raise UserError(f"model.attn.{key}={list(value) if key == 'layer_kinds' else value} names {len(value)} "
-                            f"layers but model.n_layer={n_layer}: the last {len(value) - n_layer} would never be "
-                            f"used; give at most {n_layer} (a shorter one repeats over the layers)")
+    if a.layer_kinds is not None and len(a.layer_kinds) > n_layer:  # kinds past the last layer would never be built
+        raise UserError(f"model.attn.layer_kinds={list(a.layer_kinds)} names {len(a.layer_kinds)} layers but "
+                        f"model.n_layer={n_layer}: the last {len(a.layer_kinds) - n_layer} would never be used; give "
+                        f"at most {n_layer} (a shorter list repeats over the layers)")
     ignored = []
     windowed = {"softmax", "mla"}  # the kinds with an N x N table to window (linear, gdn, mamba2: none)
-    if a.window is not None and not any(layer_kind(a, i) in windowed and a.window_pattern[i % len(a.window_pattern)]
+    if a.window is not None and used & windowed and not any(layer_kind(a, i) in windowed and a.window_pattern[i % len(a.window_pattern)]
                                         == "L" and a.window < config.block_size for i in range(n_layer)):
         ignored.append(f"model.attn.window={a.window} with window_pattern={a.window_pattern!r} windows no layer here "
                        f"(a window acts on softmax or mla layers marked L, and only below model.block_size="
