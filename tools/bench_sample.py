@@ -82,6 +82,15 @@ def memory_bandwidth(device, mib: int = 256, repeats: int = 5) -> float:
 
 
 def bench_sample(cfg) -> dict:
+    """Time each case; torch's thread count is left as found (each case may set its own)."""
+    threads = torch.get_num_threads()
+    try:
+        return timed_cases(cfg)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def timed_cases(cfg) -> dict:
     check_values(cfg)
     for key in ("batch_sizes", "layouts", "kv_dtypes"):  # each a list of cases to time
         if not cfg[key] or len(set(cfg[key])) < len(cfg[key]):
