@@ -456,7 +456,7 @@ def test_bench_times_other_layer_kinds_of_the_same_model_side_by_side(capsys):
     """bench.kinds: each pattern is the configured model with those layer kinds (its parameters are that
     model's), timed in the same rounds; its ratio is its median step time over the configured one's."""
     from helpers import compose_cfg
-    from tools.bench import bench, print_result
+    from benchmarks import bench, print_result
     cfg = compose_cfg("bench", ["model=debug", "device=cpu", "bench.iters=1", "bench.warmup=0", "bench.rounds=2",
                                 "bench.kinds=[gdn,mamba2+softmax]", "train.batch_size=2"])
     r = bench(cfg)

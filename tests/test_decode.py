@@ -95,7 +95,8 @@ def test_stop_string_stops_every_sample_of_a_batch(run_dir, sample_cfg):
 
 def test_bench_sample_prints_ratios_and_the_bandwidth_bound(capsys):
     from helpers import compose_cfg
-    from tools.bench_sample import bench_sample, decode_bytes
+    from benchmarks import bench_sample
+    from counting import decode_bytes
     cfg = compose_cfg("bench_sample", ["model=debug", "tokens=40", "batch_sizes=[1,2]", "compile=[false]",
                                        "layouts=[row,column]", "kv_dtypes=[float32]", "repeats=2"])
     result = bench_sample(cfg)
@@ -124,7 +125,7 @@ def test_bench_sample_with_nothing_to_time_says_what_to_change_before_any_work(o
     """Was: exit 0 having printed only its header line."""
     from helpers import compose_cfg
     from rules import UserError
-    from tools.bench_sample import bench_sample
+    from benchmarks import bench_sample
     with pytest.raises(UserError, match=re.escape(needle)) as e:
         bench_sample(compose_cfg("bench_sample", ["model=debug", "tokens=5", *overrides]))
     assert "\n" not in str(e.value) and capsys.readouterr().out == ""  # refused before printing anything

@@ -65,7 +65,8 @@ def test_any_checkpoint_is_read_through_a_choice_of_keys(tmp_path, capsys):
     from checkpoint import load_checkpoint, model_from_checkpoint, with_selection
     from data.tokenizer import tokenizer_from_dict
     from helpers import compose_cfg
-    from tools.eval_lengths import eval_lengths, window_losses
+    from streams import window_losses
+    from tools.eval_lengths import eval_lengths
     ckpt = save_tiny_checkpoint(tmp_path, block_size=32)
     text = tmp_path / "t.txt"
     text.write_text("the quick brown fox jumps over the lazy dog. " * 20)

@@ -318,7 +318,7 @@ def test_bench_sample_times_what_sample_py_runs(monkeypatch):
     device (column-major on a CPU), and kv_dtype=auto as sample.py resolves it per batch size."""
     import sample as sample_module
     from helpers import compose_cfg
-    from tools import bench_sample as bs
+    import benchmarks as bs
     seen = []
     real = sample_module.generate
 

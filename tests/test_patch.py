@@ -9,7 +9,8 @@ import torch
 
 from helpers import compose_cfg, one_line, save_tiny_checkpoint, variant_model
 from rules import UserError
-from tools.patch import Patching, Prompts, components, drawn_prompts, patch, patch_all, record
+from interventions import Patching, Prompts, components, drawn_prompts, patch_all, record
+from tools.patch import patch
 
 VARIANTS = {
     "default": {},

@@ -626,8 +626,8 @@ HUGE_MUST_FAIL = {"train.batch_size", "train.probe_batch_size", "train.grad_accu
                   "model.block_size", "model.n_layer", "model.n_embd", "model.n_head", "model.n_kv_head",
                   "model.d_ff", "num_samples", "bench.vocab_size"}
 # every command's config (configs/NAME.yaml) and the function its entry point calls first
-ENTRY_POINTS = {"config": "train:train", "sample": "sample:sample", "bench": "tools.bench:bench",
-                "cost": "tools.cost:cost", "bench_sample": "tools.bench_sample:bench_sample",
+ENTRY_POINTS = {"config": "train:train", "sample": "sample:sample", "bench": "benchmarks:bench",
+                "cost": "tools.cost:cost", "bench_sample": "benchmarks:bench_sample",
                 "visualize": "tools.visualize:visualize", "export": "tools.export:export",
                 "bench_attention": "tools.bench_attention:bench_attention", "eval_stream": "tools.eval_stream:eval_stream",
                 "eval_lengths": "tools.eval_lengths:eval_lengths", "ablate": "tools.ablate:ablate",

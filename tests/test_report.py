@@ -223,7 +223,7 @@ def test_the_report_gives_each_arms_first_token_mass_and_largest_activation(tmp_
 def test_runs_started_from_each_seeds_own_parent_are_one_arm_apart_from_scratch_runs():
     """init_from differs with the seed (each seed's fine-tune starts from that seed's full run): the
     arm groups them by whether they started from weights, not by whose."""
-    from tools.report import RunSummary, group_arms
+    from runs import RunSummary, group_arms
 
     def run(seed, **config):
         return RunSummary(Path(f"/r/{len(config)}/{seed}"), {"seed": seed, "model.attn.window": None,

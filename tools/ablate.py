@@ -23,16 +23,15 @@ from typing import ClassVar, List, Optional
 
 import hydra
 import torch
-import torch.nn.functional as F
 from hydra.core.config_store import ConfigStore
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as tools/X.py: the repo's modules
 
-from attnstats import copy_losses, repeated_batch  # noqa: E402
 from checkpoint import find_checkpoint, load_checkpoint, model_from_checkpoint  # noqa: E402
 from common import check_output_dir, cli, pick_device, run_app  # noqa: E402
+from interventions import Ablation, head_means, measure  # noqa: E402
 from rules import POSITIVE, Rule, UserError, check_values  # noqa: E402
-from tools.eval_stream import stream_tokens  # noqa: E402
+from streams import stream_tokens, windows  # noqa: E402
 
 
 def parse_head(name: str) -> tuple:
@@ -59,69 +58,6 @@ class AblateConfig:
 
 
 ConfigStore.instance().store(name="base_ablate", node=AblateConfig)
-
-
-def windows(ids, T: int, n: int):
-    """The first n windows of T + 1 tokens of ids: inputs and targets (n, T)."""
-    if ids.numel() < n * T + 1:
-        n = (ids.numel() - 1) // T
-        if n == 0:
-            raise UserError(f"the text has {ids.numel()} tokens: too few for one window of {T} (give a longer text=)")
-    x = ids[:n * T].view(n, T)
-    return x, ids[1:n * T + 1].view(n, T)
-
-
-class Ablation:
-    """Forward hooks on the layers' hook_z that replace the chosen heads' outputs: by zero, or by
-    `means[layer]` (nh, hs), the head's mean output. Used as a context manager."""
-
-    def __init__(self, model, heads, means=None):
-        self.model, self.heads, self.means, self.handles = model, heads, means, []
-
-    def __enter__(self):
-        by_layer = {}
-        for layer, head in self.heads:
-            by_layer.setdefault(layer, []).append(head)
-        for layer, heads in by_layer.items():
-            def hook(module, args, z, layer=layer, heads=heads):
-                z = z.clone()
-                z[:, :, heads] = 0 if self.means is None else self.means[layer][heads].to(z.dtype)
-                return z
-            self.handles.append(self.model.blocks[layer].attn.hook_z.register_forward_hook(hook))
-        return self
-
-    def __exit__(self, *exc):
-        for h in self.handles:
-            h.remove()
-
-
-@torch.no_grad()
-def head_means(model, x, batch_size: int) -> list:
-    """Each layer's mean hook_z over the windows x and their positions: (nh, hs) per layer."""
-    sums, count = [0.0] * len(model.blocks), 0
-    handles = [b.attn.hook_z.register_forward_hook(lambda m, a, z, l=l: sums.__setitem__(l, sums[l] + z.double().sum((0, 1))))
-               for l, b in enumerate(model.blocks)]
-    try:
-        for xb in x.split(batch_size):
-            model(xb)
-            count += xb.numel()
-    finally:
-        for h in handles:
-            h.remove()
-    return [(s / count).float() for s in sums]
-
-
-@torch.no_grad()
-def measure(model, x, y, batch_size: int) -> dict:
-    """The mean val loss over the windows, and the in-context gain on their first halves repeated."""
-    loss = sum(F.cross_entropy(model(xb).flatten(0, 1).float(), yb.flatten(), reduction="sum").item()
-               for xb, yb in zip(x.split(batch_size), y.split(batch_size))) / y.numel()
-    first = second = 0.0
-    for xb in x.split(batch_size):
-        seq = repeated_batch(xb)
-        a, b = copy_losses(model(seq), seq, seq.size(1) // 2)
-        first, second = first + a * xb.size(0), second + b * xb.size(0)
-    return {"loss": loss, "gain": (first - second) / x.size(0)}
 
 
 def ablate(cfg) -> dict:

@@ -33,6 +33,7 @@ from hydra.core.config_store import ConfigStore
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as tools/X.py: the repo's modules
 
 from attention import rope_freqs  # noqa: E402
+from benchmarks import saved_bytes  # noqa: E402
 from common import check_output_file, cli, run_app  # noqa: E402
 from rules import POSITIVE, Needs, OneOf, Range, UserError, check_values  # noqa: E402
 from counting import attention_macs, attention_variants, selected_macs  # noqa: E402
@@ -88,19 +89,6 @@ def layer_for(path: str, cfg, N: int):
             "moba": {"impl": "gathered", **moba}, "moba_masked": moba}[path]
     c = GPTConfig(vocab_size=2, block_size=N, n_layer=1, n_head=cfg.n_head, n_embd=cfg.n_embd, attn=attn)
     return make_attention(c, layer=0), c
-
-
-def saved_bytes(fn) -> int:
-    """Bytes of the tensors autograd saves while fn() runs its forward, each storage counted once."""
-    seen = {}
-
-    def pack(t):
-        st = t.untyped_storage()
-        seen[(st.device, st.data_ptr())] = st.nbytes()
-        return t
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        fn()
-    return sum(seen.values())
 
 
 def step(layer, x, rope):

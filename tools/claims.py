@@ -53,7 +53,7 @@ from rules import UserError  # noqa: E402
 from counting import (attention_variants, count_params, crossovers, kv_cache_bytes, macs_per_token,  # noqa: E402
                       memory_breakdown, selected_keys)
 from model import GPT, GPTConfig  # noqa: E402
-from tools.bench_attention import saved_bytes  # noqa: E402
+from benchmarks import saved_bytes  # noqa: E402
 
 STATUSES = {  # status -> how a row shows it
     "holds": "holds", "fails": "FAILS", "partial": "holds in part", "not_shown": "not shown at this size",
@@ -1001,7 +1001,7 @@ def check_c10(ctx):
 def check_c11(ctx):
     if ctx.quick:
         return skipped("a trained model")
-    from tools.eval_lengths import window_losses
+    from streams import window_losses
 
     def late_loss(model, L):  # the mean loss of positions 4x..8x the trained length, every window of L
         n = window_losses(model, val, L)

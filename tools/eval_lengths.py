@@ -31,7 +31,6 @@ from typing import ClassVar, List, Optional
 
 import hydra
 import torch
-import torch.nn.functional as F
 from hydra.core.config_store import ConfigStore
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as tools/X.py: the repo's modules
@@ -42,7 +41,7 @@ from checkpoint import find_checkpoint, load_checkpoint, model_from_checkpoint, 
 from common import check_output_file, cli, pick_device, run_app  # noqa: E402
 from rules import POSITIVE, OneOf, Range, UserError, check_values  # noqa: E402
 from data.tokenizer import tokenizer_from_dict  # noqa: E402
-from tools.eval_stream import stream_tokens  # noqa: E402
+from streams import stream_tokens, window_losses  # noqa: E402
 
 
 @dataclass
@@ -67,25 +66,6 @@ class EvalLengthsConfig:
 
 
 ConfigStore.instance().store(name="base_eval_lengths", node=EvalLengthsConfig)
-
-
-@torch.no_grad()
-def window_losses(model, ids, L: int, batch_size: int = 8, bos=None) -> torch.Tensor:
-    """The next-token loss at every position of every consecutive window of L tokens of ids:
-    (windows, L); window w reads ids[w*L : (w+1)*L] and predicts ids[w*L+1 : (w+1)*L+1]. With bos
-    (a data.bos=true model) it reads [bos, ids[w*L : (w+1)*L-1]] and predicts ids[w*L : (w+1)*L]."""
-    n = (ids.numel() - 1) // L
-    if n == 0:
-        raise UserError(f"the text has {ids.numel()} tokens: too few for one window of {L} (give a longer text=)")
-    x = ids[:n * L].view(n, L)
-    y = ids[1:n * L + 1].view(n, L)
-    if bos is not None:
-        x, y = torch.cat([torch.full_like(x[:, :1], bos), x[:, :-1]], 1), x
-    losses = []
-    for xb, yb in zip(x.split(batch_size), y.split(batch_size)):
-        logits = model(xb, window=L)  # window=L: full attention over all L, also past block_size
-        losses.append(F.cross_entropy(logits.flatten(0, 1).float(), yb.flatten(), reduction="none").view(yb.shape))
-    return torch.cat(losses)
 
 
 def copy_distance(L: int, bos=None) -> int:
@@ -161,9 +141,10 @@ def eval_checkpoint(cfg, path, out) -> dict:
 
 
 def eval_arms(cfg) -> dict:
-    """Every run under cfg.runs evaluated, grouped into arms (tools/report.py's grouping): per arm and
+    """Every run under cfg.runs evaluated, grouped into arms (runs.py's grouping, as tools/report.py's): per arm and
     length the mean loss, its sd and 95% interval over the arm's runs; a plot with a band per arm."""
-    from tools.report import describe, find_runs, group_arms, summarize
+    from intervals import describe
+    from runs import find_runs, group_arms, summarize
 
     arms = group_arms([summarize(r) for r in find_runs(cfg.runs)])
     table = []

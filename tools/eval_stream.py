@@ -40,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as tools/X.p
 from checkpoint import find_checkpoint, load_checkpoint, model_from_checkpoint  # noqa: E402
 from common import check_output_file, cli, pick_device, run_app  # noqa: E402
 from rules import POSITIVE, OneOf, Range, UserError, check_values  # noqa: E402
+from streams import stream_tokens  # noqa: E402
 from data.tokenizer import tokenizer_from_dict  # noqa: E402
 
 POLICIES = ("recompute", "ring", "sinks")
@@ -63,36 +64,6 @@ class EvalStreamConfig:
 
 
 ConfigStore.instance().store(name="base_eval_stream", node=EvalStreamConfig)
-
-
-def stream_tokens(state: dict, cfg, n=None) -> torch.Tensor:
-    """The first n tokens (all: None) of cfg.text, or of the run's own val split (prepared again from
-    its config): a held-out text the model never trained on."""
-    tok = tokenizer_from_dict(state["tokenizer"])
-    if cfg.text:
-        try:
-            ids = tok.encode(Path(cfg.text).expanduser().read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError) as e:
-            raise UserError(f"text={cfg.text!r} cannot be read as UTF-8 text ({type(e).__name__})") from None
-    else:
-        from omegaconf import OmegaConf
-
-        from config import DataConfig
-        from data.loader import TokenData
-        from data.mqar import MQARData
-        from data.prepare import prepare
-        data_cfg = OmegaConf.merge(OmegaConf.structured(DataConfig), state["config"]["data"])  # the run's own data
-        try:
-            if data_cfg.name == "mqar":  # generated again from its seed: the val examples one after another
-                ids = MQARData(data_cfg, state["model_config"]["block_size"]).examples["val"][0].reshape(-1)[:n].tolist()
-            else:
-                ids = TokenData(prepare(data_cfg)).splits["val"][:n].tolist()
-        except UserError as e:  # its keys are the run's, not this tool's
-            raise UserError(f"the run's own val split cannot be made again here ({e}); give text=FILE, a held-out "
-                            "UTF-8 text") from None
-    if n is not None and len(ids) < n:
-        raise UserError(f"the text has {len(ids)} tokens, fewer than tokens={n}: give a longer text= or fewer tokens")
-    return torch.tensor(ids[:n], dtype=torch.long)
 
 
 @torch.no_grad()

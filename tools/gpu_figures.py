@@ -64,16 +64,16 @@ def compose(name, overrides):
 
 
 def run_step(kind, overrides, device):
-    """One step's figures: tools/bench.py's or tools/bench_sample.py's, on a fresh compile cache."""
-    from tools import bench, bench_sample
+    """One step's figures: tools/bench.py's or tools/bench_sample.py's (benchmarks.py), on a fresh compile cache."""
+    from benchmarks import bench, bench_sample, print_result
 
     torch._dynamo.reset()  # each step compiles its own model; no recompile limit across steps
     cfg = compose(kind, [f"device={device}"] + ["logger.wandb.mode=disabled"] * (kind == "bench") + overrides)
     if kind == "bench":
-        r = bench.bench(cfg)
-        bench.print_result(r)
+        r = bench(cfg)
+        print_result(r)
         return r
-    return bench_sample.bench_sample(cfg)
+    return bench_sample(cfg)
 
 
 def gpu_figures(device: str, out=None) -> dict:

@@ -33,8 +33,6 @@ from typing import ClassVar, Optional
 
 import hydra
 import torch
-import torch.nn as nn
-import torch.nn.functional as F
 from hydra.core.config_store import ConfigStore
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as tools/X.py: the repo's modules
@@ -42,13 +40,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as tools/X.p
 from checkpoint import find_checkpoint, load_checkpoint, model_from_checkpoint  # noqa: E402
 from common import check_output_dir, cli, pick_device, run_app  # noqa: E402
 from data.tokenizer import tokenizer_from_dict  # noqa: E402
+from interventions import POST_LN, attribute, layer_names, lens_losses, logit_lens  # noqa: E402
 from rules import POSITIVE, Range, UserError, check_values  # noqa: E402
-from tools.ablate import windows  # noqa: E402
-from tools.eval_stream import stream_tokens  # noqa: E402
+from streams import stream_tokens, windows  # noqa: E402
 
-POST_LN = ("model.norm_position=post normalises the residual stream inside every block (ln(x + f(x))), so the "
-           "final logit is not a sum of what the layers wrote: the logit lens and direct logit attribution need "
-           "a Pre-LN model")
 SUM_TOLERANCE = 1e-4  # |sum of the parts - the logit| the check accepts (float32 model, float64 sum)
 BARS = 16  # parts drawn in lens.png
 
@@ -71,134 +66,6 @@ class LensConfig:
 
 
 ConfigStore.instance().store(name="base_lens", node=LensConfig)
-
-
-# ----------------------------------------------------------------------------- the logit lens
-
-def unembed(model, resid):
-    """The model's ending applied to a residual stream (..., C): ln_f, lm_head, the soft-cap if any."""
-    logits = model.lm_head(model.ln_f(resid))
-    c = model.config.logit_softcap
-    return c * torch.tanh(logits / c) if c else logits
-
-
-def layer_names(model) -> list:
-    """The stream's names in the lens: before the first block, then after each."""
-    return ["embed"] + [f"L{l}" for l in range(len(model.blocks))]
-
-
-@torch.no_grad()
-def accumulated_resid(model, idx):
-    """The residual stream (B, T, C) before the first block and after each block, read at the blocks'
-    hook points in one forward of idx (B, T); and that forward's logits."""
-    streams = [None] * (len(model.blocks) + 1)
-    handles = [model.blocks[0].hook_resid_pre.register_forward_hook(lambda m, a, x: streams.__setitem__(0, x))]
-    handles += [b.hook_resid_post.register_forward_hook(lambda m, a, x, l=l: streams.__setitem__(l + 1, x))
-                for l, b in enumerate(model.blocks)]
-    try:
-        logits = model(idx)
-    finally:
-        for h in handles:
-            h.remove()
-    return streams, logits
-
-
-@torch.no_grad()
-def logit_lens(model, idx) -> torch.Tensor:
-    """Every layer's prediction for idx (B, T): (n_layer + 1, B, T, vocab), the last the model's logits."""
-    return torch.stack([unembed(model, r) for r in accumulated_resid(model, idx)[0]])
-
-
-@torch.no_grad()
-def lens_losses(model, x, y, batch_size: int) -> dict:
-    """The mean next-token loss of every layer's lens over the windows x, y (n, T): one value per
-    name of layer_names; and the model's own loss from its logits, for comparison."""
-    sums, own = [0.0] * (len(model.blocks) + 1), 0.0
-    for xb, yb in zip(x.split(batch_size), y.split(batch_size)):
-        streams, logits = accumulated_resid(model, xb)
-        own += F.cross_entropy(logits.flatten(0, 1).float(), yb.flatten(), reduction="sum").item()
-        for l, r in enumerate(streams):  # one layer's logits at a time: (B, T, vocab) each
-            sums[l] += F.cross_entropy(unembed(model, r).flatten(0, 1).float(), yb.flatten(), reduction="sum").item()
-    return {"losses": [s / y.numel() for s in sums], "model_loss": own / y.numel()}
-
-
-# ----------------------------------------------------------------------------- direct logit attribution
-
-@torch.no_grad()
-def residual_parts(model, idx, position: int):
-    """What each piece wrote into the residual stream at `position` of idx (1, T): {name: (C,)} in the
-    order written (embed, pos_embed, L{l}H{h}, L{l} attn bias, L{l} mlp), the final residual (C,)
-    and the pre-cap logits (vocab,) of one forward. A head's part is its columns of c_proj times its
-    slice of c_proj's input (what hook_z holds, after the layer's gate)."""
-    if model.config.norm_position == "post":
-        raise UserError(POST_LN)
-    seen = {}
-    hooks = [(model.blocks[-1].hook_resid_post, lambda m, a, x: seen.__setitem__("final", x)),
-             (model.lm_head, lambda m, a, x: seen.__setitem__("logits", x))]
-    for l, b in enumerate(model.blocks):
-        if hasattr(b, "mlp"):
-            hooks.append((b.hook_mlp_out, lambda m, a, x, l=l: seen.__setitem__(("mlp", l), x)))
-    handles = [module.register_forward_hook(fn) for module, fn in hooks]
-    handles += [b.attn.c_proj.register_forward_pre_hook(lambda m, a, l=l: seen.__setitem__(("z", l), a[0]))
-                for l, b in enumerate(model.blocks)]
-    try:
-        model(idx)
-    finally:
-        for h in handles:
-            h.remove()
-    p, T = position, idx.size(1)
-    parts = {"embed": model.wte(idx)[0, p]}
-    if model.positions is not None:
-        parts["pos_embed"] = model.positions(0, T)[p]
-    for l, b in enumerate(model.blocks):
-        proj, nh, hs = b.attn.c_proj, b.attn.n_head, b.attn.head_dim
-        if proj.in_features != nh * hs:
-            raise UserError(f"layer {l}'s output projection takes {proj.in_features} inputs, not n_head x head_dim = "
-                            f"{nh} x {hs}: its heads cannot be told apart")
-        z = seen[("z", l)][0, p].view(nh, hs)  # each head's output, as c_proj reads it
-        per_head = torch.einsum("chd,hd->hc", proj.weight.view(-1, nh, hs), z)  # (nh, C): W_O[:, h] @ z_h
-        parts.update({f"L{l}H{h}": per_head[h] for h in range(nh)})
-        if proj.bias is not None:
-            parts[f"L{l} attn bias"] = proj.bias
-        if ("mlp", l) in seen:
-            parts[f"L{l} mlp"] = seen[("mlp", l)][0, p]
-    return parts, seen["final"][0, p], seen["logits"][0, p]
-
-
-def frozen_norm(norm, parts: torch.Tensor, full: torch.Tensor):
-    """ln_f made linear: parts (n, C) each centred (LayerNorm) and divided by the scale of the full
-    residual (C,) they sum to, times the weight; returns them, the norm's bias (None without) and the
-    scale. Summed, the parts give ln_f(full) minus the bias."""
-    if isinstance(norm, nn.LayerNorm):
-        parts = parts - parts.mean(-1, keepdim=True)
-        scale = torch.sqrt(full.var(unbiased=False) + norm.eps)
-    elif isinstance(norm, nn.RMSNorm):
-        eps = torch.finfo(full.dtype).eps if norm.eps is None else norm.eps
-        scale = torch.sqrt(full.pow(2).mean() + eps)
-    else:
-        raise UserError(f"the final norm is {type(norm).__name__}: the attribution knows LayerNorm and RMSNorm")
-    weight = 1.0 if norm.weight is None else norm.weight.double()
-    bias = getattr(norm, "bias", None)
-    return parts / scale * weight, None if bias is None else bias.double(), scale.item()
-
-
-@torch.no_grad()
-def attribute(model, idx, position: int, token: int) -> dict:
-    """The direct logit attribution of `token` at `position` of idx (1, T): every part's share of its
-    pre-soft-cap logit (float64), largest first by size; their sum; the logit from the model's own
-    lm_head; and how far the parts' sum is from the final residual (0 when nothing was missed)."""
-    parts, final, logits = residual_parts(model, idx, position)
-    names = list(parts)
-    stack = torch.stack([parts[n].double() for n in names])  # (n_parts, C)
-    normed, bias, scale = frozen_norm(model.ln_f, stack, final.double())
-    w_u = model.lm_head.weight[token].double()  # (C,): the token's unembedding row
-    values = dict(zip(names, (normed @ w_u).tolist()))
-    if bias is not None:
-        values["ln_f bias"] = (bias @ w_u).item()
-    total = math.fsum(values.values())
-    return {"parts": sorted(values.items(), key=lambda kv: -abs(kv[1])), "sum": total,
-            "logit": logits[token].item(), "scale": scale,
-            "resid_error": (stack.sum(0) - final.double()).abs().max().item()}
 
 
 # ----------------------------------------------------------------------------- the command

@@ -255,9 +255,10 @@ def checkpoint_of(cfg, where):
 
 
 def probe_arms(cfg) -> dict:
-    """Every run under cfg.runs probed, grouped into arms (tools/report.py's grouping): per arm and
+    """Every run under cfg.runs probed, grouped into arms (runs.py's grouping, as tools/report.py's): per arm and
     distance the mean accuracy over its runs, sd and 95% t-interval."""
-    from tools.report import describe, find_runs, group_arms, summarize
+    from intervals import describe
+    from runs import find_runs, group_arms, summarize
 
     table = []
     for arm in group_arms([summarize(r) for r in find_runs(cfg.runs)]):

@@ -36,17 +36,16 @@ from typing import ClassVar, Optional
 
 import hydra
 import torch
-import torch.nn.functional as F
 from hydra.core.config_store import ConfigStore
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as tools/X.py: the repo's modules
 
-from attnstats import layer_kinds  # noqa: E402
 from checkpoint import find_checkpoint, load_checkpoint, model_from_checkpoint  # noqa: E402
 from common import check_output_dir, cli, pick_device, run_app  # noqa: E402
 from data.tokenizer import tokenizer_from_dict  # noqa: E402
+from interventions import Prompts, drawn_prompts, patch_all  # noqa: E402
 from rules import POSITIVE, SEED, Needs, OneOf, Range, UserError, check_values  # noqa: E402
-from tools.eval_stream import stream_tokens  # noqa: E402
+from streams import stream_tokens  # noqa: E402
 
 METRICS = ("loss", "logit_diff")
 DRAWN = Needs(lambda c: c.clean is None and c.corrupted is None,
@@ -73,125 +72,6 @@ class PatchConfig:
 
 
 ConfigStore.instance().store(name="base_patch", node=PatchConfig)
-
-
-@dataclass
-class Prompts:
-    """What is patched and how it is scored: clean and corrupted token ids (B, T) of equal length;
-    metric=loss scores the clean tokens' predictions from position `scored` on (scored..T-2 predict
-    scored+1..T-1); logit_diff scores the last position, `answer` (B,) being the clean next token (None:
-    the clean run's top token). `copy`: where a drawn prompt's second copy starts (None for typed ones)."""
-    clean: torch.Tensor
-    corrupted: torch.Tensor
-    metric: str = "loss"
-    scored: int = 0
-    answer: Optional[torch.Tensor] = None
-    copy: Optional[int] = None
-
-
-class Patching:
-    """Forward hooks that write the clean run's activations into another run: at each site (hook point
-    name, index), the entries `index` of that hook point's output are replaced by the same entries of
-    clean[name]. Used as a context manager, as ablate.Ablation is."""
-
-    def __init__(self, model, clean: dict, sites):
-        self.model, self.clean, self.sites, self.handles = model, clean, sites, []
-
-    def __enter__(self):
-        by_name = {}
-        for name, index in self.sites:
-            by_name.setdefault(name, []).append(index)
-        for name, indices in by_name.items():
-            def hook(module, args, out, name=name, indices=indices):
-                out = out.clone()
-                for index in indices:
-                    out[index] = self.clean[name][index].to(out.dtype)
-                return out
-            self.handles.append(self.model.get_submodule(name).register_forward_hook(hook))
-        return self
-
-    def __exit__(self, *exc):
-        for h in self.handles:
-            h.remove()
-
-
-def components(n_layer: int, n_head: int, T: int, patterned) -> list:
-    """Every component patched: (kind, row, column, name, sites). kind `head`: row = layer, column = head,
-    its hook_z; `resid`: row = layer (n_layer: after the last), column = position; `pattern`: the head's
-    weights, for the layers in `patterned` only."""
-    every = slice(None)  # hook_z (B, T, nh, hs), hook_resid_* (B, T, C), hook_pattern (B, nh, T, T)
-    heads = [("head", l, h, f"L{l}H{h}", [(f"blocks.{l}.attn.hook_z", (every, every, h))])
-             for l in range(n_layer) for h in range(n_head)]
-    resid = [("resid", l, p, f"L{l} p{p}", [(f"blocks.{l}.hook_resid_pre" if l < n_layer else
-                                             f"blocks.{n_layer - 1}.hook_resid_post", (every, p))])
-             for l in range(n_layer + 1) for p in range(T)]
-    pattern = [("pattern", l, h, f"L{l}H{h}", [(f"blocks.{l}.attn.hook_pattern", (every, h))])
-               for l in patterned for h in range(n_head)]
-    return heads + resid + pattern
-
-
-def record(model, idx, names):
-    """({name: output} read at the named hook points in one forward of idx, the logits); a name whose
-    hook point did not run (a layer that never passes weights through hook_pattern) is absent."""
-    seen = {}
-    handles = [model.get_submodule(n).register_forward_hook(lambda m, a, out, n=n: seen.__setitem__(n, out.detach()))
-               for n in names]
-    try:
-        logits = model(idx)
-    finally:
-        for h in handles:
-            h.remove()
-    return seen, logits
-
-
-def score(logits, p: Prompts, answers) -> float:
-    """The metric of one run, a mean over the prompts: the loss of the clean tokens from p.scored on, or
-    the logit of answers[:, 0] minus that of answers[:, 1] at the last position."""
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-    if p.metric == "loss":
-        return F.cross_entropy(logits[:, p.scored:-1].flatten(0, 1), p.clean[:, p.scored + 1:].flatten()).item()
-    chosen = logits[:, -1].gather(-1, answers)  # (B, 2)
-    return (chosen[:, 0] - chosen[:, 1]).mean().item()
-
-
-def recovery(m: float, clean: float, corrupted: float) -> float:
-    """How much of the way from the corrupted run's metric to the clean run's a patch goes."""
-    return (m - corrupted) / (clean - corrupted)
-
-
-@torch.no_grad()
-def patch_all(model, p: Prompts) -> dict:
-    """Patch every component (components) of the clean run into the corrupted one: the clean and
-    corrupted metric, each component's recovery and metric, the grids and the layers without weights."""
-    c, T = model.config, p.clean.size(1)
-    names = [f"blocks.{l}.{h}" for l in range(c.n_layer) for h in ("attn.hook_z", "hook_resid_pre")]
-    cache, clean_logits = record(model, p.clean, names + [f"blocks.{c.n_layer - 1}.hook_resid_post"])
-    patterns, _ = record(model, p.clean, [f"blocks.{l}.attn.hook_pattern" for l in range(c.n_layer)])
-    cache.update(patterns)  # separately: a hook on hook_pattern makes the layer attend by the written-out path
-    patterned = [l for l in range(c.n_layer) if f"blocks.{l}.attn.hook_pattern" in patterns]
-    corrupted_logits = model(p.corrupted)
-    answers = None
-    if p.metric == "logit_diff":  # the clean answer, and the corrupted run's top token other than it
-        clean_answer = clean_logits[:, -1].argmax(-1) if p.answer is None else p.answer
-        other = corrupted_logits[:, -1].scatter(-1, clean_answer[:, None], float("-inf")).argmax(-1)
-        answers = torch.stack([clean_answer, other], dim=1)  # (B, 2)
-    m_clean, m_corrupted = score(clean_logits, p, answers), score(corrupted_logits, p, answers)
-    if abs(m_clean - m_corrupted) < 1e-6:
-        raise UserError(f"the clean and corrupted prompts score the same ({p.metric} {m_clean:.6f}): there is nothing "
-                        "to recover; corrupt what the model needs (or use the drawn prompts: unset clean, corrupted)")
-    grids = {"head": [[None] * c.n_head for _ in range(c.n_layer)], "resid": [[None] * T for _ in range(c.n_layer + 1)],
-             "pattern": [[None] * c.n_head for _ in range(c.n_layer)]}
-    rows = []
-    for kind, row, col, name, sites in components(c.n_layer, c.n_head, T, patterned):
-        with Patching(model, cache, sites):
-            m = score(model(p.corrupted), p, answers)
-        grids[kind][row][col] = recovery(m, m_clean, m_corrupted)
-        rows.append({"kind": kind, "component": name, "recovery": grids[kind][row][col], "metric": m})
-    rows.sort(key=lambda r: -r["recovery"])
-    kinds = layer_kinds(model)
-    return {"metric": p.metric, "clean": m_clean, "corrupted": m_corrupted, "prompts": p.clean.size(0), "tokens": T,
-            "copy": p.copy, "answers": None if answers is None else answers.tolist(), "grids": grids, "rows": rows,
-            "no_pattern": [[l, kinds[l]] for l in range(c.n_layer) if l not in patterned]}
 
 
 # ----------------------------------------------------------------------------- the prompts
@@ -222,36 +102,6 @@ def typed_prompts(tok, cfg, block: int) -> Prompts:
         raise UserError(f"clean= is {len(clean) - offset} tokens: metric=loss scores its second half, which needs 3 "
                         "tokens or more (or use metric=logit_diff, the next token)")
     return Prompts(torch.tensor([clean]), torch.tensor([corrupted]), cfg.metric, offset + (len(clean) - offset) // 2)
-
-
-def drawn_prompts(ids, cfg, block: int, bos=None) -> Prompts:
-    """n clean prompts [r, r] and corrupted [o, r] from spans r, o of ids drawn with cfg.seed (o never r);
-    for logit_diff both lose their last token, which is the clean answer."""
-    n, span = cfg.n, cfg.span
-    offset = int(bos is not None)
-    if offset + 2 * span > block:
-        raise UserError(f"span={span}: the prompts are two copies, {offset + 2 * span} tokens, more than the model's "
-                        f"block_size={block}: use span <= {(block - offset) // 2}")
-    if ids.numel() < 2 * span:
-        raise UserError(f"the text has {ids.numel()} tokens: too few for two spans of span={span} (give a longer "
-                        "text= or a shorter span=)")
-    g = torch.Generator().manual_seed(cfg.seed)
-    starts = torch.randint(ids.numel() - span + 1, (n,), generator=g)
-    r = torch.stack([ids[s:s + span] for s in starts.tolist()])
-    o = torch.empty_like(r)
-    for i in range(n):  # other text: a span of its own, never the same tokens
-        for _ in range(100):
-            s = int(torch.randint(ids.numel() - span + 1, (1,), generator=g))
-            o[i] = ids[s:s + span]
-            if not torch.equal(o[i], r[i]):
-                break
-        else:
-            raise UserError(f"the text has no two different spans of {span} tokens: give a longer, varied text=")
-    first = torch.full((n, offset), bos if bos is not None else 0, dtype=torch.long)
-    clean, corrupted = torch.cat([first, r, r], 1), torch.cat([first, o, r], 1)
-    if cfg.metric == "logit_diff":
-        return Prompts(clean[:, :-1], corrupted[:, :-1], cfg.metric, answer=r[:, -1], copy=offset + span)
-    return Prompts(clean, corrupted, cfg.metric, scored=offset + span, copy=offset + span)
 
 
 # ----------------------------------------------------------------------------- the command

@@ -20,7 +20,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as tools/X.p
 from common import check_output_dir, cli  # noqa: E402
 from plots import plt, save_figure  # noqa: E402
 from rules import UserError  # noqa: E402
-from tools.report import describe, find_runs, group_arms, summarize  # noqa: E402
+from intervals import describe  # noqa: E402
+from runs import find_runs, group_arms, summarize  # noqa: E402
 
 PAIRS = "data.pairs"
 
