@@ -3,7 +3,7 @@ running it: a Hydra command's overrides compose (each point of a sweep), an argp
 arguments parse with the tool's own parser, and every script a command names exists.
 
 A command is a line of a shell code block, or an inline code span, that starts with `python`,
-`python3`, `torchrun` or `bash tools/` (after any VAR=value assignments); prose never is.
+`python3`, `torchrun`, `bash tools/` or `bash scripts/` (after any VAR=value assignments); prose never is.
 Placeholders are fine where composing does not read files (DIR, input.txt, outputs/runs/<time>,
 a `...` or `[overrides]` standing for more arguments)."""
 import argparse
@@ -22,14 +22,14 @@ from helpers import REPO, compose_cfg
 
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 SHELL_FENCES = {"", "sh", "bash", "shell", "console", "text"}  # code blocks in another language hold no commands
-COMMAND = re.compile(r"^(?:[A-Za-z_][A-Za-z0-9_]*=\S*\s+)*((?:python3?|torchrun)(?:\s|$)|bash\s+tools/)")
+COMMAND = re.compile(r"^(?:[A-Za-z_][A-Za-z0-9_]*=\S*\s+)*((?:python3?|torchrun)(?:\s|$)|bash\s+(?:tools|scripts)/)")
 FENCE = re.compile(r"^\s*(`{3,}|~{3,})\s*([\w+-]*)")
 SPAN = re.compile(r"(?<!`)`([^`]+)`(?!`)")
 SHELL_OPERATORS = {">", ">>", "2>", "2>&1", "|", "||", "&&", ";", "&", "<"}
 PLACEHOLDERS = re.compile(r"^(\.\.\.|…|\[[\w .-]+\])$")  # `...`, `[overrides]`: more arguments
 PLACEHOLDER_VALUE = re.compile(r"^[A-Z][A-Z0-9_]*$")  # model.n_kv_head=K, resume=RUN_DIR: any value of the key
 ANGLE_PLACEHOLDER = re.compile(r"<([\w.-]+)>")  # outputs/runs/<time>
-ARGPARSE_TOOLS = {"tools/report.py", "tools/recall.py", "tools/ladder_table.py", "tools/claims.py"}
+ARGPARSE_TOOLS = {"tools/report.py", "tools/recall.py", "scripts/ladder_table.py", "tools/claims.py"}
 HYDRA_SWITCHES = {"-m", "--multirun", "--help", "-h", "--hydra-help", "--resolve"}
 HYDRA_OPTIONS = {"--cfg", "-c", "--package", "-p"}  # each followed by its value
 HYDRA_INFO = {"all", "config", "defaults", "defaults-tree", "plugins", "searchpath"}  # --info's optional value

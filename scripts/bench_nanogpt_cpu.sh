@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # The foundation benchmark: nanoGPT's documented CPU run on tiny shakespeare (4 layers, 4 heads,
 # 128 wide, block 64, batch 12, 2000 iters, lr 1e-3 -> 1e-4, warmup 100, dropout 0, eval_iters 20).
-#   bash tools/bench_nanogpt_cpu.sh path/to/tinyshakespeare.txt [path/to/nanoGPT checkout]
+#   bash scripts/bench_nanogpt_cpu.sh path/to/tinyshakespeare.txt [path/to/nanoGPT checkout]
 # Prints the val loss at step 2000, then ms/iter of a training step side by side with nanoGPT's
 # model at the same shapes (when a checkout is given), interleaved in one process.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DATA=${1:-}
 if [ -z "$DATA" ] || [ ! -f "$DATA" ]; then
-  echo "usage: bash tools/bench_nanogpt_cpu.sh path/to/tinyshakespeare.txt [path/to/nanoGPT checkout]  (a local copy of tiny shakespeare; got: '${DATA}')" >&2
+  echo "usage: bash scripts/bench_nanogpt_cpu.sh path/to/tinyshakespeare.txt [path/to/nanoGPT checkout]  (a local copy of tiny shakespeare; got: '${DATA}')" >&2
   exit 2
 fi
 NANOGPT=${2:-}

@@ -2,7 +2,7 @@
 # The fast tier in fixed orders, each in one process (no xdist), so a test that passes or fails by
 # what ran before it shows up here rather than in one CI run out of many. Not part of the suite: it
 # runs the fast tier three times (about 10 minutes on 2 cores). Run it before a stop.
-#   bash tools/test_orders.sh            # PYTHON=... picks the interpreter (default python3)
+#   bash scripts/test_orders.sh            # PYTHON=... picks the interpreter (default python3)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}

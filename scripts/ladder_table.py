@@ -1,6 +1,6 @@
-"""The ladder's README table and plot, from the run dirs tools/ladder.sh wrote.
+"""The ladder's README table and plot, from the run dirs scripts/ladder.sh wrote.
 
-    python tools/ladder_table.py outputs/ladder [--target 1.886]
+    python scripts/ladder_table.py outputs/ladder [--target 1.886]
 
 One row per ladder row (OUT/<row>/seed<N>/metrics.jsonl): val loss at steps 500/1000/2000 per seed and
 their median, the first evaluated step at which val <= target (nanoGPT's final 1.886), the median
@@ -124,7 +124,7 @@ def plot(found, path: Path, target: float):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("out", type=Path, help="the ladder's output dir (tools/ladder.sh's second argument)")
+    parser.add_argument("out", type=Path, help="the ladder's output dir (scripts/ladder.sh's second argument)")
     parser.add_argument("--target", type=float, default=1.886, help="val loss to reach (nanoGPT's final)")
     args = parser.parse_args(argv)
     found = rows(args.out, args.target)
@@ -133,7 +133,7 @@ def main(argv=None):
     print(table(found, args.target))
     print()
     print(f"Commands (each run also with `{read(args.out / 'common.overrides')} seed=S "
-          f"hydra.run.dir={args.out}/ROW/seedS`; `bash tools/ladder.sh` runs them all):")
+          f"hydra.run.dir={args.out}/ROW/seedS`; `bash scripts/ladder.sh` runs them all):")
     for name, _, overrides, _ in found:
         print(f"- {name}: `python train.py {last_wins(overrides)}`")
     print(f"\nplot: {plot(found, args.out / 'ladder_val.png', args.target)}")

@@ -2,17 +2,17 @@
 # The ladder: nanoGPT's CPU config (4 layers x 4 heads x 128, block 64, batch 12, 2000 steps,
 # tiny shakespeare), one change added per row on top of the best row before it, 2 seeds each, one
 # training process at a time. Then the README table and the plot of the val curves.
-#   bash tools/ladder.sh path/to/tinyshakespeare.txt [out dir] [row ...]
+#   bash scripts/ladder.sh path/to/tinyshakespeare.txt [out dir] [row ...]
 # Rows already finished (their run dir has step 2000's val loss) are kept, so the ladder can be run
 # row by row; an unfinished run dir is started again. SEEDS="1337 1338" by default.
-# Table and plot alone: python tools/ladder_table.py OUT_DIR
+# Table and plot alone: python scripts/ladder_table.py OUT_DIR
 # Each row takes ~2-3 min on 2 idle cores (Muon rows ~1.5x AdamW's). On a shared machine prefix
 # `OMP_NUM_THREADS=1 nice -n 10`: two spinning OpenMP threads on busy cores ran ~7x slower than one.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DATA=${1:-}
 if [ -z "$DATA" ] || [ ! -f "$DATA" ]; then
-  echo "usage: bash tools/ladder.sh path/to/tinyshakespeare.txt [out dir] [row ...]  (a local copy of tiny shakespeare; got: '${DATA}')" >&2
+  echo "usage: bash scripts/ladder.sh path/to/tinyshakespeare.txt [out dir] [row ...]  (a local copy of tiny shakespeare; got: '${DATA}')" >&2
   exit 2
 fi
 OUT=${2:-outputs/ladder}
@@ -99,4 +99,4 @@ for name in "${SELECTED[@]}"; do
       || { echo "[ladder] $name seed $seed failed: see $run.log" >&2; tail -3 "$run.log" >&2; }
   done
 done
-python tools/ladder_table.py "$OUT"
+python scripts/ladder_table.py "$OUT"

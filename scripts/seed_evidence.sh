@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # How far seeds move a result, and which results survive them (docs/ablations.md). Each study is one
 # or more sweeps, one run after another, then tools/report.py over each sweep:
-#   bash tools/seed_evidence.sh path/to/tinyshakespeare.txt [out dir] [study ...]
+#   bash scripts/seed_evidence.sh path/to/tinyshakespeare.txt [out dir] [study ...]
 # studies (default: all):
 #   spread   experiment=nanogpt_cpu with seeds 1-5: varying everything, only the initialisation
 #            (train.data_seed=1), only the data (seed=1, train.data_seed=1-5)
@@ -14,7 +14,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 DATA=${1:-}
 if [ -z "$DATA" ] || [ ! -f "$DATA" ]; then
-  echo "usage: bash tools/seed_evidence.sh path/to/tinyshakespeare.txt [out dir] [study ...]  (a local copy of tiny shakespeare; got: '${DATA}')" >&2
+  echo "usage: bash scripts/seed_evidence.sh path/to/tinyshakespeare.txt [out dir] [study ...]  (a local copy of tiny shakespeare; got: '${DATA}')" >&2
   exit 2
 fi
 OUT=${2:-outputs/seeds}

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The architecture comparisons (docs/variants.md) on tiny shakespeare at nanoGPT's CPU size (4x4x128,
 # block 64, batch 12), each for SEEDS ("1 2 3"), one run after another, then one report per comparison:
-#   bash tools/variants_evidence.sh path/to/tinyshakespeare.txt [out dir]
+#   bash scripts/variants_evidence.sh path/to/tinyshakespeare.txt [out dir]
 # Each comparison is one sweep for a user (`python train.py -m experiment=gqa_sweep ...`); here the
 # baseline they all share (same config, same seed: the same run bit for bit) is trained once per
 # step budget and linked into each comparison, to save CPU time.
@@ -9,7 +9,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 DATA=${1:-}
 if [ -z "$DATA" ] || [ ! -f "$DATA" ]; then
-  echo "usage: bash tools/variants_evidence.sh path/to/tinyshakespeare.txt [out dir]  (a local copy of tiny shakespeare; got: '${DATA}')" >&2
+  echo "usage: bash scripts/variants_evidence.sh path/to/tinyshakespeare.txt [out dir]  (a local copy of tiny shakespeare; got: '${DATA}')" >&2
   exit 2
 fi
 OUT=${2:-outputs/variants}
