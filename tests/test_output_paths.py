@@ -3,6 +3,8 @@ work, and nothing changed there. The table below is every command that writes fi
 bench.py and bench_sample.py print only) times every kind of bad place: an existing file, a symbolic
 link to nothing (or, for a file, a link to another file: writing would change that file), /proc, and
 through the real CLI a read-only directory and a run dir Hydra cannot make."""
+import importlib
+import json
 import os
 from pathlib import Path
 
@@ -143,3 +145,45 @@ def test_a_run_dir_hydra_cannot_make_is_one_line(tmp_path, script, place, cli):
     r = cli(script, f"hydra.run.dir={place}", "device=cpu", cwd=tmp_path)
     assert_one_line_error(r, f"cannot make the run dir {place}")
     assert (tmp_path / "a_file").read_text() == "keep me\n"
+
+
+# ----------------------------------------------------------------------------- where a command writes by default
+
+# (command, the key of its output path): each writes under outputs/<command>/ unless told otherwise, so the
+# README's commands leave `git status` clean (outputs/ is in .gitignore)
+DEFAULT_OUTPUTS = [("ablate", "out"), ("lens", "out"), ("needle", "out"), ("patch", "out"), ("visualize", "out"),
+                   ("cost", "plot"), ("bench_attention", "out"), ("eval_lengths", "out"), ("eval_stream", "out")]
+
+
+@pytest.mark.parametrize("command,key", DEFAULT_OUTPUTS, ids=[c for c, _ in DEFAULT_OUTPUTS])
+def test_every_command_writes_under_outputs_by_default(command, key):
+    importlib.import_module(f"tools.{command}")  # registers the command's schema
+    default = compose_cfg(command, ["model=debug"] if command == "cost" else [])[key]
+    assert Path(default).parts[:2] == ("outputs", command), default
+
+
+def a_run(root: Path, name: str, config: dict, metrics: dict) -> str:
+    """A run dir with a resolved config and one line of metrics."""
+    import yaml
+
+    run = root / name
+    run.mkdir(parents=True)
+    (run / "config.yaml").write_text(yaml.safe_dump(config))
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 10, **metrics}) + "\n")
+    return str(run)
+
+
+def test_report_and_recall_write_under_outputs_by_default(tmp_path, monkeypatch):
+    """Given run dirs (not one sweep dir, where they write beside the runs), report.py and recall.py write
+    into outputs/report/ and outputs/recall/ of the working directory."""
+    from tools.recall import recall
+    from tools.report import report
+
+    runs = [a_run(tmp_path / "runs", f"s{seed}", {"seed": seed, "data": {"name": "mqar", "pairs": 4}},
+                  {"val/loss": 2.0 + seed / 10, "val/recall_acc": 0.5}) for seed in (1, 2)]
+    monkeypatch.chdir(tmp_path)
+    report(runs)
+    recall(runs)
+    assert (tmp_path / "outputs" / "report" / "report.md").is_file()
+    assert (tmp_path / "outputs" / "recall" / "recall.md").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["outputs", "runs"]

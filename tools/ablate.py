@@ -3,7 +3,7 @@ looks; ablation shows whether the loss needs it.
 
     python tools/ablate.py ckpt=outputs/runs/X                         # every head, zero and mean ablation
     python tools/ablate.py ckpt=outputs/runs/X heads=[L1H3,L0H1]       # those heads together
-    python tools/ablate.py ckpt=outputs/runs/X batches=16 out=ablate/  # more val windows; where the files go
+    python tools/ablate.py ckpt=outputs/runs/X batches=16 out=outputs/ablate/16  # more val windows; where the files go
 
 For every layer and head, its output before the output projection (hook_z, every kind of layer: a
 linear, gdn or mamba2 layer's heads too) is replaced by zero (zero ablation) or by its mean over the
@@ -52,7 +52,7 @@ class AblateConfig:
     batches: int = 4  # forward passes of batch_size windows each, the same windows for every ablation
     batch_size: int = 8  # windows of block_size tokens per pass
     device: str = "cpu"
-    out: Optional[str] = "ablate"  # a directory for ablate.json, ablate.csv and ablate.png; null: print only
+    out: Optional[str] = "outputs/ablate"  # a directory for ablate.json, ablate.csv and ablate.png; null: print only
 
     RULES: ClassVar[dict] = {"heads": HEAD, "batches": POSITIVE, "batch_size": POSITIVE}
 

@@ -3,7 +3,7 @@ layer and the memory it keeps for its backward pass, against the sequence length
 attnlab computes attention, next to tools/cost.py's counts.
 
     python tools/bench_attention.py                                   # N = 64 ... 4096 at a CPU width
-    python tools/bench_attention.py lengths=[256,1024] window=64 out=attention_n2.png
+    python tools/bench_attention.py lengths=[256,1024] window=64 out=outputs/bench_attention/window64.png
 
 Paths: sdpa (PyTorch's fused kernel), reference (the explicit N x N table), tiled (FlashAttention's
 algorithm in plain PyTorch: slow in Python, but it never builds the table), window (sdpa with a
@@ -62,7 +62,7 @@ class BenchAttentionConfig:
     repeats: int = 3  # timed rounds (interleaved); the median is reported
     max_seconds: float = 20.0  # a path whose one step takes longer stops being timed at longer N
     threads: Optional[int] = None  # intra-op CPU threads; unset: torch's default
-    out: Optional[str] = "attention_n2.png"  # the plot; null: none
+    out: Optional[str] = "outputs/bench_attention/attention_n2.png"  # the plot; null: none
 
     RULES: ClassVar[dict] = {
         "lengths": POSITIVE, "paths": OneOf(PATHS), "n_embd": POSITIVE, "n_head": POSITIVE, "batch_size": POSITIVE,

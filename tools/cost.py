@@ -40,7 +40,7 @@ class CostConfig:
     dtype: str = "bfloat16"  # bytes per weight, activation and cached K/V: bfloat16 | float16 | float32
     vocab_size: int = 50304  # used when model.vocab_size is unset: GPT-2's BPE padded to a multiple of 64
     format: str = "text"  # text | json (one JSON object on stdout)
-    plot: Optional[str] = "cost.png"  # the figure's path; null: no figure
+    plot: Optional[str] = "outputs/cost/cost.png"  # the figure's path; null: no figure
     train_tokens: Optional[float] = None  # tokens one training run sees (steps x batch x block): its FLOPs and time
     peak_flops: float = 989e12  # the GPU's peak FLOP/s for that estimate (H100 SXM, bf16 dense)
     mfu: float = 0.2  # the fraction of peak a run reaches (small models reach less than large ones)

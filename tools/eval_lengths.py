@@ -3,7 +3,7 @@ at and beyond the block_size it was trained at, and the loss at each position wi
 
     python tools/eval_lengths.py ckpt=outputs/runs/X                         # 1/2/4/8 x block_size
     python tools/eval_lengths.py ckpt=outputs/runs/X lengths=[64,256,512] rope_scaling=yarn rope_scaling_factor=8
-    python tools/eval_lengths.py ckpt=outputs/runs/X text=book.txt out=lengths.png
+    python tools/eval_lengths.py ckpt=outputs/runs/X text=book.txt out=outputs/eval_lengths/book.png
     python tools/eval_lengths.py runs=[outputs/multirun/T] lengths=[64,128,256,512]  # every run of a sweep, by arm
 
 For each length L the first `tokens` tokens of the text (the run's own val split unless text= is
@@ -58,7 +58,7 @@ class EvalLengthsConfig:
     select_block: Optional[int] = None  # with select=moba: keys per block; unset: its own
     batch_size: int = 8  # windows per forward pass
     device: str = "cpu"
-    out: Optional[str] = "lengths.png"  # the plot; null: none
+    out: Optional[str] = "outputs/eval_lengths/lengths.png"  # the plot; null: none
 
     RULES: ClassVar[dict] = {"lengths": Range(2, 2**20), "tokens": Range(2), "rope_scaling": OneOf(tuple(ROPE_SCALINGS)),
                              "rope_scaling_factor": Range(1, why="1 is no scaling"), "batch_size": POSITIVE,

@@ -2,7 +2,7 @@
 a long held-out text (many times block_size), token by token, as a model streams it.
 
     python tools/eval_stream.py ckpt=outputs/runs/X                        # the run's own val text
-    python tools/eval_stream.py ckpt=outputs/runs/X text=book.txt tokens=4096 sinks=4 out=stream.png
+    python tools/eval_stream.py ckpt=outputs/runs/X text=book.txt tokens=4096 sinks=4 out=outputs/eval_stream/book.png
 
 Policies (`policies=`), each with a cache of block_size positions:
 - recompute: every token is predicted from the latest block_size tokens run afresh at positions
@@ -57,7 +57,7 @@ class EvalStreamConfig:
     kv_dtypes: List[str] = field(default_factory=lambda: ["float32"])  # cache dtypes compared (float32 | bfloat16 | int8)
     greedy: int = 512  # tokens generated greedily with each cache dtype (with kv_dtypes beyond float32)
     device: str = "cpu"
-    out: Optional[str] = "stream.png"  # the plot; null: none
+    out: Optional[str] = "outputs/eval_stream/stream.png"  # the plot; null: none
 
     RULES: ClassVar[dict] = {"tokens": Range(2), "policies": OneOf(POLICIES), "sinks": POSITIVE,
                              "kv_dtypes": OneOf(KV_DTYPES), "greedy": POSITIVE}

@@ -59,7 +59,7 @@ class LensConfig:
     batches: int = 1  # forward passes of batch_size val windows for the loss per layer
     batch_size: int = 8  # windows of block_size tokens per pass
     device: str = "cpu"
-    out: Optional[str] = "lens"  # a directory for lens.json and lens.png; null: print only
+    out: Optional[str] = "outputs/lens"  # a directory for lens.json and lens.png; null: print only
 
     RULES: ClassVar[dict] = {"position": Range(-2**31, 2**31), "top": POSITIVE, "batches": POSITIVE,
                              "batch_size": POSITIVE}

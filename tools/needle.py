@@ -66,7 +66,7 @@ class NeedleConfig:
     select_block: Optional[int] = None  # with select=moba: keys per block; unset: its own
     batch_size: int = 64  # sequences per forward pass
     device: str = "cpu"
-    out: Optional[str] = "needle"  # a directory for needle.json, needle.md and needle.png; null: print only
+    out: Optional[str] = "outputs/needle"  # a directory for needle.json, needle.md and needle.png; null: print only
 
     RULES: ClassVar[dict] = {"distances": Range(2, 2**20, why="the needle's key is at least one pair before its "
                                                 "query"), "needles": POSITIVE, "kv_pairs": POSITIVE, "seed": SEED,

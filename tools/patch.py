@@ -5,7 +5,7 @@ difference between two prompts.
 
     python tools/patch.py ckpt=outputs/runs/X                                   # [r, r] spans of val text
     python tools/patch.py ckpt=outputs/runs/X clean="abc abc" corrupted="xyz abc"
-    python tools/patch.py ckpt=outputs/runs/X metric=logit_diff n=16 span=24 out=patch/
+    python tools/patch.py ckpt=outputs/runs/X metric=logit_diff n=16 span=24 out=outputs/patch/logit_diff
 
 By default the clean prompts are n spans r of the run's val text (or text=), `span` tokens each, repeated
 twice, [r, r]; the corrupted prompts are [o, r], o other text of the same length, so the second copy can
@@ -64,7 +64,7 @@ class PatchConfig:
     metric: str = "loss"  # loss (the clean prompt's second half) | logit_diff (clean minus corrupted next token)
     top: int = 8  # rows printed per kind of component
     device: str = "cpu"
-    out: Optional[str] = "patch"  # a directory for patch.json and patch.png; null: print only
+    out: Optional[str] = "outputs/patch"  # a directory for patch.json and patch.png; null: print only
 
     RULES: ClassVar[dict] = {"n": POSITIVE, "span": Range(2, why="a copy needs a token after its first to score"),
                              "seed": SEED, "metric": OneOf(METRICS), "top": POSITIVE}

@@ -4,7 +4,7 @@ at each number of key-value pairs, the mean ± sd over its seeds with a 95% inte
 
     python train.py -m experiment=recall_cpu
     python tools/recall.py outputs/multirun/2026-12-03_09-00-00            # writes recall.md, recall.png
-    python tools/recall.py RUN_DIR ... --out report/
+    python tools/recall.py RUN_DIR ... --out outputs/recall/mine
 
 An arm is what tools/report.py calls one (runs whose configs differ only in their seeds) with
 data.pairs left out: its runs at every number of pairs form one line. A run trained on a mix
@@ -112,7 +112,7 @@ def plot(pairs, rows, path):
 
 def recall(dirs, out=None):
     """Read the runs under `dirs`, write recall.md and recall.png to `out` and print the table."""
-    out = out or (dirs[0] if len(dirs) == 1 and not (Path(dirs[0]) / "metrics.jsonl").is_file() else "report")
+    out = out or (dirs[0] if len(dirs) == 1 and not (Path(dirs[0]) / "metrics.jsonl").is_file() else "outputs/recall")
     out = check_output_dir(out, "--out")
     pairs, rows = recall_table(recall_runs(dirs))
     table = markdown(pairs, rows)
@@ -128,7 +128,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("dirs", nargs="+", help="run dirs or sweep (multirun) dirs of data=mqar runs")
     parser.add_argument("--out", default=None, help="where to write recall.md and recall.png (default: the "
-                        "sweep dir when given one, else ./report)")
+                        "sweep dir when given one, else outputs/recall)")
     args = parser.parse_args(argv)
     recall(args.dirs, args.out)
 

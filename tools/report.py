@@ -1,7 +1,7 @@
 """Compare runs without W&B: arms with seeds, intervals and verdicts, curves with bands, and plots.
 
     python tools/report.py outputs/multirun/2026-11-29_12-00-00           # every run of a sweep
-    python tools/report.py outputs/runs/A outputs/runs/B --out report/      # any run dirs
+    python tools/report.py outputs/runs/A outputs/runs/B --out outputs/report/AB  # any run dirs
     python tools/report.py SWEEP --baseline "model.attn.qk_norm=false"      # compare each arm with one
 
 Runs whose resolved configs differ only in their seeds (`seed`, `train.data_seed`) are one arm:
@@ -16,7 +16,7 @@ Runs that vary train.lr get the learning-rate view besides (lr_sweep.py): an arm
 but the seeds and the lr; loss against lr, the LR sensitivity with its interval, the best lr and the
 basin, diverged runs counted at their step-0 loss; loss_vs_lr.png and logit_entropy_steps.png.
 
-Writes into --out (default: the sweep dir when given one, else ./report): report.md, val_loss.png
+Writes into --out (default: the sweep dir when given one, else outputs/report): report.md, val_loss.png
 and attn_stats.png (mean per arm with a band over seeds), sinks.png (the top head's weight on the
 first token and the largest activation over training), val_loss_diff.png (each arm minus the
 baseline over training, with its interval) and attn_heads.png (when the runs were probed for head
@@ -183,7 +183,7 @@ def plot_arm_bands(arms: list, path, keys: list):
 
 def report(paths, out=None, baseline=None) -> dict:
     if out is None:
-        out = paths[0] if len(paths) == 1 and not (Path(paths[0]) / "metrics.jsonl").is_file() else "report"
+        out = paths[0] if len(paths) == 1 and not (Path(paths[0]) / "metrics.jsonl").is_file() else "outputs/report"
     out = check_output_dir(out, "--out")
     runs = [summarize(r) for r in find_runs(paths)]
     arms = group_arms(runs)

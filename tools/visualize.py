@@ -1,7 +1,7 @@
 """Look inside: the attention weights of every layer and head for a prompt you type.
 
     python tools/visualize.py prompt="ROMEO: But soft"                      # newest checkpoint under outputs/
-    python tools/visualize.py ckpt=outputs/runs/X prompt_file=p.txt out=maps query=5 top_k=3
+    python tools/visualize.py ckpt=outputs/runs/X prompt_file=p.txt out=outputs/visualize/maps query=5 top_k=3
 
 Runs the prompt once through the model; its probe hook hands over each layer's q and k, and each
 layer says what its softmax takes of them (its scale, mask and window, logit bias and sink:
@@ -44,7 +44,7 @@ class VisualizeConfig:
     prompt_file: Optional[str] = None  # read the prompt from this file instead (whitespace kept as is)
     query: Optional[int] = None  # the query token whose top keys are printed and shown first; default the last; <0 counts from the end
     top_k: int = 5  # keys printed per head
-    out: str = "attention"  # directory for attention.png and attention.html
+    out: str = "outputs/visualize"  # directory for attention.png and attention.html
     device: str = "cpu"  # one forward pass of at most block_size tokens: the CPU takes seconds
 
     RULES: ClassVar[dict] = {"top_k": POSITIVE, "query": Range(-2**31, 2**31)}
@@ -102,7 +102,8 @@ def visualize(cfg, out=None) -> dict:
     views = write_views(model, torch.as_tensor(ids, dtype=torch.long, device=device)[None], tok, cfg.out,
                         title=f"attention: {len(ids)} tokens", meta=meta, query=query)
     views.update(query=query, seconds=time.perf_counter() - t0)
-    print(format_top_keys(views["maps"], views["labels"], query, cfg.top_k, views["kinds"]), file=out or sys.stdout)
+    print(format_top_keys(views["maps"], views["labels"], query, cfg.top_k, views["kinds"],
+                          views["effective"]), file=out or sys.stdout)
     log.info("wrote %s and %s (%.1f MB) in %.2f s", views["png"], views["html"],
              views["html"].stat().st_size / 1e6, views["seconds"])
     return views
