@@ -18,7 +18,7 @@ import torch
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
 
-from common import DTYPES, Timer, check_memory, compile_wanted, peak_flops, setup_runtime
+from device import DTYPES, Timer, check_memory, compile_wanted, peak_flops, setup_runtime
 from config import Config, check_train_config, model_config
 from counting import decode_bytes, training_bytes
 from model import GPT, GPTConfig

@@ -8,22 +8,27 @@ checked against its checksum first (check_archive), so a damaged file never load
 to a temporary file, fsynced and renamed over the old one, so a crash at any moment leaves the
 previous checkpoint intact.
 """
+import dataclasses
+import logging
 import math
 import os
 import pickle
 import random
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
-from common import first_line
-from rules import UserError, warn_ignored
+from rules import UserError, first_line, warn_ignored
 from config import DataConfig, data_seed
 from model import GPT, GPTConfig
 from parallel import load_weights
+
+log = logging.getLogger("attnlab")
 
 BEST_NAME = "best.pt"  # lowest val loss so far; what sample.py loads from a run dir
 
@@ -315,6 +320,29 @@ def resume_source(resume, out_dir: Path):
     return found
 
 
+@dataclass
+class ResumePoint:
+    """Where a training run starts: a fresh model (no source), or the checkpoint `source`, read as
+    `state`, with the context extension it asks for (context_extension)."""
+    source: Optional[Path] = None
+    state: Optional[dict] = None
+    extension: dict = field(default_factory=dict)
+    # a new run (a fine-tune) from another run's checkpoint: one that lengthens that run's context
+    branch: bool = False
+
+
+def resume_point(cfg, run_dir: Path) -> ResumePoint:
+    """What `resume` asks this run (told `run_dir`) to start from. A resumed run continues in its own
+    dir; one that lengthens another run's context is a new run in `run_dir`, and leaves the run it
+    started from as it was."""
+    source = resume_source(cfg.resume, run_dir)
+    if source is None:
+        return ResumePoint()
+    state = load_checkpoint(source)  # to CPU: RNG states must stay there
+    extension = context_extension(state, cfg)  # a longer block: known before the model is built
+    return ResumePoint(source, state, extension, branch=source.parent != run_dir and "block_size" in extension)
+
+
 CONTEXT_KEYS = ("block_size", "rope_scaling", "rope_scaling_factor", "rope_original_length")
 
 
@@ -396,3 +424,64 @@ def check_same_data(state: dict, cfg, data):
         raise UserError(f"cannot resume: the data seed (train.data_seed, else seed) is {data_seed(cfg)} here but "
                         f"{data_seed(saved)} in the checkpoint: it decides the evaluation windows; resume with the "
                         "run's own seeds")
+
+
+# ----------------------------------------------------------------------------- a training run's checkpoints
+
+def checkpoint_contents(run, full: bool = True) -> dict:
+    """A checkpoint of a training run (train.Run): weights, model config, tokenizer, step and config;
+    with `full`, also what an exact resume needs (optimizer, scaler, sampler and RNG states, W&B run
+    id). Every rank calls it (under FSDP the full state is gathered from all of them, to rank 0 alone)."""
+    state = {"model": run.parallel.model_state(run.model), "model_config": dataclasses.asdict(run.mcfg),
+             "tokenizer": run.data.tokenizer.to_dict(), "step": run.step, "val_loss": run.evals.get("val"),
+             "best_val_loss": run.best_val, "config": run.resolved,
+             # whether a sample may start from <|endoftext|>: only if the model saw documents begin after one
+             "eot_in_train": run.data.meta.get("eot_in_train"),
+             "context_extensions": run.extensions,
+             "data_sha256": run.data.meta.get("sha256")}  # what resuming must find again (check_resumable)
+    if full:
+        state.update(optimizer=run.parallel.optimizer_state(run.model, run.optimizer), scaler=run.scaler.state_dict(),
+                     sampler=run.sampler.get_state(), rng=rng_state(run.rt.device, run.dist.world),
+                     wandb_id=run.tracker.run.id if run.tracker.run is not None else None,
+                     watch=run.watch.state_dict())
+    bad = [n for n, t in state["model"].items() if t.is_floating_point() and not torch.isfinite(t).all()]
+    if bad:  # never write a checkpoint that holds NaN/Inf
+        raise UserError(f"weights are not finite at step {run.step} ({bad[0]}): not saving; "
+                        f"last good checkpoint: {last_good_checkpoint(run.out_dir, run.step) or 'none'}")
+    return state
+
+
+def restore(run, point: ResumePoint):
+    """Continue a training run (train.Run) from the checkpoint `point`: weights, optimizer, grad scaler,
+    batch sampler, every RNG, step; with a context extension (a longer block, RoPE scaled to it),
+    recorded in the run's checkpoints. A branch is a new run started from it (a fine-tune in another
+    dir), with a W&B run of its own. The reverse of checkpoint_contents."""
+    state, source, extension = point.state, point.source, point.extension
+    missing = [k for k in ("step", "optimizer", "sampler", "rng", "best_val_loss") if k not in state]
+    if missing:
+        raise UserError(f"cannot resume from {source}: it has no {', '.join(missing)} (weights only?); resume "
+                        "from a ckpt_*.pt file train.py wrote, or start a new run")
+    check_resumable(state, run.cfg, run.data, extension)
+    if state["step"] > run.cfg.train.max_iters:
+        raise UserError(f"the checkpoint is at step {state['step']}, past train.max_iters={run.cfg.train.max_iters}: "
+                        f"pass train.max_iters > {state['step']} to train on (nothing was changed)")
+    run.parallel.load_model(run.model, state["model"])
+    try:
+        run.parallel.load_optimizer(run.model, run.optimizer, state["optimizer"])
+        if run.scaler.is_enabled() and state.get("scaler"):
+            run.scaler.load_state_dict(state["scaler"])
+        run.sampler.set_state(state["sampler"])
+        set_rng_state(state["rng"], run.rt.device, run.dist.rank)
+    except (KeyError, ValueError, TypeError, RuntimeError, IndexError) as e:
+        raise UserError(f"cannot resume from {source}: its optimizer or random state does not fit this run "
+                        f"({type(e).__name__}: {first_line(e, 120)}); resume with the run's own config") from None
+    run.step, run.best_val = state["step"], state["best_val_loss"]
+    run.watch.load_state_dict(state.get("watch") or {})  # older checkpoints: watched from here on
+    run.wandb_id = state.get("wandb_id") if not point.branch else None
+    run.resuming, run.saved_at, run.evals = True, run.step, {"val": state.get("val_loss")}
+    run.extensions = list(state.get("context_extensions") or [])
+    if extension and "block_size" in extension:
+        run.extensions.append({"step": run.step, **extension})
+        log.info("extending the context at step %d: %s", run.step,
+                 ", ".join(f"model.{k} {a} -> {b}" for k, (a, b) in extension.items()))
+    log.info("resuming from %s at step %d", source, run.step)

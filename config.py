@@ -16,7 +16,6 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
 
 import sweep  # noqa: F401  (registers ${short:...}, which names a sweep's job directories)
-from common import DTYPES
 from rules import FRACTION, NON_NEGATIVE, POSITIVE, SEED, Needs, OneOf, Range, UserError, check_values, warn_ignored
 from model import GPTConfig
 from variants import ROPE_SCALINGS, SELECTS
@@ -24,7 +23,7 @@ from optim import LR_SCHEDULES, MUON_ADJUST_LR, MUON_NS_DTYPES, OPTIMIZERS, WEIG
 from parallel import PARALLEL
 from tracking import WANDB_MODES, check_wandb_mode
 
-DTYPE_NAMES = ("auto", *DTYPES)
+DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")  # "auto" and device.DTYPES' keys (tests/test_device.py)
 
 
 @dataclass

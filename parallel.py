@@ -1,4 +1,5 @@
-"""How a training run spreads the model over its processes (`train.parallel`, chosen once), what
+"""A run's processes under torchrun (`Dist`: rank and world size, the process group, one decision
+all ranks agree on); how a training run spreads the model over them (`train.parallel`, chosen once), what
 activation checkpointing adds (`train.activation_checkpointing`), and how a checkpoint's full state
 is read from and written into the model and optimizer whatever the parallelism.
 
@@ -26,8 +27,11 @@ have to convert. Its limit: rank 0's CPU memory must hold the full weights and A
 per parameter, ~16 GB at 1.3B), and on resume every process reads the whole file, as under DDP.
 """
 import logging
+import os
+from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from rules import UserError
@@ -37,6 +41,45 @@ log = logging.getLogger("attnlab")
 PARALLEL = ("ddp", "fsdp")
 CHECKPOINT_PREFIX = "_checkpoint_wrapped_module."  # what checkpoint_wrapper adds to a parameter's name
 
+
+# ----------------------------------------------------------------------------- processes
+
+@dataclass
+class Dist:
+    rank: int = 0
+    world: int = 1
+    device_name: str = None  # the device this rank must use, where torchrun decides it
+
+    @property
+    def master(self) -> bool:
+        return self.rank == 0
+
+
+def init_distributed(device_name: str) -> Dist:
+    """Rank and world size from torchrun's environment, and a process group if world > 1 (NCCL
+    with one GPU per process when the run is on CUDA, gloo on CPU)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return Dist()
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
+    use_cuda = torch.cuda.is_available() and (device_name == "auto" or str(device_name).startswith("cuda"))
+    if use_cuda:
+        torch.cuda.set_device(local_rank)  # under torchrun, cuda:N names nothing: each rank has its own GPU
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if use_cuda else "gloo")
+    return Dist(rank, world, f"cuda:{local_rank}" if use_cuda else None)
+
+
+def all_ranks_agree(flag: bool, device, world: int) -> bool:
+    """True on every rank if `flag` is true on any (one all-reduce; the flag itself without DDP)."""
+    if world == 1:
+        return flag
+    t = torch.tensor([float(flag)], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
+# ----------------------------------------------------------------------------- the model over them
 
 def load_weights(model, weights: dict):
     """load_state_dict, with shape mismatches named in one line instead of a traceback."""

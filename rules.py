@@ -1,7 +1,8 @@
 """The rules a config value must follow, and the one error a user sees when it does not: `UserError`
 (its message is one line that says how to fix the input), the value types of every schema's table
 (`Range`, `OneOf`, `Rule`: which values are legal, and `Needs`: which keys act only when others say
-so) and `check_values`, which holds a config to its schemas' tables.
+so) and `check_values`, which holds a config to its schemas' tables; `first_line` makes any exception
+one line of such a message.
 
 No torch and no process code here: the model files, config.py and every tool import these, and the
 export's custom-code route copies this file whole beside the model."""
@@ -13,6 +14,11 @@ from dataclasses import dataclass
 
 class UserError(Exception):
     """Bad input (config value, data file, checkpoint, prompt); the message says how to fix it."""
+
+
+def first_line(e, limit=200) -> str:
+    """An exception's first line, for one-line messages."""
+    return (str(e).strip().splitlines() or [type(e).__name__])[0][:limit]
 
 
 @dataclass(frozen=True)

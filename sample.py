@@ -17,9 +17,9 @@ import hydra
 import torch
 
 from checkpoint import find_checkpoint, load_checkpoint, model_from_checkpoint, with_rope_scaling, with_selection
-from common import (check_memory, cli, compile_wanted, first_line, interruption, is_oom, pick_dtype, read_prompt,
-                    run_app, setup_runtime)
-from rules import UserError, check_value, check_values, warn_ignored
+from cli import cli, interruption, run_app
+from device import check_memory, compile_wanted, is_oom, pick_dtype, setup_runtime
+from rules import UserError, check_value, check_values, first_line, warn_ignored
 from config import SampleConfig  # also registers the config schema with Hydra
 from counting import generation_bytes
 from data.tokenizer import StreamDecoder, tokenizer_from_dict
@@ -154,7 +154,7 @@ class CachedDecoder:
 
 class Interrupted(KeyboardInterrupt):
     """Ctrl-C or SIGTERM during generation; `texts` holds each sample as far as it got, `how` and
-    `status` what stopped it and the exit status that says so (common.interruption)."""
+    `status` what stopped it and the exit status that says so (cli.interruption)."""
 
     def __init__(self, texts, how, status):
         super().__init__()
@@ -242,6 +242,19 @@ def decode_threads(num_samples: int, kv_cache: bool, cores: int) -> int:
 def cpu_cores() -> int:
     """The CPUs this process may run on."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def read_prompt(cfg) -> str:
+    """The prompt of sample.py / visualize.py: `prompt_file` read as is (every space and newline
+    kept), else `prompt`."""
+    if cfg.prompt_file is None:
+        return cfg.prompt
+    from pathlib import Path
+    try:
+        return Path(cfg.prompt_file).expanduser().read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"prompt_file={cfg.prompt_file!r} cannot be read as UTF-8 text: "
+                        f"{type(e).__name__}: {getattr(e, 'strerror', None) or e}") from None
 
 
 def sample_with_threads(cfg, out=None) -> list:

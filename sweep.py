@@ -10,6 +10,7 @@ hydra.callbacks.sweep) and the short name of each job's directory.
   failed, 0 otherwise (divergence is an outcome of the experiment, not a fault of the command).
 - A job's directory is named by its number and its overrides, shortened with a hash of them when long
   (a sweep with many overrides otherwise fails with "File name too long").
+- A job's W&B name and group: its overrides, and the sweep dir and arm (hydra_run_info).
 """
 import hashlib
 import json
@@ -44,6 +45,24 @@ def short_name(name: str, limit: int = NAME_LIMIT) -> str:
 
 if not OmegaConf.has_resolver("short"):
     OmegaConf.register_new_resolver("short", short_name)
+
+
+def hydra_run_info():
+    """(name, group, overrides) for W&B and the run dir, from Hydra: the job's overrides; in a
+    multirun, the group is the sweep dir and the arm (the overrides minus the seeds), so the seeds of
+    one arm are the runs of one W&B group."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    hc = HydraConfig.get()
+    name = hc.job.override_dirname or None
+    overrides = list(hc.overrides.task)
+    group = None
+    if hc.mode == RunMode.MULTIRUN:
+        skip = {*hc.job.config.override_dirname.exclude_keys, "seed", "train.data_seed"}
+        arm = ",".join(sorted(o for o in overrides if o.split("=", 1)[0].lstrip("+~") not in skip))
+        group = f"{Path(hc.sweep.dir).name}/{arm or 'base'}"[:128]  # W&B's limit on a group name
+    return name, group, overrides
 
 
 class JobFailed(Exception):

@@ -8,19 +8,16 @@ A run is setup -> loop -> finish. setup() checks the whole config first, then bu
 needs top-down: the data, the model, the optimizer, the restored state when resuming, and the record
 of what this run is. The loop, in train(), evaluates, probes the attention, checkpoints and takes
 optimizer steps; the step itself (micro-batches, gradient accumulation, clipping, the non-finite
-check) is optim.train_step. Checkpoints and resuming are checkpoint.py; signals, the run-dir lock
-and the run's record of code and hardware are common.py. `train(cfg)` returns its results, so tests
-call it with a composed config; `main` is the thin Hydra entry point.
+check) is optim.train_step. What a checkpoint of the run holds and how a run resumes from one are
+checkpoint.py; the run dir (chosen, locked, cleaned, removed when refused, and the run's record of
+code and hardware) is rundir.RunDir; signals and the error exit are cli.py. `train(cfg)` returns its
+results, so tests call it with a composed config; `main` is the thin Hydra entry point.
 """
-import dataclasses
-import json
 import logging
 import logging.handlers
 import math
-import os
 import sys
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -31,22 +28,23 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from attnstats import AttentionProbe, without_softmax
-from checkpoint import (BEST_NAME, check_resumable, context_extension, initial_weights, last_good_checkpoint,
-                        latest_checkpoint, load_checkpoint, prune_checkpoints, resume_source, rng_state, save_checkpoint,
-                        set_rng_state, step_name)
-from common import (Dist, Runtime, StopRequest, all_ranks_agree, check_memory, check_output_dir, cli, compile_wanted,
-                    dir_mode, first_line, forget_hydra_run_dir, init_distributed, is_oom, lock_run_dir, new_run_dir,
-                    peak_flops, remove_new_run_dir, remove_stale_temps, run_app, run_info, setup_runtime)
-from rules import UserError
+from checkpoint import (BEST_NAME, checkpoint_contents, initial_weights, last_good_checkpoint, prune_checkpoints,
+                        restore, resume_point, save_checkpoint, step_name)
+from cli import StopRequest, cli, forget_hydra_run_dir, run_app
+from device import Runtime, Throughput, check_memory, compile_wanted, is_oom, peak_flops, setup_runtime
+from rules import UserError, first_line
+from rundir import RunDir, run_info, write_plots
 from stability import Watch, diverged_line
 from config import check_train_config, data_seed, model_config
 from counting import training_bytes
 from data.loader import TokenData
 from data.mqar import MQARData
 from data.prepare import prepare
+from evaluation import estimate_loss, full_val_loss
 from model import GPT, GPTConfig
 from optim import build_optimizer, lr_at, set_lr, train_step
-from parallel import checkpoint_blocks, parallelism
+from parallel import Dist, all_ranks_agree, checkpoint_blocks, init_distributed, parallelism
+from sweep import hydra_run_info
 from tracking import Tracker, truncate_metrics
 from variants.indexer import indexer_kl
 
@@ -57,7 +55,7 @@ log = logging.getLogger("attnlab")
 class Run:
     """What a training run needs, built once by setup(); the loop reads and advances it."""
     cfg: object
-    out_dir: Path
+    run_dir: RunDir  # where it writes: chosen, locked (rank 0) and cleaned by setup()
     dist: Dist
     rt: Runtime
     data: TokenData
@@ -69,7 +67,6 @@ class Run:
     sampler: torch.Generator  # the training batches' own random stream, the same on every rank
     grad_accum: int  # micro-batches per step over all processes
     compiled: bool
-    lock: object = None  # the run dir's lock (rank 0)
     file_mode: Optional[int] = None  # permission bits of checkpoints (from the data's source files)
     resuming: bool = False
     resolved: dict = field(default_factory=dict)  # the resolved config, stored in every checkpoint
@@ -92,6 +89,15 @@ class Run:
     log_file: Optional[logging.Handler] = None  # train.log in the run dir (rank 0), from record() on
     ignored: list = field(default_factory=list)  # settings without effect in this config (warned, in run_info.json)
     watch: Watch = field(default_factory=Watch)  # divergence, attention collapse, spikes (stability.py)
+
+    @property
+    def out_dir(self) -> Path:
+        return self.run_dir.path
+
+    @property
+    def lock(self):
+        """The run dir's lock (rank 0; None elsewhere)."""
+        return self.run_dir.lock
 
     @property
     def finished(self) -> bool:
@@ -197,7 +203,7 @@ def summary(run: Run, tokens_per_sec=None, stopped=None, wall_s=0.0, train_s=0.0
     return {"out_dir": str(run.out_dir), "steps": run.step, "best_val_loss": run.best_val,
             "train_loss": run.evals.get("train"), "val_loss": run.evals.get("val"),
             "val_loss_full": run.evals.get("val_full"), "tokens_per_sec": tokens_per_sec, "stopped": stopped,
-            "compiled": run.compiled, "ckpt": str(latest_checkpoint(run.out_dir)), "wall_s": wall_s,
+            "compiled": run.compiled, "ckpt": str(run.run_dir.latest_checkpoint()), "wall_s": wall_s,
             "train_s": train_s, "probe_s": probe_s, "attn": run.attn_history, **run.metrics}
 
 
@@ -228,56 +234,37 @@ def close(run: Run):
 
 def setup(cfg, run_name=None, run_group=None, overrides=None, early_log=()) -> Run:
     """Check everything that needs no file, lock the run dir, then build the run top-down. A refused
-    run leaves nothing behind: a run dir this command (or Hydra for it) made is removed again, an
-    existing one is left as it was."""
-    given = Path(cfg.out_dir) if cfg.out_dir else None
-    made = given is not None and new_run_dir(given)
-    dist_, lock = None, None
-    try:
+    run leaves nothing behind (RunDir.removed_if_refused)."""
+    run_dir = RunDir(cfg.out_dir)
+    with run_dir.removed_if_refused():
         ignored = check_train_config(cfg)  # before anything is written; settings without effect: warned
-        if given is None:
-            raise UserError("out_dir is unset: pass out_dir=DIR (train.py sets it to Hydra's run dir)")
-        check_output_dir(given, "hydra.run.dir")
-        if cfg.data.cache_dir:
-            check_output_dir(cfg.data.cache_dir, "data.cache_dir")
+        run_dir.check(cfg.data.cache_dir)
         dist_ = init_distributed(cfg.device)
+        run_dir.master = dist_.master
         if not dist_.master:
             logging.getLogger().setLevel(logging.WARNING)
-        grad_accum = cfg.train.grad_accum or dist_.world  # unset: one micro-batch per process
-        if grad_accum % dist_.world:
-            raise UserError(f"train.grad_accum={grad_accum} must be a multiple of the {dist_.world} processes: "
-                            "each process takes an equal share of the micro-batches (or leave it unset)")
-        source = resume_source(cfg.resume, given)
-        state = load_checkpoint(source) if source is not None else None  # to CPU: RNG states must stay there
-        extension = context_extension(state, cfg) if state is not None else {}  # a longer block: before building
-        # a resumed run continues in its own dir; one that lengthens another run's context is a new run
-        # (a fine-tune) in this command's dir, and leaves the run it started from as it was
-        branch = source is not None and source.parent != given and "block_size" in extension
-        out_dir = given if source is None or branch else source.parent
-        if out_dir != given and made and dist_.master:  # resume=RUN_DIR: the dir made for this command is not used
-            remove_new_run_dir(given)
-        lock = lock_run_dir(out_dir) if dist_.master else None
-        if dist_.master:
-            if (source is None or branch) and latest_checkpoint(out_dir) is not None:
-                raise UserError(f"{out_dir} already holds a run: continue it with resume=true, or give a new "
-                                "hydra.run.dir (nothing was overwritten)")
-            remove_stale_temps(out_dir, alive_only=False)  # we hold the lock: a temp file here is a killed write's
-        run = build(cfg, out_dir, dist_, grad_accum, lock, init_from=cfg.init_from if source is None else None)
+        grad_accum = micro_batches(cfg.train, dist_)
+        point = resume_point(cfg, run_dir.given)
+        run_dir.open(point.source, point.branch)
+        run = build(cfg, run_dir, dist_, grad_accum, init_from=cfg.init_from if point.source is None else None)
         run.ignored = ignored
-        if state is not None:
-            restore(run, state, source, extension, continues=not branch)
+        if point.state is not None:
+            restore(run, point)
         if not run.finished:
             record(run, run_name, run_group, overrides, early_log)
         return run
-    except BaseException:
-        if made and (dist_ is None or dist_.master):
-            remove_new_run_dir(given, locked=lock is not None and out_dir == given)
-        if lock is not None:  # a refused run lets the next command in at once (not when its traceback is freed)
-            lock.close()
-        raise
 
 
-def build(cfg, out_dir, dist_, grad_accum, lock, init_from=None) -> Run:
+def micro_batches(tcfg, dist_: Dist) -> int:
+    """Micro-batches per step over all processes: train.grad_accum, an equal share for each process."""
+    grad_accum = tcfg.grad_accum or dist_.world  # unset: one micro-batch per process
+    if grad_accum % dist_.world:
+        raise UserError(f"train.grad_accum={grad_accum} must be a multiple of the {dist_.world} processes: "
+                        "each process takes an equal share of the micro-batches (or leave it unset)")
+    return grad_accum
+
+
+def build(cfg, run_dir: RunDir, dist_, grad_accum, init_from=None) -> Run:
     """The data, the model and the optimizer of a fresh run (seeded; its weights from `init_from`'s
     checkpoint where it has them), and what steps run through."""
     tcfg = cfg.train
@@ -290,8 +277,7 @@ def build(cfg, out_dir, dist_, grad_accum, lock, init_from=None) -> Run:
     mcfg = model_config(cfg.model, data.vocab_size)
     data.check_block_size(mcfg.block_size)
     file_mode = data.meta.get("file_mode")  # set for local files: run dir and checkpoints no more readable
-    if dist_.master and file_mode is not None:
-        os.chmod(out_dir, out_dir.stat().st_mode & dir_mode(file_mode))
+    run_dir.restrict(file_mode)
     batch, key = max((tcfg.batch_size, "train.batch_size"), (tcfg.probe_batch_size, "train.probe_batch_size"))
     par = parallelism(tcfg, dist_, rt)
     check_memory(training_bytes(mcfg, batch, par.shards), rt.device, "the model and batch",
@@ -313,43 +299,9 @@ def build(cfg, out_dir, dist_, grad_accum, lock, init_from=None) -> Run:
     if compiled:
         torch._dynamo.reset()  # a fresh compile per run: a sweep never hits the recompile limit
         fwd_model = torch.compile(fwd_model)
-    return Run(cfg, out_dir, dist_, rt, data, mcfg, model, fwd_model, optimizer, scaler,
+    return Run(cfg, run_dir, dist_, rt, data, mcfg, model, fwd_model, optimizer, scaler,
                sampler=torch.Generator().manual_seed(data_seed(cfg)), grad_accum=grad_accum, compiled=compiled,
-               lock=lock, file_mode=file_mode, parallel=par, watch=Watch(tcfg.collapse_entropy))
-
-
-def restore(run: Run, state: dict, source: Path, extension=None, continues=True):
-    """Continue from a checkpoint: weights, optimizer, grad scaler, batch sampler, every RNG, step;
-    with a context extension (a longer block, RoPE scaled to it), recorded in the run's checkpoints.
-    continues=False: a new run started from it (a fine-tune in another dir), with a W&B run of its own."""
-    missing = [k for k in ("step", "optimizer", "sampler", "rng", "best_val_loss") if k not in state]
-    if missing:
-        raise UserError(f"cannot resume from {source}: it has no {', '.join(missing)} (weights only?); resume "
-                        "from a ckpt_*.pt file train.py wrote, or start a new run")
-    check_resumable(state, run.cfg, run.data, extension or {})
-    if state["step"] > run.cfg.train.max_iters:
-        raise UserError(f"the checkpoint is at step {state['step']}, past train.max_iters={run.cfg.train.max_iters}: "
-                        f"pass train.max_iters > {state['step']} to train on (nothing was changed)")
-    run.parallel.load_model(run.model, state["model"])
-    try:
-        run.parallel.load_optimizer(run.model, run.optimizer, state["optimizer"])
-        if run.scaler.is_enabled() and state.get("scaler"):
-            run.scaler.load_state_dict(state["scaler"])
-        run.sampler.set_state(state["sampler"])
-        set_rng_state(state["rng"], run.rt.device, run.dist.rank)
-    except (KeyError, ValueError, TypeError, RuntimeError, IndexError) as e:
-        raise UserError(f"cannot resume from {source}: its optimizer or random state does not fit this run "
-                        f"({type(e).__name__}: {first_line(e, 120)}); resume with the run's own config") from None
-    run.step, run.best_val = state["step"], state["best_val_loss"]
-    run.watch.load_state_dict(state.get("watch") or {})  # older checkpoints: watched from here on
-    run.wandb_id = state.get("wandb_id") if continues else None
-    run.resuming, run.saved_at, run.evals = True, run.step, {"val": state.get("val_loss")}
-    run.extensions = list(state.get("context_extensions") or [])
-    if extension and "block_size" in extension:
-        run.extensions.append({"step": run.step, **extension})
-        log.info("extending the context at step %d: %s", run.step,
-                 ", ".join(f"model.{k} {a} -> {b}" for k, (a, b) in extension.items()))
-    log.info("resuming from %s at step %d", source, run.step)
+               file_mode=file_mode, parallel=par, watch=Watch(tcfg.collapse_entropy))
 
 
 def record(run: Run, run_name=None, run_group=None, overrides=None, early_log=()):
@@ -359,14 +311,9 @@ def record(run: Run, run_name=None, run_group=None, overrides=None, early_log=()
     cfg, out_dir = run.cfg, run.out_dir
     run.resolved = OmegaConf.to_container(cfg, resolve=True)
     if run.dist.master:
-        run.log_file = open_run_log(out_dir, early_log)
-        (out_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
-        info = {**run_info(run.rt.device, run.dist.world), "ignored_settings": run.ignored}
-        (out_dir / "run_info.json").write_text(json.dumps(info, indent=1))
-        if overrides is not None and not run.resuming:
-            (out_dir / ".hydra").mkdir(exist_ok=True)
-            (out_dir / ".hydra" / "overrides.yaml").write_text(OmegaConf.to_yaml(list(overrides)))
-            (out_dir / ".hydra" / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
+        run.log_file = run.run_dir.open_log(early_log)
+        run.run_dir.write_record(cfg, {**run_info(run.rt.device, run.dist.world), "ignored_settings": run.ignored},
+                                 None if run.resuming else overrides)
         truncate_metrics(out_dir / "metrics.jsonl", run.step if run.resuming else -1)
     run.tracker = Tracker(out_dir, cfg, name=run_name or out_dir.name, group=run_group, enabled=run.dist.master,
                           run_id=run.wandb_id)
@@ -380,45 +327,10 @@ def record(run: Run, run_name=None, run_group=None, overrides=None, early_log=()
             log.info("attention probe: %s", without_softmax(run.model))
 
 
-def open_run_log(out_dir: Path, earlier) -> logging.Handler:
-    """train.log: every log line of the run, those logged before it was accepted (`earlier`) first.
-    Opened only now, so a refused command leaves no log file behind (Hydra's own would be opened
-    before any check: configs/config.yaml logs to stderr alone)."""
-    handler = logging.FileHandler(out_dir / "train.log")
-    handler.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"))
-    for line in earlier:
-        handler.handle(line)
-    logging.getLogger().addHandler(handler)
-    return handler
-
-
 # ----------------------------------------------------------------------------- what the loop calls
 
 def probe_every(tcfg) -> int:
     return tcfg.eval_interval if tcfg.log_attn_interval is None else tcfg.log_attn_interval
-
-
-def checkpoint_contents(run: Run, full: bool = True) -> dict:
-    """A checkpoint: weights, model config, tokenizer, step and config; with `full`, also what an
-    exact resume needs (optimizer, scaler, sampler and RNG states, W&B run id). Every rank calls it (under
-    FSDP the full state is gathered from all of them, to rank 0 alone)."""
-    state = {"model": run.parallel.model_state(run.model), "model_config": dataclasses.asdict(run.mcfg),
-             "tokenizer": run.data.tokenizer.to_dict(), "step": run.step, "val_loss": run.evals.get("val"),
-             "best_val_loss": run.best_val, "config": run.resolved,
-             # whether a sample may start from <|endoftext|>: only if the model saw documents begin after one
-             "eot_in_train": run.data.meta.get("eot_in_train"),
-             "context_extensions": run.extensions,
-             "data_sha256": run.data.meta.get("sha256")}  # what resuming must find again (check_resumable)
-    if full:
-        state.update(optimizer=run.parallel.optimizer_state(run.model, run.optimizer), scaler=run.scaler.state_dict(),
-                     sampler=run.sampler.get_state(), rng=rng_state(run.rt.device, run.dist.world),
-                     wandb_id=run.tracker.run.id if run.tracker.run is not None else None,
-                     watch=run.watch.state_dict())
-    bad = [n for n, t in state["model"].items() if t.is_floating_point() and not torch.isfinite(t).all()]
-    if bad:  # never write a checkpoint that holds NaN/Inf
-        raise UserError(f"weights are not finite at step {run.step} ({bad[0]}): not saving; "
-                        f"last good checkpoint: {last_good_checkpoint(run.out_dir, run.step) or 'none'}")
-    return state
 
 
 def save(run: Run) -> Path:
@@ -430,54 +342,6 @@ def save(run: Run) -> Path:
         prune_checkpoints(run.out_dir, run.cfg.train.keep_ckpts)
     run.saved_at = run.step
     return path
-
-
-@torch.no_grad()
-def estimate_loss(run: Run) -> dict:
-    """Mean loss over a fixed set of eval_iters batches per split: the same tokens at every
-    evaluation and in every run with the same data seed, so curves and runs compare."""
-    tcfg = run.cfg.train
-    run.fwd_model.eval()
-    out = {}
-    for i, split in enumerate(("train", "val")):
-        gen = torch.Generator().manual_seed(data_seed(run.cfg) + 1000 + i)
-        losses = []
-        for _ in range(tcfg.eval_iters):
-            x, y = run.data.get_batch(split, tcfg.batch_size, run.mcfg.block_size, gen)
-            with run.rt.autocast():
-                _, loss = run.fwd_model(x.to(run.rt.device), y.to(run.rt.device))
-            losses.append(loss.item())
-        out[split] = sum(losses) / len(losses)
-    run.fwd_model.train()
-    return out
-
-
-@torch.no_grad()
-def full_val_loss(run: Run):
-    """Mean loss over the whole val split (up to train.final_eval_tokens tokens), in consecutive
-    windows of block_size: the run's final figure, free of the sampling noise of eval_iters random
-    windows (what runs of an ablation are compared by). Shared across ranks; returns (loss, tokens).
-    Every rank runs the same number of forwards (FSDP's all-gathers need them all): one with fewer
-    windows ends with a spare forward that counts nothing."""
-    T, B = run.mcfg.block_size, run.cfg.train.batch_size
-    n = min(len(run.data.splits["val"]) - 1, run.cfg.train.final_eval_tokens) // T
-    starts = torch.arange(n) * T
-    total = torch.zeros(2, dtype=torch.float64, device=run.rt.device)  # summed loss, tokens
-    mine = starts[run.dist.rank::run.dist.world].split(B)
-    rounds = math.ceil(math.ceil(n / run.dist.world) / B)  # rank 0's, the most
-    run.model.eval()
-    for i in range(rounds):
-        spare = i >= len(mine)
-        x, y = run.data.batch("val", starts[:1] if spare else mine[i], T)
-        with run.rt.autocast():
-            _, loss = run.model(x.to(run.rt.device), y.to(run.rt.device))
-        if not spare:
-            total[0] += loss.double() * y.numel()
-            total[1] += y.numel()
-    run.model.train()
-    if run.dist.world > 1:
-        dist.all_reduce(total)
-    return (total[0] / total[1]).item(), int(total[1].item())
 
 
 def evaluate(run: Run, last: bool = False):
@@ -586,30 +450,6 @@ def nonfinite_error(run: Run, loss: float) -> UserError:
                      "or raise train.warmup_iters, or set train.skip_nonfinite=K to skip such steps")
 
 
-class Throughput:
-    """Tokens/s and ms per step between two log lines, evaluation and probe time left out."""
-
-    def __init__(self, tokens_per_step: int):
-        self.tokens_per_step, self.steps, self.train_s = tokens_per_step, 0, 0.0
-        self.t0 = time.perf_counter()
-        self.tokens_per_sec = None  # the latest reading
-
-    @contextmanager
-    def paused(self):
-        t = time.perf_counter()
-        yield
-        self.t0 += time.perf_counter() - t
-
-    def read(self):
-        """(tokens/s, ms/step) since the last read; call after the device has finished the steps."""
-        elapsed = time.perf_counter() - self.t0
-        self.train_s += elapsed
-        self.tokens_per_sec = self.steps * self.tokens_per_step / elapsed
-        ms = 1000 * elapsed / self.steps
-        self.steps, self.t0 = 0, time.perf_counter()
-        return self.tokens_per_sec, ms
-
-
 def log_progress(run: Run, meter: Throughput, loss, grad_norm, lr, peak):
     loss_value = loss.item()  # waits for the device, so the time read next covers its work
     tok_s, ms = meter.read()
@@ -647,59 +487,6 @@ def oom_error(e: BaseException, run_or_cfg) -> UserError:
                      f"train.grad_accum={t.grad_accum or 1} micro-batches x model.block_size={cfg.model.block_size}: "
                      "lower train.batch_size (raising train.grad_accum keeps the tokens per step), "
                      f"model.block_size or the model size{saved}")
-
-
-def write_plots(run: Run):
-    """The run's figures and the attention maps of the probe text, written by rank 0. Every rank calls
-    it: under FSDP the maps' forward needs every rank (its all-gathers), so the others run it too.
-    logger.plots=false skips them (a few seconds of matplotlib; the metrics hold every figure's data)."""
-    if not run.cfg.logger.plots:
-        return
-    if run.dist.master:
-        try:
-            from plots import plot_run
-            for png in plot_run(run.out_dir):
-                run.tracker.log_image(f"plots/{png.stem}", png, run.step)
-        except Exception as e:  # a plot must never cost the run
-            log.warning("plots skipped: %s", e)
-    if run.probe is None:  # the attention probe is off (train.log_attn_interval=0), or a DDP rank > 0
-        return
-    try:  # the maps of the probe text (its first row, at most 256 tokens: the HTML stays a few MB)
-        from attnstats import attention_maps
-        from plots import write_views
-        m = run.mcfg
-        with run.rt.autocast():  # as the probe: the flash kernel has no fp32
-            if not run.dist.master:  # FSDP: this rank's part of rank 0's forward
-                attention_maps(run.model, run.probe.idx[:1, :256])
-                return
-            views = write_views(run.model, run.probe.idx[:1, :256], run.data.tokenizer, run.out_dir,
-                                title=f"attention on the probe text at step {run.step}",
-                                meta=f"{run.out_dir.name} · {m.n_layer} layers × {m.n_head} heads · block {m.block_size}")
-        run.tracker.log_image("attention/maps", views["png"], run.step)
-        if run.tracker.run is not None:
-            import wandb
-            run.tracker.run.log({"attention/viewer": wandb.Html(views["html"], inject=False)},  # as is: no CDN
-                                step=run.step)
-    except Exception as e:
-        log.warning("attention maps skipped: %s", e)
-
-
-def hydra_run_info():
-    """(name, group, overrides) for W&B and the run dir, from Hydra: the job's overrides; in a
-    multirun, the group is the sweep dir and the arm (the overrides minus the seeds), so the seeds of
-    one arm are the runs of one W&B group."""
-    from hydra.core.hydra_config import HydraConfig
-    from hydra.types import RunMode
-
-    hc = HydraConfig.get()
-    name = hc.job.override_dirname or None
-    overrides = list(hc.overrides.task)
-    group = None
-    if hc.mode == RunMode.MULTIRUN:
-        skip = {*hc.job.config.override_dirname.exclude_keys, "seed", "train.data_seed"}
-        arm = ",".join(sorted(o for o in overrides if o.split("=", 1)[0].lstrip("+~") not in skip))
-        group = f"{Path(hc.sweep.dir).name}/{arm or 'base'}"[:128]  # W&B's limit on a group name
-    return name, group, overrides
 
 
 @hydra.main(version_base="1.3", config_path="configs", config_name="config")

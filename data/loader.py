@@ -6,7 +6,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from common import file_digest
+from files import file_digest
 from rules import UserError
 from data.tokenizer import WithBos, tokenizer_from_dict
 

@@ -31,8 +31,8 @@ import numpy as np
 if __name__ == "__main__":  # run as a script: make the repo's modules importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common import (check_output_dir, cli, dir_mode, file_digest, private_mode, remove_stale_temps, run_app,
-                    temp_suffix)
+from cli import cli, run_app
+from files import check_output_dir, dir_mode, file_digest, private_mode, remove_stale_temps, temp_suffix
 from rules import UserError, check_values
 from data.loader import SPLITS, token_files_damage
 from data.tokenizer import cached_tokenizer, train_tokenizer

@@ -37,7 +37,7 @@ def test_torchrun_two_processes_equal_one_process_with_the_same_global_batch(tmp
 def test_grad_accum_must_split_evenly_across_processes(train_cfg, monkeypatch):
     from rules import UserError
     import train as train_module
-    from common import Dist
+    from parallel import Dist
     monkeypatch.setattr(train_module, "init_distributed", lambda device: Dist(0, 2, None))
     with pytest.raises(UserError, match="grad_accum=3 must be a multiple of the 2 processes"):
         train(train_cfg("train.grad_accum=3"))

@@ -156,7 +156,7 @@ def test_bf16_kv_cache_follows_the_reference_to_bf16_rounding(static):
 
 
 def test_kv_dtype_auto_is_the_autocast_dtype_else_fp32():
-    from common import Runtime
+    from device import Runtime
     from sample import kv_cache_dtype
     cpu, cuda, mps = torch.device("cpu"), torch.device("cuda"), torch.device("mps")
     f32, bf16, f16 = torch.float32, torch.bfloat16, torch.float16

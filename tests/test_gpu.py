@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from checkpoint import load_checkpoint, step_name
-from common import has_native_bf16, pick_dtype
+from device import has_native_bf16, pick_dtype
 from tracking import read_metrics
 from train import train
 

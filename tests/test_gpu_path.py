@@ -10,10 +10,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import common
+import device
+import parallel
 import train as train_module
-from checkpoint import load_checkpoint, step_name
-from common import Dist, Runtime, peak_flops_for, pick_dtype
+from checkpoint import load_checkpoint, rng_state, set_rng_state, step_name
+from device import Runtime, peak_flops_for, pick_dtype
+from parallel import Dist
 from helpers import compose_cfg, poison_training_loss
 from model import GPT
 from optim import train_step
@@ -156,9 +158,9 @@ def test_peak_flops_match_whole_names_and_the_dtype(name, dtype, peak):
 
 def test_peak_flops_of_a_run_follow_its_dtype(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 PCIe")
-    assert common.peak_flops(Runtime(CUDA, torch.float32)) == 378e12  # fp32 runs use TF32 tensor cores
-    assert common.peak_flops(Runtime(CUDA, torch.bfloat16)) == 756e12
-    assert common.peak_flops(Runtime(CUDA, torch.bfloat16), override=1e12) == 1e12
+    assert device.peak_flops(Runtime(CUDA, torch.float32)) == 378e12  # fp32 runs use TF32 tensor cores
+    assert device.peak_flops(Runtime(CUDA, torch.bfloat16)) == 756e12
+    assert device.peak_flops(Runtime(CUDA, torch.bfloat16), override=1e12) == 1e12
 
 
 # ----------------------------------------------------------------------------- torchrun on GPUs
@@ -174,7 +176,7 @@ def test_under_torchrun_each_rank_takes_its_local_gpu_over_nccl(monkeypatch, dev
     monkeypatch.setattr(torch.cuda, "set_device", lambda i: calls.setdefault("set_device", i))
     monkeypatch.setattr(dist, "is_initialized", lambda: False)
     monkeypatch.setattr(dist, "init_process_group", lambda backend: calls.setdefault("backend", backend))
-    d = common.init_distributed(device)
+    d = parallel.init_distributed(device)
     assert (d.rank, d.world, d.device_name) == (3, 4, expected)
     assert calls["backend"] == backend and calls.get("set_device") == (1 if backend == "nccl" else None)
 
@@ -219,9 +221,9 @@ def two_ranks(rank, port, cfg_overrides, out):
         torch.cuda.get_rng_state = lambda device="cuda": torch.full((16,), 10 + rank, dtype=torch.uint8)
         torch.cuda.set_rng_state = lambda state, device="cuda": restored.append((int(state[0]), device))
         gpu = torch.device("cuda", rank)
-        state = train_module.rng_state(gpu, world=2)
+        state = rng_state(gpu, world=2)
         assert [int(s[0]) for s in state["cuda"]] == [10, 11]
-        train_module.set_rng_state(state, gpu, rank)
+        set_rng_state(state, gpu, rank)
         assert restored == [(10 + rank, gpu)]
         (out / f"rank{rank}.ok").write_text("ok")
     finally:
@@ -301,12 +303,12 @@ def test_tf32_is_set_with_the_precision_api_and_warns_nothing(monkeypatch):
     """torch >= 2.9 deprecates allow_tf32 (it warns): CUDA runs set fp32_precision = "tf32"."""
     import warnings
     saved = (torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.fp32_precision)
-    monkeypatch.setattr(common, "pick_device", lambda name: CUDA)
-    monkeypatch.setattr(common, "pick_dtype", lambda name, device, key="dtype": torch.bfloat16)
+    monkeypatch.setattr(device, "pick_device", lambda name: CUDA)
+    monkeypatch.setattr(device, "pick_dtype", lambda name, device, key="dtype": torch.bfloat16)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error")
-            rt = common.setup_runtime("cuda", "auto")
+            rt = device.setup_runtime("cuda", "auto")
         assert rt.device == CUDA
         assert torch.backends.cuda.matmul.fp32_precision == torch.backends.cudnn.fp32_precision == "tf32"
     finally:

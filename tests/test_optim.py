@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from checkpoint import load_checkpoint, step_name
-from common import setup_runtime
+from device import setup_runtime
 from rules import UserError
 from helpers import assert_same_training, cli_args, compose_cfg, metrics_without_timing
 from model import GPT, GPTConfig

@@ -14,7 +14,8 @@ import torch
 import torch.distributed as dist
 
 from checkpoint import load_checkpoint, step_name
-from common import Dist, Runtime
+from device import Runtime
+from parallel import Dist
 from rules import UserError
 from config import check_train_config
 from counting import activation_bytes, per_gpu_bytes

@@ -26,7 +26,7 @@ from omegaconf.errors import OmegaConfBaseException
 import checkpoint as ck
 import model as model_module
 import train as train_module
-from common import hydra_error_line
+from cli import hydra_error_line
 from rules import OneOf, UserError, check_values, schema_nodes
 from helpers import REPO, TINY, assert_one_line_error, compose_cfg, corpus_text, interruptible, one_line
 from data.loader import TokenData
@@ -95,7 +95,7 @@ def test_second_training_in_a_run_dir_is_refused_while_the_first_holds_it(tmp_pa
     """Was: both exited 0, metrics.jsonl interleaved. The lock is an flock held by the first."""
     run = tmp_path / "run"
     holder = cli.popen("-c", "import sys, time; sys.path.insert(0, sys.argv[1]); "
-                       "from train import lock_run_dir; from pathlib import Path; "
+                       "from rundir import lock_run_dir; from pathlib import Path; "
                        "held = lock_run_dir(Path(sys.argv[2])); print('locked', flush=True); time.sleep(60)",
                        str(REPO), str(run), stderr=None)
     try:
@@ -1020,7 +1020,7 @@ def test_an_interrupt_lost_in_a_clean_up_callback_is_raised_again(monkeypatch):
     `datasets` tokenizes) was printed as "Exception ignored" and the command went on to the end."""
     import sys
     import weakref
-    from common import redeliver_lost_interrupt
+    from cli import redeliver_lost_interrupt
     monkeypatch.setattr(sys, "unraisablehook", redeliver_lost_interrupt)
     previous = signal.getsignal(signal.SIGALRM)
 

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 import yaml
 
-from common import setup_runtime
+from device import setup_runtime
 from helpers import REPO, SHAKESPEARE, TINY, compose_cfg, requires_shared
 from model import GPT, GPTConfig
 from optim import build_optimizer, lr_at, set_lr, train_step, z_loss_term

@@ -71,7 +71,7 @@ def test_gradient_accumulation_equals_bigger_batch(train_cfg, tmp_path):
     """grad_accum=4 with batch b takes the same step as grad_accum=1 with batch 4b when fed the
     same tokens (clipping included), and reports the same loss: the whole batch's mean, the loss
     of the model before the step on all 8 rows (not the last micro-batch's)."""
-    from common import Runtime
+    from device import Runtime
     from model import GPT, GPTConfig
     from optim import train_step
     torch.manual_seed(0)

@@ -18,7 +18,8 @@ import hydra
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as tools/X.py: the repo's modules
 
 from benchmarks import bench, print_result  # noqa: E402  (registers the bench config schema)
-from common import cli, is_oom, run_app  # noqa: E402
+from cli import cli, run_app  # noqa: E402
+from device import is_oom  # noqa: E402
 from rules import UserError  # noqa: E402
 
 

@@ -34,7 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as tools/X.p
 
 from attention import rope_freqs  # noqa: E402
 from benchmarks import saved_bytes  # noqa: E402
-from common import check_output_file, cli, run_app  # noqa: E402
+from cli import cli, run_app  # noqa: E402
+from files import check_output_file  # noqa: E402
 from rules import POSITIVE, Needs, OneOf, Range, UserError, check_values  # noqa: E402
 from counting import attention_macs, attention_variants, selected_macs  # noqa: E402
 from model import GPTConfig  # noqa: E402

@@ -21,7 +21,7 @@ import hydra
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as tools/X.py: the repo's modules
 
 from benchmarks import bench_sample  # noqa: E402  (registers the bench_sample config schema)
-from common import cli, run_app  # noqa: E402
+from cli import cli, run_app  # noqa: E402
 
 
 @hydra.main(version_base="1.3", config_path="../configs", config_name="bench_sample")

@@ -48,7 +48,7 @@ sys.path.insert(0, str(REPO))  # run as tools/X.py: the repo's modules
 import attention as attn_lib  # noqa: E402  (called through the modules: a test may break one of their functions)
 import variants  # noqa: E402
 from attnstats import attention_maps, attention_stats, layer_scores, reading_qk  # noqa: E402
-from common import cli  # noqa: E402
+from cli import cli  # noqa: E402
 from rules import UserError  # noqa: E402
 from counting import (attention_variants, count_params, crossovers, kv_cache_bytes, macs_per_token,  # noqa: E402
                       memory_breakdown, selected_keys)

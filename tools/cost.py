@@ -22,7 +22,9 @@ from omegaconf import MISSING
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as tools/X.py: the repo's modules
 
-from common import DTYPES, check_output_file, cli, run_app  # noqa: E402
+from cli import cli, run_app  # noqa: E402
+from device import DTYPES  # noqa: E402
+from files import check_output_file  # noqa: E402
 from rules import POSITIVE, Needs, OneOf, Range, check_values  # noqa: E402
 from counting import (ADAMW_BYTES_PER_PARAM, RECURRENT, attention_variants, cache_table, count_params, crossovers,
                       kv_cache_bytes, layer_table, macs_per_token, memory_breakdown, mlp_matrices, per_gpu_bytes,

@@ -38,7 +38,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as tools/X.p
 from variants import ROPE_SCALINGS, SELECTS  # noqa: E402
 from attnstats import copy_losses  # noqa: E402
 from checkpoint import find_checkpoint, load_checkpoint, model_from_checkpoint, with_rope_scaling, with_selection  # noqa: E402
-from common import check_output_file, cli, pick_device, run_app  # noqa: E402
+from cli import cli, run_app  # noqa: E402
+from device import pick_device  # noqa: E402
+from files import check_output_file  # noqa: E402
 from rules import POSITIVE, OneOf, Range, UserError, check_values  # noqa: E402
 from data.tokenizer import tokenizer_from_dict  # noqa: E402
 from streams import stream_tokens, window_losses  # noqa: E402

@@ -76,7 +76,8 @@ from hydra.core.config_store import ConfigStore
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as tools/X.py: the repo's modules
 
 from checkpoint import find_checkpoint, load_checkpoint, model_from_checkpoint
-from common import check_output_dir, cli, dir_mode, private_mode, run_app, temp_suffix  # noqa: E402
+from cli import cli, run_app  # noqa: E402
+from files import check_output_dir, dir_mode, private_mode, temp_suffix  # noqa: E402
 from rules import OneOf, UserError, check_values  # noqa: E402
 from attention import qk_normalize
 from model import GPT, NORM_EPS, GPTConfig

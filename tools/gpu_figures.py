@@ -20,7 +20,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as tools/X.p
 
 import torch  # noqa: E402
 
-from common import check_output_file, cli  # noqa: E402
+from cli import cli  # noqa: E402
+from files import check_output_file  # noqa: E402
 from rules import UserError  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]

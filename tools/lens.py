@@ -38,7 +38,9 @@ from hydra.core.config_store import ConfigStore
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as tools/X.py: the repo's modules
 
 from checkpoint import find_checkpoint, load_checkpoint, model_from_checkpoint  # noqa: E402
-from common import check_output_dir, cli, pick_device, run_app  # noqa: E402
+from cli import cli, run_app  # noqa: E402
+from device import pick_device  # noqa: E402
+from files import check_output_dir  # noqa: E402
 from data.tokenizer import tokenizer_from_dict  # noqa: E402
 from interventions import POST_LN, attribute, layer_names, lens_losses, logit_lens  # noqa: E402
 from rules import POSITIVE, Range, UserError, check_values  # noqa: E402

@@ -43,7 +43,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as tools/X.p
 
 from checkpoint import (find_checkpoint, latest_checkpoint, load_checkpoint, model_from_checkpoint,  # noqa: E402
                         with_selection)
-from common import check_output_dir, cli, pick_device, run_app  # noqa: E402
+from cli import cli, run_app  # noqa: E402
+from device import pick_device  # noqa: E402
+from files import check_output_dir  # noqa: E402
 from data.mqar import MQARTokenizer  # noqa: E402
 from rules import POSITIVE, SEED, OneOf, Range, UserError, check_values  # noqa: E402
 from variants import SELECTS, layer_kind  # noqa: E402

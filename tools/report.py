@@ -31,7 +31,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as tools/X.py: the repo's modules
 
-from common import check_output_dir, cli  # noqa: E402
+from cli import cli  # noqa: E402
+from files import check_output_dir  # noqa: E402
 from rules import UserError  # noqa: E402
 from plots import plot_bands, plot_head_roles_compare, series  # noqa: E402
 from intervals import describe, paired_interval, welch_interval  # noqa: E402

@@ -30,7 +30,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as tools/X.p
 
 from plots import format_top_keys, write_views
 from checkpoint import find_checkpoint, load_checkpoint, model_from_checkpoint
-from common import check_output_dir, cli, pick_device, read_prompt, run_app  # noqa: E402
+from cli import cli, run_app  # noqa: E402
+from device import pick_device  # noqa: E402
+from files import check_output_dir  # noqa: E402
+from sample import read_prompt  # noqa: E402
 from rules import POSITIVE, Needs, Range, UserError, check_values  # noqa: E402
 from data.tokenizer import tokenizer_from_dict
 

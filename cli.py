@@ -1,0 +1,181 @@
+"""How a command ends and stops (nanochat keeps the same in nanochat/common.py): `run_app` and `cli`
+wrap every entry point so that the one error type (rules.UserError), Hydra's own errors and running
+out of memory end in one line `error: ...` and exit status 1, Ctrl-C or SIGTERM in one line and 130 or
+143, never a traceback; `StopRequest` lets a training finish its step and checkpoint first."""
+import functools
+import logging
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+
+from device import is_oom
+from files import new_run_dir, remove_new_run_dir
+from parallel import all_ranks_agree
+from rules import UserError, first_line
+
+log = logging.getLogger("attnlab")
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (`kill`, `timeout`, a scheduler stopping a job), raised where Ctrl-C raises
+    KeyboardInterrupt: a command stops the same way, keeping what it made so far."""
+
+
+def raise_terminated(signum, frame):
+    raise Terminated()
+
+
+def redeliver_lost_interrupt(unraisable):
+    """sys.unraisablehook: Python prints and drops an exception raised while it runs a clean-up
+    callback (a weakref's, an import lock's), so a Ctrl-C or SIGTERM that lands there would be lost
+    (seen while `datasets` tokenizes). Raise it again 50 ms later, from wherever the command is then."""
+    if not isinstance(unraisable.exc_value, KeyboardInterrupt):
+        return sys.__unraisablehook__(unraisable)
+    lost = unraisable.exc_value
+
+    def again(signum, frame):
+        raise lost
+    signal.signal(signal.SIGALRM, again)
+    signal.setitimer(signal.ITIMER_REAL, 0.05)
+
+
+def interruption(e: KeyboardInterrupt):
+    """(what stopped a command, its exit status): Ctrl-C 130, SIGTERM 143 (128 + the signal)."""
+    return ("SIGTERM", 143) if isinstance(e, Terminated) else ("Ctrl-C", 130)
+
+
+entered = False  # set once Hydra has handed a command its config: errors before that are Hydra's
+
+
+def cli(main):
+    """Wrap an entry point: a UserError ends it with one line `error: ...` and exit status 1,
+    running out of memory likewise, Ctrl-C or SIGTERM with one line and status 130 or 143, never a
+    traceback."""
+    @functools.wraps(main)
+    def wrapper(*args, **kwargs):
+        global entered
+        entered = True
+        main_thread = threading.current_thread() is threading.main_thread()
+        if main_thread:  # restored on the way out: a caller in Python (a test, a notebook) keeps its own
+            previous = signal.signal(signal.SIGTERM, raise_terminated), sys.unraisablehook
+            sys.unraisablehook = redeliver_lost_interrupt
+        try:
+            return main(*args, **kwargs)
+        except UserError as e:
+            forget_hydra_run_dir()
+            print(f"error: {e}", file=sys.stderr)
+            if in_sweep():  # one job of a sweep failed: the sweep records it and goes on (sweep.py)
+                from sweep import JobFailed
+                raise JobFailed(str(e)) from None
+            sys.exit(1)
+        except KeyboardInterrupt as e:
+            forget_hydra_run_dir()
+            name, status = interruption(e)
+            print(f"interrupted ({name})", file=sys.stderr)
+            sys.exit(status)
+        except BrokenPipeError:  # `... | head`: the reader left; what it wanted was printed
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            sys.exit(0)
+        except RuntimeError as e:
+            if not is_oom(e):
+                raise
+            print(f"error: out of memory ({first_line(e)}): lower the batch size, sequence length or model "
+                  "size", file=sys.stderr)
+            if in_sweep():
+                from sweep import JobFailed
+                raise JobFailed(f"out of memory ({first_line(e)})") from None
+            sys.exit(1)
+        finally:
+            if main_thread:
+                signal.signal(signal.SIGTERM, previous[0])
+                sys.unraisablehook = previous[1]
+    return wrapper
+
+
+def in_sweep() -> bool:
+    """Is this a job of a Hydra multirun (`-m`)?"""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
+
+
+def hydra_error_line(e: BaseException) -> str:
+    """Hydra's composition errors (unknown key, wrong type, bad override syntax) are several lines
+    (the message, then full_key/object_type lines); the part a user needs, as one line."""
+    parts = [str(e)] + ([str(e.__cause__)] if e.__cause__ is not None else [])
+    keep = []
+    for part in parts:
+        for line in map(str.strip, part.splitlines()):
+            if line.startswith("Config search path:"):  # Hydra's internals from here on
+                break
+            # "To append ... use +key=value": a structured config refuses new keys, so that advice fails too
+            if line and not line.startswith(("full_key:", "object_type=", "reference_type=", "provider=",
+                                             "To append to your config")):
+                keep.append(line)
+    return " ".join(dict.fromkeys(keep))  # the cause often repeats the message
+
+
+def run_app(app):
+    """Run a @hydra.main entry point so that Hydra's own errors, raised before our code runs (a
+    misspelt key, a value of the wrong type), also end in one line `error: ...` and status 1.
+    HYDRA_FULL_ERROR=1 set by the user keeps Hydra's full report."""
+    if os.environ.get("HYDRA_FULL_ERROR") == "1":
+        return app()
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra then raises instead of printing a multi-line report
+    try:
+        return app()
+    except (HydraException, OmegaConfBaseException) as e:
+        print(f"error: {hydra_error_line(e)} (--help lists every key and its type)", file=sys.stderr)
+        sys.exit(1)
+    except OSError as e:
+        if entered:  # the command's own: not Hydra's
+            raise
+        # before the command runs Hydra creates its run dir (and nothing else here): a file, a link to
+        # nothing, a read-only place or /proc there fails in its mkdir
+        print(f"error: cannot make the run dir {e.filename}: {e.strerror} (hydra.run.dir, or hydra.sweep.dir "
+              "with -m, must be a directory you can write)", file=sys.stderr)
+        sys.exit(1)
+    finally:
+        del os.environ["HYDRA_FULL_ERROR"]
+
+
+def forget_hydra_run_dir():
+    """A refused or interrupted command leaves no empty run dir behind: Hydra made it (hydra.run.dir)
+    before the command ran."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if HydraConfig.initialized():
+        out_dir = Path(HydraConfig.get().runtime.output_dir)
+        if new_run_dir(out_dir):
+            remove_new_run_dir(out_dir)
+
+
+class StopRequest:
+    """SIGTERM or SIGINT: finish the current step, checkpoint, exit 0. A second SIGINT exits now."""
+
+    def __init__(self):
+        self.signal = None
+        self.previous = {}
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self.previous[sig] = signal.signal(sig, self.handle)
+
+    def handle(self, signum, frame):
+        if self.signal is not None and signum == signal.SIGINT:
+            os._exit(130)
+        self.signal = signal.Signals(signum).name
+        log.warning("%s received: finishing this step, then saving a checkpoint (Ctrl-C again to quit now)", self.signal)
+
+    def agree(self, device, world: int):
+        """Under DDP every rank must stop at the same step: all stop if any was signalled."""
+        if all_ranks_agree(self.signal is not None, device, world) and self.signal is None:
+            self.signal = "SIGTERM"
+
+    def restore(self):
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
