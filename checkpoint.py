@@ -1,5 +1,7 @@
 """The one place checkpoints are written, found and read, and what resuming from one needs: the
-checkpoint to resume from, whether it fits this run, and every random stream's state.
+checkpoint to resume from (resume_point), whether it fits this run, and every random stream's state;
+for a training run, what its checkpoints hold (checkpoint_contents) and how it continues from one
+(restore).
 
 A checkpoint is a dict of tensors and plain values (weights, model config, tokenizer, step,
 optimizer state, the run's resolved config), so it loads with `torch.load(weights_only=True)`:
