@@ -12,7 +12,8 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tools import export  # registers its config schema
+import export_hf
+from tools import export  # the command; registers its config schema
 from checkpoint import model_from_checkpoint
 from rules import UserError
 from helpers import (SHAKESPEARE, TIKTOKEN_CACHE, compose_cfg, corpus_text, export_chars, export_model, load_export,
@@ -132,7 +133,7 @@ def test_trained_model_exports_exactly(name, train_cfg, text_file, tmp_path):
     tok = tokenizer_from_dict(state["tokenizer"])
     check_greedy(model, hf, torch.tensor([tok.encode("line 1").tolist()]), name)
     stock = not name.startswith("post_norm")
-    cls = export.TARGET_CLASSES[export.pick_target(model.config)] if stock else "AttnlabForCausalLM"
+    cls = export_hf.TARGET_CLASSES[export_hf.pick_target(model.config)] if stock else "AttnlabForCausalLM"
     assert json.loads((out / "config.json").read_text())["architectures"] == [cls]
     card = (out / "README.md").read_text()
     assert "| training data | text (tokenizer: char" in card
@@ -147,7 +148,7 @@ def test_rope_permutation_turns_pairs_into_halves():
 
     hs, T, base = 16, 40, 500.0
     x = torch.randn(T, hs)  # one head's q at positions 0..T-1
-    halves = lambda t: export.rope_halves(t.T, 1, hs).T  # noqa: E731  the export's permutation, (T, hs)
+    halves = lambda t: export_hf.rope_halves(t.T, 1, hs).T  # noqa: E731  the export's permutation, (T, hs)
     ours = apply_rope(x, rope_freqs(hs, T, base))  # (T, hs)
     config = transformers.LlamaConfig(hidden_size=hs, num_attention_heads=1, head_dim=hs,
                                       rope_parameters={"rope_type": "default", "rope_theta": base})
@@ -204,9 +205,9 @@ def test_code_variants_cover_every_option():
     from rules import OneOf
     from variants import AttnConfig
 
-    seen = [export.flat_fields(GPTConfig(vocab_size=CHARS.vocab_size, block_size=BLOCK, n_layer=2, n_head=4, n_embd=32,
+    seen = [export_hf.flat_fields(GPTConfig(vocab_size=CHARS.vocab_size, block_size=BLOCK, n_layer=2, n_head=4, n_embd=32,
                                          **kw)) for kw in CODE_VARIANTS.values()]
-    base = export.flat_fields(GPTConfig(vocab_size=CHARS.vocab_size, n_head=4, n_embd=32))
+    base = export_hf.flat_fields(GPTConfig(vocab_size=CHARS.vocab_size, n_head=4, n_embd=32))
     rules = {**GPTConfig.RULES, **{f"attn.{k}": rule for k, rule in AttnConfig.RULES.items()}}
     missing = []
     for key, default in base.items():
@@ -225,7 +226,7 @@ def test_code_export_equals_attnlab(name, tmp_path):
     model = export_model(seed=3, **CODE_VARIANTS[name])
     out = run_export(write_checkpoint(tmp_path / "ckpt.pt", model), tmp_path / "hf", "format=code")
     config = json.loads((out / "config.json").read_text())
-    assert config["architectures"] == ["AttnlabForCausalLM"] and config["auto_map"] == export.CODE_CLASSES
+    assert config["architectures"] == ["AttnlabForCausalLM"] and config["auto_map"] == export_hf.CODE_CLASSES
     hf = load_export(out)
     check_logits(model, hf, name)
     check_greedy(model, hf, torch.tensor([CHARS.encode("the c").tolist()]), name)
@@ -356,8 +357,8 @@ def test_a_bos_model_exports_with_its_bos_token_before_every_text(tmp_path):
 def test_a_bos_bpe_tokenizer_exports_with_its_bos_token():
     from data.tokenizer import TiktokenTokenizer, WithBos
     tok = WithBos(TiktokenTokenizer.train([corpus_text(40)], 300))
-    tok, fast = export.hf_tokenizer(tok.to_dict(), 64)
-    export.check_tokenizer(tok, fast)  # raises if the ids differ
+    tok, fast = export_hf.hf_tokenizer(tok.to_dict(), 64)
+    export_hf.check_tokenizer(tok, fast)  # raises if the ids differ
     text = "the quick brown fox" + EOT
     assert fast(text)["input_ids"] == [tok.bos, *tok.encode("the quick brown fox").tolist(), tok.eot]
     assert fast.bos_token_id == tok.bos == 300 and fast.eos_token_id == tok.eot
