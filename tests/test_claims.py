@@ -1,4 +1,4 @@
-"""tools/claims.py: every claim of the texts has exactly one row, the quick checks hold, random
+"""tools/claims.py and the claims package: every claim of the texts has exactly one row, the quick checks hold, random
 measurements keep their rounded figures under another seed, a broken code path fails its claim
 (a check that cannot fail checks nothing), and the trained checks run end to end at a tiny size."""
 import json
@@ -8,7 +8,8 @@ import pytest
 
 import attention
 from helpers import REPO, requires_shared
-from tools import claims
+import claims
+from tools.claims import main
 
 CLAIMS_MD = REPO.parent / "shared" / "CLAIMS.md"
 IDS = [c.id for c in claims.CLAIMS]
@@ -77,16 +78,16 @@ def test_a_leaking_mask_fails_c6(monkeypatch):
 
 def test_cli_json_markdown_and_exit_status(tmp_path, capsys):
     out = tmp_path / "out"
-    assert claims.main(["--quick", "--only", "b1,C2", "--format", "json", "--json", str(tmp_path / "c.json"),
+    assert main(["--quick", "--only", "b1,C2", "--format", "json", "--json", str(tmp_path / "c.json"),
                         "--out", str(out)]) == 0
     printed = json.loads(capsys.readouterr().out)
     assert [r["id"] for r in printed["claims"]] == ["B1", "C2"] and printed["quick"]
     assert json.loads((tmp_path / "c.json").read_text()) == json.loads((out / "claims.json").read_text())
     assert "| C2 |" in (out / "claims.md").read_text()
-    assert claims.main(["--quick", "--only", "C2", "--format", "markdown"]) == 0
+    assert main(["--quick", "--only", "C2", "--format", "markdown"]) == 0
     assert "论断" in capsys.readouterr().out
     with pytest.raises(SystemExit):
-        claims.main(["--quick", "--only", "Z9"])
+        main(["--quick", "--only", "Z9"])
     assert "no such claim" in capsys.readouterr().err
 
 
