@@ -136,6 +136,17 @@ def without_softmax(model) -> str:
     return f"{', '.join(none)}: no softmax weights, so no logged attention statistics (tools/visualize.py draws their effective attention)" if none else ""
 
 
+def logit_bound(attn):
+    """The largest |logit| any input can give layer `attn` (a CausalSelfAttention): with QK-Norm
+    scale·|q̂|·|k̂| (|x̂| = √hs after rms or layer norm, 1 after l2) times the largest gains of q and k;
+    with a soft-cap c (model.attn.softcap), c at most; None with neither (logits then grow with the inputs)."""
+    if attn.norm_kind is None:
+        return attn.softcap
+    norm_sq = 1.0 if attn.norm_kind == "l2" else float(attn.head_dim)
+    gains = 1.0 if attn.q_gain is None else attn.q_gain.abs().max().item() * attn.k_gain.abs().max().item()
+    return min(attn.scale * norm_sq * gains, attn.softcap or math.inf)
+
+
 def causal_scores(q, k, scale: float):
     """The scores of plain causal attention for attention_stats: q, k (B, nh, T, hs) -> a function
     (start, end) -> (logits (B, nh, end - start, end) of the queries start..end-1, no sink)."""

@@ -20,7 +20,7 @@ from omegaconf import MISSING, OmegaConf
 
 from device import DTYPES, Timer, check_memory, compile_wanted, peak_flops, setup_runtime
 from config import Config, check_train_config, model_config
-from counting import decode_bytes, training_bytes
+from counting import decode_bytes, flops_per_token as count_flops, training_bytes
 from model import GPT, GPTConfig
 from optim import build_optimizer, train_step
 from rules import NON_NEGATIVE, POSITIVE, SEED, Needs, OneOf, Range, UserError, check_values
@@ -124,7 +124,7 @@ def bench(cfg) -> dict:
 
     peak = peak_flops(rt, cfg.train.peak_flops or (cfg.bench.cpu_peak_flops if device.type == "cpu" else None))
     tokens = B * T * (cfg.train.grad_accum or 1)
-    flops_per_token = models["attnlab"].flops_per_token(T)
+    flops_per_token = count_flops(models["attnlab"].config, T)
     result = {"device": str(device), "dtype": str(rt.dtype).replace("torch.", ""), "batch_size": B,
               "block_size": T, "params": models["attnlab"].num_params(), "flops_per_token": flops_per_token}
     for name, ts in times.items():

@@ -1,5 +1,5 @@
 """Parameters, FLOPs and bytes of a model, counted from its config alone (no model built): the one
-home of every count attnlab prints or checks against. GPT.flops_per_token (MFU), the memory checks
+home of every count attnlab prints or checks against. flops_per_token (MFU), the memory checks
 before training and sampling, tools/cost.py, tools/bench.py and tools/bench_sample.py all call these;
 tests hold them equal to a built model (parameters, FLOPs, KV-cache tensors) for every variant.
 
@@ -13,24 +13,18 @@ plus 12*n_layer*N*d.
 import math
 from fractions import Fraction
 
+from attention import CausalSelfAttention
+from kv_cache import INT8_SCALE_BYTES
+from variants import KINDS, SELECTS, layer_kind
+
 ADAMW_BYTES_PER_PARAM = 8  # exp_avg + exp_avg_sq, fp32: train.py keeps fp32 weights and autocasts
 TRAIN_BYTES_PER_PARAM = 16  # fp32 weight, gradient and AdamW's two moments
-
-
-CONV = 4  # a recurrent layer's short convolution (variants/gdn.py)
 
 
 def mlp_matrices(c) -> int:
     """Weight matrices of one MLP, in units of n_embd x d_ff: gate, up and down for SwiGLU; none
     without an MLP."""
     return {"swiglu": 3, "none": 0}.get(c.mlp, 2)
-
-
-def mla_dims(c) -> tuple:
-    """(d_c, d_r, q latent width or 0) of an MLA layer (variants/mla.py)."""
-    a = c.attn
-    return a.kv_lora_rank or 4 * c.head_dim, (a.rope_head_dim or c.head_dim // 2) if c.pos == "rope" else 0, \
-        a.q_lora_rank or 0
 
 
 def layer_types(c) -> list:
@@ -42,61 +36,26 @@ def layer_types(c) -> list:
     return [(i, c.n_layer // period + (i < c.n_layer % period)) for i in range(min(period, c.n_layer))]
 
 
-def layer_kind(c, layer: int) -> str:
-    """Layer `layer`'s attention kind (model.attn.layer_kinds repeated over the layers, else model.attn.kind)."""
-    from variants import layer_kind
-    return layer_kind(c.attn, layer)
+def mixer(c, layer=None):
+    """Layer `layer`'s mixer class, which answers for its own counts (mixer.Mixer); None: model.attn.kind's."""
+    return KINDS[c.attn.kind if layer is None else layer_kind(c.attn, layer)]
 
 
-def state_dim(c) -> int:
-    """A mamba2 layer's state width per head (B and C)."""
-    return c.attn.state_dim or c.head_dim
+def local(c, layer: int) -> bool:
+    """Does layer `layer` attend within model.attn.window (a softmax kind marked L in window_pattern)?"""
+    a = c.attn
+    return a.window is not None and a.window_pattern[layer % len(a.window_pattern)] == "L" and not mixer(c, layer).recurrent
 
 
-def projection_macs(c, kind=None) -> dict:
-    """Weights of one layer's attention projections (of `kind`, default model.attn.kind), by what
-    they compute (one MAC per weight per token): q, k, v, o. MLA's k and v include the
-    down-projection to the latent (and its RoPE key) and the up-projections from it, as training
-    computes them for every token; gdn's and mamba2's `gate` is their output gate's projection, q
-    and k also their β and α (gdn), B, C and Δ (mamba2)."""
-    d, kv, hs, nh, kind = c.n_embd, c.n_kv_head * c.head_dim, c.head_dim, c.n_head, kind or c.attn.kind
-    if kind == "gdn":
-        return {"q": d * d + d * nh, "k": d * d + d * nh, "v": d * d, "o": d * d, "gate": d * d}
-    if kind == "mamba2":
-        return {"q": d * state_dim(c), "k": d * state_dim(c) + d * nh, "v": d * d, "o": d * d, "gate": d * d}
-    if kind != "mla":
-        return {"q": d * d, "k": d * kv, "v": d * kv, "o": d * d}
-    d_c, d_r, rq = mla_dims(c)
-    q = (d * rq + rq * nh * (hs + d_r)) if rq else d * nh * (hs + d_r)
-    return {"q": q, "k": d * (d_c + d_r) + d_c * nh * hs, "v": d_c * nh * hs, "o": nh * hs * d}
-
-
-def layer_params(c, kind=None) -> dict:
-    """One block's parameters (its attention of `kind`, default model.attn.kind), matrices apart from
-    the rest (biases, norm weights, QK-Norm gains, sink logits, a recurrent layer's convolution and
-    decay rates), in the layout GPT builds."""
-    d, kv, b, nh, hs, kind = c.n_embd, c.n_kv_head * c.head_dim, int(c.bias), c.n_head, c.head_dim, kind or c.attn.kind
-    softmaxish = kind in ("softmax", "linear", "mla")  # the kinds that take QK-Norm, the core gate and a sink
-    gain = {"none": 0, "head": 1, "channel": c.head_dim}[c.attn.qk_norm_gain] if c.attn.qk_norm and softmaxish else 0
-    gate = {"none": 0, "head": nh, "channel": nh * hs}[c.attn.gate] * d if softmaxish else 0  # a Linear, no bias
-    H, d_i = c.attn.indexer_heads, c.attn.indexer_dim  # select=indexer on a softmax layer: q^I, w from q; k^I from k
-    indexer = nh * hs * (H * d_i + H) + kv * d_i if kind == "softmax" and c.attn.select == "indexer" else 0
-    k = mlp_matrices(c)
-    attn_bias = b * (d + 2 * kv + d)  # c_attn's q, k, v and c_proj's
-    attn_norms = 0
-    if kind == "mla":
-        d_c, d_r, rq = mla_dims(c)
-        attn_bias = b * ((rq + nh * (hs + d_r)) + (d_c + d_r) + d)  # q_down, q_up, kv_down, c_proj
-        attn_norms = d_c + rq  # kv_norm (+ q_norm)
-    elif kind == "gdn":  # c_attn (3d) and β's biases, c_proj's; the convolution, A_log, dt_bias, the norm's weight
-        attn_bias, attn_norms = b * (3 * d + nh + d), 3 * d * CONV + 2 * nh + hs
-    elif kind == "mamba2":  # in_proj's and c_proj's biases; the convolution, A_log, dt_bias, D, the norm's weight
-        ds = state_dim(c)
-        attn_bias, attn_norms = b * (d + 2 * ds + nh + d), (d + 2 * ds) * CONV + 3 * nh + d
+def layer_params(c, layer=None) -> dict:
+    """One block's parameters (layer `layer`'s mixer; None: model.attn.kind's), matrices apart from the
+    rest (biases, norm weights, QK-Norm gains, sink logits, a recurrent layer's convolution and decay
+    rates), in the layout GPT builds: the mixer's (its params), a key selection's (its params), the MLP's."""
+    kind, k, d, b = mixer(c, layer), mlp_matrices(c), c.n_embd, int(c.bias)
+    p, select = kind.params(c), SELECTS[c.attn.select] if kind.selects else None
     return {
-        "attn_matrices": sum(projection_macs(c, kind).values()) + gate + indexer,  # c_attn (q, k, v fused) or the kind's, c_proj
-        "attn_other": attn_bias + gain * (c.n_head + c.n_kv_head) + attn_norms  # biases; q_gain, k_gain per head
-        + (nh if c.attn.sink == "learned" and kind in ("softmax", "mla") else 0),  # one sink logit per head
+        "attn_matrices": p["matrices"] + (select.params(c) if select else 0),  # projections, gates, an indexer's
+        "attn_other": p["other"],
         "mlp_matrices": k * d * c.d_ff,  # c_fc (gate|up fused for swiglu), c_proj
         "mlp_other": b * ((k - 1) * c.d_ff + d) if k else 0,  # their biases
         "norm": d * (2 if c.norm == "layernorm" and c.bias else 1),  # one norm: weight (+ LayerNorm bias)
@@ -107,7 +66,7 @@ def count_params(c) -> dict:
     """Parameters by kind; `non_embedding` is what 6N counts: every weight a token's forward
     multiplies by (the tied wte is the LM head), not the lookup tables."""
     d, L = c.n_embd, c.n_layer
-    layers = [(layer_params(c, layer_kind(c, i)), n) for i, n in layer_types(c)]
+    layers = [(layer_params(c, i), n) for i, n in layer_types(c)]
     norms_per_block = 1 if c.mlp == "none" else 2  # ln_1 (and ln_2 before the MLP)
     p = {
         # wte (+ wpe) (+ a value-embedding table per layer)
@@ -125,36 +84,13 @@ def count_params(c) -> dict:
 
 
 def attention_macs(c, seq_len, layer: int) -> tuple:
-    """(scores, weighted_sum) MACs per token of one layer's attention at length seq_len. Softmax
-    attention: N * d each for q.k with N keys and the weighted sum of N values, over the full N x N
-    table (the texts' and PaLM's convention; a causal kernel computes about half) and over the
-    latest W keys in a layer with a window of W. Linear attention, in its chunked training form: each
-    token adds φ(k)vᵀ and φ(k) to its kv head's chunk state (n_kv * hs * (hs + 1)) and each query
-    head reads the state its chunk starts from (n_head * hs * (hs + 1)), plus, inside its chunk of
-    L = min(N, LINEAR_CHUNK) positions, q.k and the weighted sum with each of L keys as softmax
-    attention does (n_head * hs * L each): independent of N beyond one chunk. Gated DeltaNet in its
-    chunks of L, per head: k.k, q.k and the triangular solve's right-hand side of keys with L
-    positions (3 L hs) and q against the chunk's starting state (hs²) as scores; the solve's values
-    and (q.k) u with L positions (2 L hs), the state read for u and the state update (2 hs²) as the
-    weighted sum (the triangular solve itself, ~L²/2 per token, is left out, as the FLOP counter does).
-    Mamba-2 in its chunks: C.B with L positions, shared by the heads (L ds), and C against the state
-    (hs ds per head) as scores; the masked weighted sum of L inputs and the state update (L hs + hs ds
-    per head)."""
-    a, hs, nh, kind = c.attn, c.head_dim, c.n_head, layer_kind(c, layer)
-    from variants.linear import LINEAR_CHUNK  # gdn and mamba2 chunk by as many positions
-    L = min(seq_len, LINEAR_CHUNK)
-    if kind == "linear":
-        local = nh * hs * L
-        return c.n_kv_head * hs * (hs + 1) + local, nh * hs * (hs + 1) + local
-    if kind == "gdn":
-        return nh * (3 * L * hs + hs * hs), nh * (2 * L * hs + 2 * hs * hs)
-    if kind == "mamba2":
-        ds = state_dim(c)
-        return L * ds + nh * hs * ds, nh * (L * hs + hs * ds)
-    pattern = a.window_pattern
-    keys = seq_len if a.window is None or pattern[layer % len(pattern)] == "G" else min(seq_len, a.window)
-    qk = nh * (hs + (mla_dims(c)[1] if kind == "mla" else 0))  # MLA's keys carry the RoPE part too
-    return keys * qk, keys * nh * hs
+    """(scores, weighted_sum) MACs per token of one layer's mixing at length seq_len, as its kind counts
+    them (mixing_macs): softmax attention N * d each for q.k with the N keys and the weighted sum of their
+    values, over the full N x N table (the texts' and PaLM's convention; a causal kernel computes about
+    half) and over the latest W keys in a layer with a window of W; the recurrent kinds in their chunked
+    training form, independent of N beyond one chunk (variants/linear.py, gdn.py, mamba2.py)."""
+    keys = min(seq_len, c.attn.window) if local(c, layer) else seq_len
+    return mixer(c, layer).mixing_macs(c, seq_len, keys)
 
 
 def selected_keys(c, seq_len: int) -> Fraction:
@@ -162,15 +98,8 @@ def selected_keys(c, seq_len: int) -> Fraction:
     full causal table: (N + 1) / 2). oracle and indexer: min(k, i + 1) for query i; moba: its own block's keys up
     to itself and min(K, b) earlier blocks of B for a query in block b (variants/moba.py). What is read,
     not computed: the masked paths still score every key."""
-    a, N = c.attn, seq_len
-    if a.select in ("oracle", "indexer"):
-        reads = (min(a.select_topk, i + 1) for i in range(N))
-    elif a.select == "moba":
-        B, K = a.select_block, a.select_topk
-        reads = (i % B + 1 + min(K, i // B) * B for i in range(N))
-    else:
-        reads = (i + 1 for i in range(N))
-    return Fraction(sum(reads), N)
+    a, N, select = c.attn, seq_len, SELECTS[c.attn.select]
+    return Fraction(sum(select.reads(a, i) if select else i + 1 for i in range(N)), N)
 
 
 def selected_macs(c, seq_len: int) -> dict:
@@ -205,8 +134,8 @@ def macs_per_token(c, seq_len) -> dict:
     Fraction (the crossovers are checked exactly)."""
     d, types = c.n_embd, layer_types(c)
     counts = [n for _, n in types]
-    lps = [layer_params(c, layer_kind(c, i)) for i, _ in types]
-    projs = [projection_macs(c, layer_kind(c, i)) for i, _ in types]
+    lps = [layer_params(c, i) for i, _ in types]
+    projs = [mixer(c, i).projections(c) for i, _ in types]
     attn = [attention_macs(c, seq_len, i) for i, _ in types]
     norms = 1 if c.mlp == "none" else 2
 
@@ -233,10 +162,11 @@ def macs_per_token(c, seq_len) -> dict:
     return m
 
 
-def flops_per_token(c, seq_len) -> int:
-    """Training FLOPs per token: forward 2 FLOPs per MAC, backward twice the forward, so 6 x the
-    forward MACs = 6 x non-embedding params + 12 * n_layer * N * d (full softmax attention)."""
-    return round(6 * macs_per_token(c, seq_len)["forward"])
+def flops_per_token(c, seq_len=None) -> int:
+    """Training FLOPs per token at seq_len (default block_size), for MFU: forward 2 FLOPs per MAC,
+    backward twice the forward, so 6 x the forward MACs = 6 x non-embedding params + 12 * n_layer * N * d
+    (full softmax attention; PaLM, arXiv 2204.02311)."""
+    return round(6 * macs_per_token(c, c.block_size if seq_len is None else seq_len)["forward"])
 
 
 def crossovers(c) -> dict:
@@ -250,24 +180,12 @@ def crossovers(c) -> dict:
 
 # ----------------------------------------------------------------------------- bytes
 
-INT8_SCALE_BYTES = 4  # an int8 cache's fp32 scale per token and head (variants/int8_cache.py)
-
-
 def layer_cache_bytes(c, layer: int, tokens: int = 1, batch: int = 1, dtype_bytes: int = 4, n_kv_head=None,
                       int8: bool = False) -> int:
     """What layer `layer` caches for `tokens` positions of `batch` sequences (kv_cache_bytes says how)."""
-    kind = layer_kind(c, layer) if n_kv_head is None else "softmax"  # another head count: plain K and V
-    if kind in RECURRENT:
-        return 0
-    pattern = c.attn.window_pattern
-    local = c.attn.window is not None and pattern[layer % len(pattern)] == "L"
-    held = min(tokens, c.attn.window) if local else tokens
-    if kind == "mla":
-        d_c, d_r, _ = mla_dims(c)
-        per_token = d_c + d_r + 2 * INT8_SCALE_BYTES if int8 else (d_c + d_r) * dtype_bytes
-    else:
-        per_token = 2 * (n_kv_head or c.n_kv_head) * (c.head_dim + INT8_SCALE_BYTES if int8 else c.head_dim * dtype_bytes)
-    return per_token * held * batch
+    kind = mixer(c, layer) if n_kv_head is None else CausalSelfAttention  # another head count: plain K and V
+    held = min(tokens, c.attn.window) if local(c, layer) else tokens
+    return kind.cache_bytes(c, dtype_bytes, int8, n_kv_head) * held * batch
 
 
 def kv_cache_bytes(c, tokens: int = 1, batch: int = 1, dtype_bytes: int = 4, n_kv_head=None, int8: bool = False) -> int:
@@ -281,17 +199,14 @@ def kv_cache_bytes(c, tokens: int = 1, batch: int = 1, dtype_bytes: int = 4, n_k
                for layer, n in layer_types(c))
 
 
-RECURRENT = ("linear", "gdn", "mamba2")  # the kinds that keep a constant-size state instead of a KV cache
+RECURRENT = tuple(name for name, kind in KINDS.items() if kind.recurrent)  # a constant-size state, no KV cache
 
 
 def layer_state_bytes(c, layer: int, batch: int = 1) -> int:
-    """Layer `layer`'s recurrent state, fp32, whatever the context: linear attention's S (hs x hs) and
-    z (hs) per kv head; gdn's S (hs x hs) per head and its convolution's last CONV - 1 inputs of q, k
-    and v; mamba2's h (state_dim x hs) per head and the last inputs of x, B and C; 0 for the others."""
-    d, hs, nh, kind = c.n_embd, c.head_dim, c.n_head, layer_kind(c, layer)
-    numbers = {"linear": c.n_kv_head * (hs * hs + hs), "gdn": nh * hs * hs + 3 * d * (CONV - 1),
-               "mamba2": nh * state_dim(c) * hs + (d + 2 * state_dim(c)) * (CONV - 1)}.get(kind, 0)
-    return numbers * 4 * batch
+    """Layer `layer`'s recurrent state, fp32, whatever the context (its kind's state_numbers: linear
+    attention's S and z per kv head; gdn's S per head and its convolution's last inputs of q, k and v;
+    mamba2's h per head and the last inputs of x, B and C); 0 for the others."""
+    return mixer(c, layer).state_numbers(c) * 4 * batch
 
 
 def state_bytes(c, batch: int = 1) -> int:
@@ -306,12 +221,9 @@ def layer_table(c, seq_len, batch: int = 1, dtype_bytes: int = 2) -> list:
     alike in all of these are one row."""
     rows = {}
     for layer, n in layer_types(c):
-        kind = layer_kind(c, layer)
-        lp = layer_params(c, kind)
+        lp = layer_params(c, layer)
         scores, weighted = attention_macs(c, seq_len, layer)
-        local = c.attn.window is not None and c.attn.window_pattern[layer % len(c.attn.window_pattern)] == "L" \
-            and kind not in RECURRENT
-        row = {"kind": kind + (f" (window {c.attn.window})" if local else ""),
+        row = {"kind": layer_kind(c.attn, layer) + (f" (window {c.attn.window})" if local(c, layer) else ""),
                "params": lp["attn_matrices"] + lp["attn_other"],
                "mixer_macs": lp["attn_matrices"] + lp["attn_other"] + scores + weighted,  # a MAC per weight
                "mlp_params": lp["mlp_matrices"] + lp["mlp_other"],
@@ -408,9 +320,9 @@ def cache_table(c, lengths=(8192, 131072), batch: int = 1) -> list:
 
     gqa = c.n_kv_head if c.n_kv_head not in (c.n_head, 1) else \
         next((g for g in (c.n_head // 4, c.n_head // 2) if g > 1 and c.n_head % g == 0), None)  # none: no GQA row
+    # the latent row: this shape with MLA's latent (the config's own ranks, if it set them) in every layer
     mla = replace(c, n_kv_head=None, value_embed=False, attn=AttnConfig(kind="mla", kv_lora_rank=c.attn.kv_lora_rank,
-                                                                     rope_head_dim=c.attn.rope_head_dim)) \
-        if c.attn.kind != "mla" else c
+                                                                     rope_head_dim=c.attn.rope_head_dim))
     kinds = [(f"MHA ({c.n_head} K/V heads)", c, c.n_head), *([(f"GQA ({gqa} K/V heads)", c, gqa)] if gqa else []),
              ("MQA (1 K/V head)", c, 1), ("MLA (latent + RoPE key)", mla, None)]
     rows = []

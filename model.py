@@ -7,17 +7,14 @@ Architecture choices, and why:
   the residual stream stays an identity path, so training is stable without warmup tricks
   (Xiong et al. 2020, arXiv 2002.04745). Post-LN, the original Transformer's order, is one class
   below, for comparing the two.
-- Rotary position embeddings (RoPE, Su et al. 2021, arXiv 2104.09864) rotate q and k, never v,
-  and there is no learned position table (attention.py).
-- The attention logit scale and QK-Norm are config values (`model.attn.*`, attention.py).
+- RoPE (Su et al. 2021) rotates q and k, never v; no learned position table. The attention logit
+  scale and QK-Norm are config values (`model.attn.*`, attention.py).
 - The LM head is tied to the token embedding (Press & Wolf 2017, arXiv 1608.05859).
 - Teacher forcing: forward(idx, targets) predicts every position's successor in one pass.
 
-Every option is a small piece chosen once at construction (variants/__init__.py's table): RMSNorm
-(Zhang & Sennrich 2019, arXiv 1910.07467), SwiGLU (Shazeer 2020, arXiv 2002.05202) and ReLU² MLPs
-(So et al. 2021, arXiv 2109.08668), an untied head, a tanh logit soft-cap (Gemma 2),
-zero-initialised output projections and value embeddings (modded-nanogpt) here; positions, kinds,
-paths and add-ons in variants/.
+Every option is a small piece chosen once at construction: RMSNorm (Zhang & Sennrich 2019), SwiGLU
+(Shazeer 2020) and ReLU² MLPs (So et al. 2021), an untied head, a logit soft-cap (Gemma 2), zero-init
+output projections and value embeddings (modded-nanogpt) here; the rest through variants/' table.
 """
 import math
 from dataclasses import dataclass, field
@@ -27,11 +24,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from attention import HookPoint, resolve_scale, rope_freqs
-from counting import flops_per_token
+from attention import resolve_scale, rope_freqs
+from mixer import HookPoint, with_aux_losses
 from rules import FRACTION, POSITIVE, Needs, OneOf, Range, UserError, check_values
 from variants import ACTIVATIONS, KINDS, POSITIONS, ROPE_SCALINGS, AttnConfig, check, kinds, kv_cache, make_attention
-from variants.indexer import with_indexer_loss
 
 NORMS, NORM_POSITIONS = ("layernorm", "rmsnorm"), ("pre", "post")
 NORM_EPS = 1e-5  # LayerNorm's and RMSNorm's epsilon (PyTorch's LayerNorm default)
@@ -102,11 +98,12 @@ class GPTConfig:
         if self.d_ff is None:
             self.d_ff = 64 * math.ceil(8 * self.n_embd / 3 / 64) if self.mlp == "swiglu" else 4 * self.n_embd
         self.attn_scale = resolve_scale(self.attn.scale, self.head_dim)
-        # the channels RoPE rotates: a head's, or MLA's decoupled RoPE part (variants/mla.py)
-        self.rope_dim = (self.attn.rope_head_dim or self.head_dim // 2) if "mla" in kinds(self.attn) else self.head_dim
+        # the channels RoPE rotates, as the kinds answer: a head's, or MLA's decoupled part (variants/mla.py)
+        self.rope_dim = min(filter(None, (KINDS[k].rope_width(self) for k in kinds(self.attn))), default=self.head_dim)
         if self.rope_original_length is None:
             self.rope_original_length = self.block_size
         self.ignored += check(self)  # what each chosen piece refuses, or ignores
+        self.n_kv_head = max(KINDS[k].kv_heads(self) for k in kinds(self.attn))  # MLA: every head reads its latent
 
 
 # ----------------------------------------------------------------------------- MLP, norm, blocks
@@ -196,13 +193,11 @@ class GPT(nn.Module):
         self.init_weights()
 
     def init_weights(self):
-        """GPT-2 init: every Linear and embedding (positions included) ~ N(0, 0.02); the two
-        projections that write into the residual stream (attn.c_proj, mlp.c_proj) ~ N(0,
-        0.02/sqrt(2*n_layer)), so the stream's variance does not grow with depth, or exactly 0 with
-        zero_init_proj (each block then starts as the identity); biases and learned attention-sink
-        logits 0 (the sink starts as softmax's "off by one"); norm weights and QK gains 1. Attention
-        gates are Linear weights too: sigmoid(x W_g) starts near 0.5. Then a kind's own parameters
-        (its init_weights: a recurrent layer's decay rates and convolution, variants/)."""
+        """GPT-2 init: every Linear and embedding ~ N(0, 0.02); the projections into the residual stream
+        (c_proj) ~ N(0, 0.02/sqrt(2*n_layer)), so its variance does not grow with depth, or 0 with
+        zero_init_proj (each block starts as the identity); biases and learned sink logits 0 (softmax's
+        "off by one"); norm weights and QK gains 1; gates are Linear weights (sigmoid starts near 0.5).
+        Then a kind's own init_weights (a recurrent layer's decay rates and convolution, variants/)."""
         std_resid = 0.02 / math.sqrt(2 * self.config.n_layer)
         for name, p in self.named_parameters():
             if name.endswith("c_proj.weight"):
@@ -238,15 +233,8 @@ class GPT(nn.Module):
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())  # a tied embedding counts once
 
-    def flops_per_token(self, seq_len=None) -> int:
-        """Training FLOPs per token at seq_len (default block_size), for MFU: counting.flops_per_token,
-        6 per weight used in a matmul (a lookup table does none) plus attention's 12 * n_layer * T * d
-        (PaLM, arXiv 2204.02311)."""
-        return flops_per_token(self.config, seq_len or self.config.block_size)
-
     def rope_at(self, start: int, T: int):
-        """RoPE factors for positions start..start+T-1 (None without RoPE), grown on demand
-        (generation past block_size)."""
+        """RoPE factors for positions start..start+T-1 (None without RoPE), grown on demand."""
         if not self.rotary:
             return None
         if torch.is_tensor(start):  # a compiled decode step: the position is data (T = 1)
@@ -258,17 +246,13 @@ class GPT(nn.Module):
 
     @property
     def slides(self) -> bool:
-        """Can a KV cache slide past block_size? Yes with relative (RoPE) or no positions; an
-        absolute position table ends at block_size, so generation there must re-prefill."""
+        """Can a KV cache slide past block_size? Not with an absolute position table (re-prefill then)."""
         return self.positions is None
 
     def forward(self, idx, targets=None, *, kv_cache=None, pos: int = 0, window=None):
-        """idx (B, T) token ids -> logits (B, T, vocab), plus the mean next-token loss if targets.
-
-        kv_cache: a list of caches (one per layer); idx then holds positions pos..pos+T-1.
-        window: each query sees only the latest `window` positions, in every layer; this is what a
-        sliding KV cache computes past block_size, so a longer idx is allowed with it.
-        """
+        """idx (B, T) token ids -> logits (B, T, vocab), plus the mean next-token loss if targets. kv_cache:
+        one cache per layer, idx at positions pos..pos+T-1; window: each query sees the latest `window`
+        positions in every layer (what a sliding cache computes past block_size: idx may be longer)."""
         B, T = idx.shape
         if kv_cache is None and window is None and T > self.config.block_size:
             raise ValueError(f"sequence of {T} tokens is longer than block_size={self.config.block_size}")
@@ -291,14 +275,12 @@ class GPT(nn.Module):
             return logits
         # teacher forcing: every position predicts its successor in one pass
         loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.reshape(-1), ignore_index=-1)
-        return logits, with_indexer_loss(self, loss)  # select=indexer: its own loss rides in the gradient, not the value
+        return logits, with_aux_losses(loss, [block.attn for block in self.blocks])  # e.g. an indexer's KL
 
     def new_kv_cache(self, batch_size: int, length: int, device=None, dtype=None, static=False, sinks: int = 0,
                      **options):
-        """One cache per layer for generation, as its attention keeps one: K and V of up to `length`
-        positions (a windowed layer's window), in the cache the settings ask for (variants.kv_cache:
-        fixed shapes for a compiled decode step, int8 for dtype=torch.int8, keeping `sinks` first
-        tokens when it slides), MLA's latents (options: absorbed), or a linear layer's state."""
+        """One cache per layer for generation, as its mixer keeps one (new_cache: K and V of up to `length`
+        positions, MLA's latents, a recurrent state), kept as the settings ask (variants.kv_cache)."""
         p = self.wte.weight
         device = device or p.device
         make = kv_cache(dtype, static, sinks, self.rope_theta(device)[0] if self.rotary and sinks else None)

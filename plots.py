@@ -219,16 +219,16 @@ def top_keys(maps, query: int, k: int) -> list:
             for l in range(maps.size(0))]
 
 
-def format_top_keys(maps, labels, query: int, k: int, kinds=None) -> str:
+def format_top_keys(maps, labels, query: int, k: int, kinds=None, effective=None) -> str:
     """The lines visualize.py prints: one per head, its top-k keys as weight 'token'@position, a layer
-    without softmax its kind after the head (its effective attention), a layer with no map one line
-    that says so."""
+    drawn as its effective attention (effective: a flag per layer) its kind after the head, a layer
+    with no map one line that says so."""
     lines = [f"query {query} {labels[query]!r} (of {len(labels)} tokens): top {min(k, query + 1)} keys per head"]
     for l, heads in enumerate(top_keys(maps, query, k)):
         if torch.isnan(maps[l]).all():
             lines.append(f"L{l}  {kinds[l] if kinds else ''} attention: no softmax weights")
             continue
-        kind = f" ({kinds[l]})" if kinds and kinds[l] in EFFECTIVE else ""
+        kind = f" ({kinds[l]})" if kinds and effective and effective[l] else ""
         for h, keys in enumerate(heads):
             lines.append(f"L{l} H{h}{kind}  " + "  ".join(f"{w:.3f} {labels[j]!r}@{j}" for w, j in keys))
     return "\n".join(lines)
@@ -236,13 +236,10 @@ def format_top_keys(maps, labels, query: int, k: int, kinds=None) -> str:
 
 # ----------------------------------------------------------------------------- PNG
 
-EFFECTIVE = ("linear", "gdn", "mamba2")  # the kinds whose map is their effective attention A (y = A v)
-
-
 def layer_labels(model) -> list:
     """What each layer is, for the maps: its kind (attnstats.layer_kinds) and for the kinds of softmax
     attention what narrows it: "softmax", "softmax, window 64", "softmax, moba", "mla (softmax)";
-    "linear", "gdn", "mamba2" for the kinds drawn as their effective attention."""
+    a kind without softmax (drawn as its effective attention, y = A v) by its name alone."""
     from variants import SELECTS
     selects = {cls: name for name, cls in SELECTS.items() if cls is not None}
     out = []
@@ -277,7 +274,7 @@ def entropy_text(stats, notes, l: int, h: int) -> str:
     return f"entropy n/a: {note}" if note else f"entropy {stats['entropy'][l, h]:.2f}"
 
 
-def write_png(maps, stats, labels, path, title="", kinds=None, notes=None):
+def write_png(maps, stats, labels, path, title="", kinds=None, notes=None, effective=None):
     """A layer x head grid of heatmaps (query rows, key columns; above the diagonal, which no query
     may see, in grey), each titled with its layer's kind (kinds: one label per layer) and its head's
     mean entropy or why it has none (notes, as attnstats.layer_maps gives them); token labels when
@@ -306,7 +303,7 @@ def write_png(maps, stats, labels, path, title="", kinds=None, notes=None):
         for h in range(nh):
             ax = axes[l][h]
             im = ax.imshow(masked[l, h], cmap=cmap, norm=norm, interpolation="nearest")
-            what = f"{kinds[l]}, effective" if kinds[l] in EFFECTIVE else kinds[l]
+            what = f"{kinds[l]}, effective" if effective and effective[l] else kinds[l]
             ax.set_title(f"L{l} H{h} {what}\n{entropy_text(stats, notes, l, h)}", fontsize=7)
             if torch.isnan(maps[l, h]).all():  # a kind with no map
                 ax.set_title(f"L{l} H{h}  {kinds[l]}", fontsize=8)
@@ -346,7 +343,7 @@ def pack_weights(maps, ranges=None) -> str:
     return base64.b64encode(fixed.astype("<u2").tobytes()).decode("ascii")
 
 
-def write_html(maps, stats, pieces, path, title="", meta="", query=None, kinds=None, notes=None):
+def write_html(maps, stats, pieces, path, title="", meta="", query=None, kinds=None, notes=None, effective=None):
     """The viewer: attention.html, the page viewer.html with the data inline. kinds: each layer's
     label (the viewer names it; layer_labels); notes: why a head has no entropy (layer_maps')."""
     L, nh, T, _ = maps.shape
@@ -356,7 +353,7 @@ def write_html(maps, stats, pieces, path, title="", meta="", query=None, kinds=N
     data = {"title": title or "attention", "meta": meta, "n_layer": L, "n_head": nh,
             "tokens": [{"text": p, "label": label(p)} for p in pieces],
             "weights": pack_weights(maps, ranges), "ranges": ranges, "kinds": kinds,
-            "effective": [k in EFFECTIVE for k in kinds], "notes": notes or [[None] * nh] * L,
+            "effective": list(effective or [False] * L), "notes": notes or [[None] * nh] * L,
             "weighted": [l in weighted for l in range(L)],
             "stats": {name: [[None if v != v else round(float(v), 4) for v in row] for row in t.tolist()]
                       for name, t in stats.items()},  # NaN (no weights) as null: JSON has no NaN
@@ -382,7 +379,8 @@ def write_views(model, idx, tok, out_dir, title="", meta="", query=None) -> dict
     pieces = token_pieces(tok, ids)
     labels = [label(p) for p in pieces]
     kinds, described = layer_kinds(model), layer_labels(model)
-    png = write_png(maps, stats, labels, out_dir / "attention.png", title, described, notes)
-    html = write_html(maps, stats, pieces, out_dir / "attention.html", title, meta, query, described, notes)
+    effective = [not block.attn.softmax for block in model.blocks]  # drawn as its effective attention A
+    png = write_png(maps, stats, labels, out_dir / "attention.png", title, described, notes, effective)
+    html = write_html(maps, stats, pieces, out_dir / "attention.html", title, meta, query, described, notes, effective)
     return {"png": png, "html": html, "maps": maps, "stats": stats, "notes": notes, "labels": labels,
-            "kinds": kinds, "described": described}
+            "kinds": kinds, "described": described, "effective": effective}

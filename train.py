@@ -36,7 +36,7 @@ from rules import UserError, first_line
 from rundir import RunDir, run_info, write_plots
 from stability import Watch, diverged_line
 from config import check_train_config, data_seed, model_config
-from counting import training_bytes
+from counting import flops_per_token, training_bytes
 from data.loader import TokenData
 from data.mqar import MQARData
 from data.prepare import prepare
@@ -46,7 +46,7 @@ from optim import build_optimizer, lr_at, set_lr, train_step
 from parallel import Dist, all_ranks_agree, checkpoint_blocks, init_distributed, parallelism
 from sweep import hydra_run_info
 from tracking import Tracker, truncate_metrics
-from variants.indexer import indexer_kl
+from mixer import aux_metrics
 
 log = logging.getLogger("attnlab")
 
@@ -80,7 +80,7 @@ class Run:
     metrics: dict = field(default_factory=dict)  # the data's own at the latest evaluation (data=mqar: val/recall_acc)
     attn_history: list = field(default_factory=list)
     updates: int = 0  # optimizer steps taken by this process (skipped ones not counted)
-    indexer_kl: Optional[torch.Tensor] = None  # select=indexer: the latest step's KL, mean over layers and micro-batches
+    aux: dict = field(default_factory=dict)  # the latest step's auxiliary losses (mixer.aux_metrics: an indexer's KL)
     log_z: Optional[torch.Tensor] = None  # train.z_loss > 0: the latest step's mean log Z of the output softmax
     update_norm: Optional[float] = None  # the latest logged step's ||theta_after - theta_before||
     wandb_id: Optional[str] = None  # a resumed run's W&B run, continued
@@ -401,7 +401,7 @@ def optimizer_step(run: Run):
     extra = {}
     loss, grad_norm, finite = train_step(run.fwd_model, run.optimizer, batches, local, tcfg.grad_clip, run.rt,
                                          run.scaler, run.dist.world, z_loss=tcfg.z_loss, extra=extra)
-    run.indexer_kl = indexer_kl(run.model)  # None without an indexer
+    run.aux = aux_metrics(block.attn for block in run.model.blocks)  # {} without auxiliary losses
     run.log_z = extra.get("log_z")
     run.update_norm = update_norm(before, run.model) if logged and finite else None
     run.watch.step(run.step, loss.item(), grad_norm.item())  # floats: train_step has synchronised already
@@ -457,17 +457,17 @@ def log_progress(run: Run, meter: Throughput, loss, grad_norm, lr, peak):
             "ms_per_iter": ms, **({"update_norm": run.update_norm} if run.update_norm is not None else {}),
             **({"train/log_z": run.log_z.item()} if run.log_z is not None else {})}
     if peak:  # tokens_per_sec counts every process's tokens; MFU is per GPU
-        line["mfu"] = run.model.flops_per_token() * tok_s / (peak * run.dist.world)
-    if run.indexer_kl is not None:  # the mean over processes too, as the loss is
-        kl = run.indexer_kl.clone()
+        line["mfu"] = flops_per_token(run.model.config) * tok_s / (peak * run.dist.world)
+    for name, value in run.aux.items():  # the mean over processes too, as the loss is
+        value = value.clone()
         if run.dist.world > 1:
-            dist.all_reduce(kl)
-        line["train/indexer_kl"] = kl.item() / run.dist.world
+            dist.all_reduce(value)
+        line[f"aux/{name}"] = value.item() / run.dist.world
     log_metrics(run, line)
     eta = (run.cfg.train.max_iters - run.step) * ms / 1000
     log.info("step %d/%d | loss %.4f%s | lr %.2e | %.0f tok/s | %.1f ms/iter%s | ETA %s", run.step,
-             run.cfg.train.max_iters, loss_value,
-             f" | indexer KL {line['train/indexer_kl']:.4f}" if "train/indexer_kl" in line else "", lr, tok_s, ms,
+             run.cfg.train.max_iters, loss_value, "".join(f" | {name} {line[f'aux/{name}']:.4f}" for name in run.aux),
+             lr, tok_s, ms,
              f" | MFU {100 * line['mfu']:.1f}%" if peak else "", time.strftime("%H:%M:%S", time.gmtime(eta)))
 
 

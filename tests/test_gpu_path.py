@@ -17,7 +17,7 @@ from checkpoint import load_checkpoint, rng_state, set_rng_state, step_name
 from device import Runtime, peak_flops_for, pick_dtype
 from parallel import Dist
 from helpers import compose_cfg, poison_training_loss
-from model import GPT
+from model import GPT, GPTConfig
 from optim import train_step
 from train import train
 
@@ -52,7 +52,10 @@ def test_resume_restores_rng_states_on_a_device_other_than_the_cpu(train_cfg, tm
 
 def test_mfu_is_per_gpu_when_tokens_per_sec_counts_every_process():
     logged = []
-    run = types.SimpleNamespace(model=types.SimpleNamespace(flops_per_token=lambda: 6e6), step=10, indexer_kl=None,
+    config = GPTConfig(vocab_size=64, n_layer=2, n_head=2, n_embd=32, block_size=16)
+    # 6N (per block 12 d² of matrices and two norms' d weights; ln_f; the tied head) + attention's 12 L T d
+    flops = 6 * (2 * (12 * 32 * 32 + 2 * 32) + 32 + 64 * 32) + 12 * 2 * 16 * 32
+    run = types.SimpleNamespace(model=types.SimpleNamespace(config=config), step=10, aux={},
                                 update_norm=None, log_z=None, watch=train_module.Watch(),
                                 dist=Dist(0, 4), tracker=types.SimpleNamespace(log=lambda line, step: logged.append(line)),
                                 cfg=types.SimpleNamespace(train=types.SimpleNamespace(max_iters=100)))
@@ -60,7 +63,7 @@ def test_mfu_is_per_gpu_when_tokens_per_sec_counts_every_process():
     meter.steps = 10
     train_module.log_progress(run, meter, torch.tensor(3.0), torch.tensor(1.0), 1e-3, peak=1e12)
     line = logged[0]
-    assert line["mfu"] == pytest.approx(6e6 * line["tokens_per_sec"] / (4 * 1e12), rel=1e-12)
+    assert line["mfu"] == pytest.approx(flops * line["tokens_per_sec"] / (4 * 1e12), rel=1e-12)
 
 
 # ----------------------------------------------------------------------------- bug 4: a compile sweep

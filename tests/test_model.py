@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from rules import UserError
 from attention import apply_rope, rope_freqs
+from counting import flops_per_token
 from model import GPT, GPTConfig
 from optim import adamw
 from variants import attention
@@ -181,7 +182,7 @@ def test_param_count_and_flops_by_hand():
     n = V * d + L * per_block + d  # tied embedding once, final LN
     model = GPT(cfg)
     assert model.num_params() == n
-    assert model.flops_per_token() == 6 * n + 12 * L * 64 * d
+    assert flops_per_token(cfg) == 6 * n + 12 * L * 64 * d
 
 
 @pytest.mark.parametrize("kw,needle", [

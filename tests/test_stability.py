@@ -13,6 +13,7 @@ import yaml
 
 from device import setup_runtime
 from helpers import REPO, SHAKESPEARE, TINY, compose_cfg, requires_shared
+from attnstats import logit_bound
 from model import GPT, GPTConfig
 from optim import build_optimizer, lr_at, set_lr, train_step, z_loss_term
 from rules import UserError
@@ -80,14 +81,14 @@ def test_softcap_is_c_tanh_of_the_scaled_scores_before_the_mask(impl):
     seen = scores[torch.isfinite(scores)]
     assert seen.abs().max() <= c and torch.allclose(scores.double(), capped.masked_fill(
         i[None, :] > i[:, None], float("-inf")), atol=1e-5)
-    assert attn.logit_bound() == c
+    assert logit_bound(attn) == c
     plain = tiny(attn={"impl": impl, "scale": "none"}).blocks[0].attn  # the cap is the only change
-    assert plain.softcap is None and plain.logit_bound() is None
+    assert plain.softcap is None and logit_bound(plain) is None
 
 
 def test_softcap_with_qk_norm_bounds_by_the_smaller_and_is_refused_where_scores_are_never_written():
     m = tiny(attn={"softcap": 3.0, "qk_norm": True})
-    assert m.blocks[0].attn.logit_bound() == pytest.approx(min(3.0, math.sqrt(8)))  # sqrt(d_k) = sqrt(8)
+    assert logit_bound(m.blocks[0].attn) == pytest.approx(min(3.0, math.sqrt(8)))  # sqrt(d_k) = sqrt(8)
     with pytest.raises(UserError, match="softcap"):
         tiny(attn={"softcap": 3.0, "impl": "tiled"})
     lines = GPTConfig(vocab_size=23, n_head=2, n_embd=16, attn={"softcap": 3.0, "kind": "gdn"}).ignored

@@ -196,7 +196,7 @@ def report(c, N, B, dtype, p, m, x, mem) -> str:
     train = 6 * fwd
     out += [f"  forward, {L} layers + head: {fwd:,} MACs = {2 * fwd:,} FLOPs per token ({short(2 * fwd)} FLOPs)",
             f"  training (backward = 2 x forward): {train:,} FLOPs per token ({short(train)} FLOPs)",
-            f"    = GPT.flops_per_token({N}) = 6 x {p['non_embedding']:,} params + 12*n_layer*N*d (6N counts every",
+            f"    = counting.flops_per_token({N}) = 6 x {p['non_embedding']:,} params + 12*n_layer*N*d (6N counts every",
             "    parameter but the lookup tables: an untied wte, learned positions)",
             f"    per step of B*N = {B * N:,} tokens: {short(train * B * N)} FLOPs",
             f"  attention's N^2 part (scores + weights.V) is {100 * L * m['attn'] / fwd:.1f}% of the forward "

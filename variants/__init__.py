@@ -8,13 +8,13 @@ fills, its paper and its test file:
     tiled.py         model.attn.impl=tiled                 the attention module's path slot
     selected.py      model.attn.impl=gathered              the path slot: only the blocks select=moba chose
     alibi.py         model.pos=alibi                       its logit-bias slot
-    sinks.py         model.attn.sink=zero|learned          its sink slot
+    sinks.py         model.attn.sink=zero|learned          its sink slot (and the fused path's sink key)
     gates.py         model.attn.gate=head|channel          its output-gate slot
     moba.py          model.attn.select=moba                its key-selection slot (blocks chosen by content)
     oracle.py        model.attn.select=oracle              its key-selection slot (the exact top-k keys)
     indexer.py       model.attn.select=indexer             its key-selection slot (a learned scorer's top-k keys)
-    linear.py        model.attn.kind=linear                a kind: forward, new_cache
-    mla.py           model.attn.kind=mla                   a kind: make_projections, forward, new_cache
+    linear.py        model.attn.kind=linear                a kind: forward, new_cache, its counts
+    mla.py           model.attn.kind=mla                   a kind: make_projections, forward, new_cache, its counts
     gdn.py           model.attn.kind=gdn                   a kind: Gated DeltaNet (a recurrent state)
     mamba2.py        model.attn.kind=mamba2                a kind: Mamba-2's SSD mixer (a recurrent state)
                      model.attn.layer_kinds=[gdn,softmax]  a kind per layer, repeated (hybrid stacks)
@@ -26,12 +26,14 @@ fills, its paper and its test file:
 
 The tables below map each config value to its piece. model.py reads them once, at construction
 (make_attention, GPT.__init__, GPT.rope_table, GPT.new_kv_cache), and a key's legal values are its
-table's keys. To add an attention kind: write variants/NAME.py with a subclass of
-attention.CausalSelfAttention that overrides the methods it changes (forward, make_projections,
-new_cache; `softmax = False` if it has no softmax weights for the probe to read; a static
-`check(config)` that refuses, in one line, the options it cannot take and returns those it
-ignores), open it as the others open,
-and add one row to KINDS. An add-on fills a slot instead: a row in PATHS, BIASES, SINKS, GATES or SELECTS.
+table's keys. A new kind is one file and one row of KINDS, nothing else: a subclass of
+mixer.Mixer (or of attention.CausalSelfAttention, for a softmax kind that overrides named methods)
+with its make_projections, forward, new_cache and its counts (params, projections, mixing_macs,
+cache_bytes or state_numbers; flags softmax, recurrent, selects; rope_width; kv_heads), which
+counting.py, the probe and generation ask; a static `check(config)` that refuses, in one line, the
+options it cannot take and returns those it ignores; `effective_attention` if the maps should draw
+it. tests/test_mixer.py registers such a kind from a test file. An add-on fills a slot instead: a row
+in PATHS, BIASES, SINKS, GATES or SELECTS.
 """
 from dataclasses import dataclass
 from functools import partial
@@ -40,7 +42,8 @@ from typing import ClassVar, List, Optional
 import torch
 import torch.nn.functional as F
 
-from attention import CausalSelfAttention, KVCache, Mask, StaticKVCache, reference_attention, sdpa_attention
+from attention import CausalSelfAttention, Mask, reference_attention, sdpa_attention
+from kv_cache import KVCache, StaticKVCache
 from rules import Needs, OneOf, Range, Rule, UserError, positive_number
 from variants.alibi import ALiBi
 from variants.gates import ChannelGate, HeadGate
@@ -56,7 +59,7 @@ from variants.oracle import Oracle
 from variants.positions import LearnedPositions, SinusoidalPositions
 from variants.rope_scaling import linear, ntk, unscaled, yarn
 from variants.sink_cache import SinkKVCache
-from variants.sinks import learned_sink, zero_sink
+from variants.sinks import learned_sink, sdpa_with_sink, zero_sink
 from variants.selected import gathered_attention
 from variants.tiled import tiled_attention
 
@@ -115,7 +118,7 @@ class AttnConfig:
         "qk_norm_type": OneOf(("rms", "layer", "l2")), "qk_norm_gain": OneOf(("none", "head", "channel")), "impl": OneOf(tuple(PATHS)),
         "block": Range(1, 65536), "window": Range(1, why="keys a query sees, itself included"),
         "window_pattern": Rule(lambda v: bool(v) and set(str(v)) <= {"L", "G"}, "a string of L (local) and G (global)"),
-        "kind": OneOf(tuple(KINDS)), "layer_kinds": OneOf(tuple(KINDS)), "gate": OneOf(tuple(GATES)),
+        "kind": OneOf(KINDS), "layer_kinds": OneOf(KINDS), "gate": OneOf(tuple(GATES)),  # KINDS itself: a row added later is legal
         "sink": OneOf(tuple(SINKS)), "kv_lora_rank": Range(1), "q_lora_rank": Range(1),
         "rope_head_dim": Range(2, why="RoPE rotates pairs of channels"), "state_dim": Range(1),
         "select": OneOf(tuple(SELECTS)), "select_block": Range(1), "select_topk": Range(1),
@@ -157,12 +160,16 @@ def layer_kind(a, layer: int) -> str:
     return a.layer_kinds[layer % len(a.layer_kinds)] if a.layer_kinds else a.kind
 
 
-def make_attention(config, layer: int) -> CausalSelfAttention:
-    """Layer `layer`'s attention: its kind, with its slots filled from the table."""
-    a = config.attn
-    return KINDS[layer_kind(a, layer)](config, layer, path=PATHS[a.impl](a.block), bias=BIASES.get(config.pos),
-                                       sink=SINKS[a.sink], gate=GATES[a.gate],
-                                       select=SELECTS[a.select] if layer_kind(a, layer) == "softmax" else None)
+def path(impl: str, block: int, sink: bool):
+    """The attention function model.attn.impl names; a sink on the fused path adds its key (sinks.py)."""
+    return sdpa_with_sink if sink and impl == "sdpa" else PATHS[impl](block)
+
+
+def make_attention(config, layer: int):
+    """Layer `layer`'s mixer: its kind, with its slots filled from the table."""
+    a, kind = config.attn, KINDS[layer_kind(config.attn, layer)]
+    return kind(config, layer, path=path(a.impl, a.block, a.sink != "none"), bias=BIASES.get(config.pos),
+                sink=SINKS[a.sink], gate=GATES[a.gate], select=SELECTS[a.select] if kind.selects else None)
 
 
 def check(config) -> list:
@@ -230,4 +237,4 @@ def attention(q, k, v, scale: float, *, impl: str = "sdpa", block: int = 128, ca
     hs) and k, v (B, n_kv, Tk, hs), M causal (the queries the last Tq positions; within `window` if
     given) or nothing (causal=False); keys: what else every path takes (bias, sink, dropout_p)."""
     mask = Mask(q.size(-2), k.size(-2), window) if causal else None
-    return PATHS[impl](block)(q, k, v, scale=scale, mask=mask, **keys)
+    return path(impl, block, keys.get("sink") is not None)(q, k, v, scale=scale, mask=mask, **keys)

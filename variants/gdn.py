@@ -1,8 +1,8 @@
 """Gated DeltaNet, `model.attn.kind=gdn`: a linear-attention state that forgets (a gate per token) and
 overwrites (the delta rule) instead of only adding.
 
-A kind: GatedDeltaNet subclasses attention.CausalSelfAttention and overrides make_projections,
-forward, new_cache and init_weights; its output gate (RMSNorm of each head's output times SiLU of a
+A kind: GatedDeltaNet is softmax attention's sibling under mixer.Mixer, with its own projections,
+forward, new_cache, init_weights and counts; its output gate (RMSNorm of each head's output times SiLU of a
 gate from the layer input, as the paper's) fills the core's gate slot. Yang, Kautz & Hatamizadeh 2024,
 arXiv 2412.06464 (Qwen3-Next and Olmo Hybrid mix it 3:1 with attention). Tests:
 tests/variants/test_gdn.py (the chunked and recurrent forms against a float64 loop of the formula,
@@ -28,7 +28,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from attention import CausalSelfAttention
+from mixer import Mixer
 
 CONV = 4  # the short convolution's kernel
 
@@ -134,15 +134,42 @@ def gated_delta_step(q, k, v, beta, g, S):
     return (q.unsqueeze(-2) @ S).squeeze(-2), S
 
 
-class GatedDeltaNet(CausalSelfAttention):
-    softmax = False  # no softmax weights: the probe has no statistics for it
-    rotates_heads = False  # no RoPE: its order comes from the recurrence
+class GatedDeltaNet(Mixer):
+    """A sibling of softmax attention under mixer.Mixer: its hooks (hook_q, hook_k, hook_v after the
+    convolution and the L2 norm; hook_z), its own output gate in the gate slot, a recurrent state."""
+    recurrent = True  # a constant-size state, no KV cache (no softmax weights: the probe has no statistics)
     chunk = 64  # positions per chunk of the training form
 
-    def __init__(self, config, layer: int, **slots):
-        super().__init__(config, layer, **{**slots, "gate": GatedRMSNorm})  # its own output gate
+    def __init__(self, config, layer: int, **slots):  # the softmax slots (path, bias, sink, select) do not apply
+        super().__init__(config, layer, gate=GatedRMSNorm)  # its own output gate
 
     check = ignores_kv_heads("gdn", "its q, k and v have n_head heads each")
+
+    @classmethod
+    def projections(cls, c) -> dict:
+        """q, k, v and o; q and k also β's and α's projections, `gate` the output gate's."""
+        d, nh = c.n_embd, c.n_head
+        return {"q": d * d + d * nh, "k": d * d + d * nh, "v": d * d, "o": d * d, "gate": d * d}
+
+    @classmethod
+    def params(cls, c) -> dict:
+        """c_attn's (3d) and β's biases, c_proj's; the convolution, A_log, dt_bias, the norm's weight."""
+        d, nh = c.n_embd, c.n_head
+        return {"matrices": sum(cls.projections(c).values()),
+                "other": int(c.bias) * (3 * d + nh + d) + 3 * d * CONV + 2 * nh + c.head_dim}
+
+    @classmethod
+    def mixing_macs(cls, c, seq_len, keys) -> tuple:
+        """In its chunks of L, per head: k·k, q·k and the solve's right-hand side with L positions (3 L hs)
+        and q against the chunk's starting state (hs²) as scores; the solve's values and (q·k) u (2 L hs),
+        the state read for u and its update (2 hs²) as the weighted sum (the solve itself, ~L²/2 per
+        token, is left out, as the FLOP counter does)."""
+        nh, hs, L = c.n_head, c.head_dim, min(seq_len, cls.chunk)
+        return nh * (3 * L * hs + hs * hs), nh * (2 * L * hs + 2 * hs * hs)
+
+    @classmethod
+    def state_numbers(cls, c) -> int:
+        return c.n_head * c.head_dim ** 2 + 3 * c.n_embd * (CONV - 1)  # S per head; the convolution's last inputs
 
     def make_projections(self, config):
         d, nh, hs = config.n_embd, config.n_head, config.head_dim
@@ -154,7 +181,6 @@ class GatedDeltaNet(CausalSelfAttention):
         self.A_log = nn.Parameter(torch.empty(nh))
         self.dt_bias = nn.Parameter(torch.empty(nh))
         self.c_proj = nn.Linear(nh * hs, d, bias=config.bias)
-        self.q_gain = self.k_gain = self.norm_kind = None
 
     @torch.no_grad()
     def init_weights(self):

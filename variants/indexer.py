@@ -23,10 +23,10 @@ see (all of them when it sees fewer; a tie goes to the more recent key) and atte
   takes the KL over the chosen keys only. Here the model trains from scratch with the selection on,
   and only the dense KL shows the indexer the keys it failed to choose, so it is the one used throughout.
 - The main model learns from the LM loss alone (the choice is not differentiable, and the indexer's
-  input is detached). The KL's gradient joins the loss's in GPT.forward (with_indexer_loss): the loss
-  keeps the cross-entropy's value and carries indexer_kl times each layer's KL in its gradient, so one
-  backward trains both, scaled as the loss is (gradient accumulation, fp16's loss scale), and DDP
-  reduces it with the rest. The KL (detached) is kept for train.py's `train/indexer_kl`.
+  input is detached). The KL is the layer's auxiliary loss (aux_loss, the generic path of mixer.py):
+  the loss keeps the cross-entropy's value and carries indexer_kl times each layer's KL in its
+  gradient, so one backward trains both, scaled as the loss is, and DDP reduces it with the rest.
+  Its mean (detached) is logged as `aux/indexer_kl`.
 - indexer_kl = 1 by default. The indexer's parameters learn from this term alone, and AdamW's update
   hardly depends on a gradient's scale (it divides by the gradient's running RMS; Muon's not at all),
   so the weight hardly changes how the indexer learns (0 stops it: the choice then stays at its random
@@ -45,7 +45,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from attention import Mask, apply_rope, attention_scores, repeat_kv, rope_theta
-from variants.moba import SelectedMask
+from variants.moba import SelectedMask, Selection
 from variants.oracle import Oracle
 
 
@@ -57,11 +57,18 @@ def turn(x, pos, theta, sign: int = 1):
     return apply_rope(x, torch.stack((angles.cos(), sign * angles.sin()), dim=-1))
 
 
-class Indexer(nn.Module):
+class Indexer(nn.Module, Selection):
     """select(q, k, mask, q_pos, k_pos) -> SelectedMask, as variants.moba.MoBA; q (B, nh, Tq, hs), k
     (B, n_kv, Tk, hs), or one per query head as CausalSelfAttention.scores hands them."""
 
     reads_everything = staticmethod(Oracle.reads_everything)  # select_topk keys per query, as the oracle
+    reads = staticmethod(Oracle.reads)
+
+    @staticmethod
+    def params(c) -> int:
+        """q^I and w from the layer's queries, k^I from its keys (no biases)."""
+        a = c.attn
+        return c.n_head * c.head_dim * (a.indexer_heads * a.indexer_dim + a.indexer_heads) + c.n_kv_head * c.head_dim * a.indexer_dim
 
     def __init__(self, config):
         super().__init__()
@@ -93,6 +100,18 @@ class Indexer(nn.Module):
             self.kl_sum, self.kl_count = self.kl_sum + kl, self.kl_count + torch.ones_like(kl)
         chosen = self.choose(score.detach(), visible, k_pos)
         return SelectedMask(mask.Tq, mask.Tk, mask.window, mask.written, chosen=chosen[:, None])
+
+    def aux_loss(self):
+        """("indexer_kl", indexer_kl times this forward's KL) in training with autograd on, else None;
+        taken once (mixer.with_aux_losses adds its gradient to the LM loss's)."""
+        pending, self.pending = self.pending, None
+        return None if pending is None else ("indexer_kl", self.weight * pending)
+
+    def aux_metrics(self) -> dict:
+        """{"indexer_kl": the mean KL over the forwards it trained in since the last call}, forgotten."""
+        mean = self.kl_sum / self.kl_count  # no sync with the device: nan if it did not train
+        self.kl_sum, self.kl_count = torch.zeros_like(self.kl_sum), torch.zeros_like(self.kl_count)
+        return {"indexer_kl": mean}
 
     def score(self, q, k, q_pos, k_pos):
         """The index score I (B, Tq, Tk), float32."""
@@ -128,41 +147,3 @@ class Indexer(nn.Module):
             p = logits.masked_fill(~visible, float("-inf")).softmax(-1).mean(1)  # (B, Tq, Tk), rows sum to 1
         log_q = score.masked_fill(~visible, float("-inf")).log_softmax(-1).masked_fill(~visible, 0.0)
         return (torch.xlogy(p, p) - p * log_q).sum(-1).mean()
-
-
-class WithGradient(torch.autograd.Function):
-    """loss's value; in the backward, loss's gradient also goes to each of `terms` (scalars): the
-    gradient of loss + Σ terms, the value of loss alone."""
-
-    @staticmethod
-    def forward(ctx, loss, *terms):
-        ctx.n = len(terms)
-        return loss.clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        return (grad, *[grad] * ctx.n)
-
-
-def with_indexer_loss(model, loss):
-    """The LM loss of `model`'s forward, carrying in its gradient indexer_kl times every indexer's KL from
-    that forward (in training, with autograd on); its value unchanged."""
-    if model.config.attn.select != "indexer":
-        return loss
-    terms = []
-    for m in model.modules():
-        if isinstance(m, Indexer) and m.pending is not None:
-            terms.append(m.weight * m.pending)
-            m.pending = None
-    return WithGradient.apply(loss, *terms) if terms else loss
-
-
-def indexer_kl(model):
-    """The mean over `model`'s indexers of their KL, each the mean over the forwards it trained in since
-    the last call (a step's micro-batches), as a tensor; None without indexers. Forgets them."""
-    means = []
-    for m in model.modules():
-        if isinstance(m, Indexer):
-            means.append(m.kl_sum / m.kl_count)  # no sync with the device: nan if it did not train
-            m.kl_sum, m.kl_count = torch.zeros_like(m.kl_sum), torch.zeros_like(m.kl_count)  # on their device
-    return torch.stack(means).mean() if means else None

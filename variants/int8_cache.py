@@ -10,7 +10,7 @@ Tests: tests/variants/test_int8_cache.py (within half a scale; decoding follows 
 """
 import torch
 
-from attention import KVCache
+from kv_cache import KVCache
 
 
 class Int8KVCache(KVCache):

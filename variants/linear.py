@@ -55,7 +55,30 @@ class LinearAttention(CausalSelfAttention):
     no windows, no N x N table."""
 
     softmax = False  # the attention probe reads softmax attention only
+    recurrent = True  # a constant-size state, no KV cache
+    selects = False  # no logits to choose keys by
     chunk = LINEAR_CHUNK  # positions per chunk in the chunked (training) form
+
+    @classmethod
+    def params(cls, c) -> dict:
+        return super().params(c, sink=False)  # the core's projections, gate and gains; no sink
+
+    @classmethod
+    def mixing_macs(cls, c, seq_len, keys) -> tuple:
+        """In its chunked training form: each token adds φ(k)vᵀ and φ(k) to its kv head's chunk state
+        (n_kv·hs·(hs + 1)), each query head reads the state its chunk starts from (nh·hs·(hs + 1)), and
+        inside its chunk of L = min(N, chunk) positions q·k and the weighted sum as softmax does (nh·hs·L
+        each): independent of N beyond one chunk."""
+        hs, local = c.head_dim, c.n_head * c.head_dim * min(seq_len, cls.chunk)
+        return c.n_kv_head * hs * (hs + 1) + local, c.n_head * hs * (hs + 1) + local
+
+    @classmethod
+    def cache_bytes(cls, c, dtype_bytes: int = 4, int8: bool = False, n_kv_head=None) -> int:
+        return 0
+
+    @classmethod
+    def state_numbers(cls, c) -> int:
+        return c.n_kv_head * (c.head_dim ** 2 + c.head_dim)  # S (hs x hs) and z (hs) per kv head
 
     def features(self, x, rope, ve):
         """q, k, v as linear attention uses them, (B, heads, T, hs): (φ rotated, φ) for q and k, v."""

@@ -1,8 +1,8 @@
 """Mamba-2's SSD mixer, `model.attn.kind=mamba2` (state size: `model.attn.state_dim`, default head_dim):
 a state-space layer whose state decays by one scalar per head and token.
 
-A kind: Mamba2 subclasses attention.CausalSelfAttention and overrides make_projections, forward,
-new_cache and init_weights; its output gate (RMSNorm of the heads' output times SiLU of a gate from
+A kind: Mamba2 is softmax attention's sibling under mixer.Mixer, with its own projections, forward,
+new_cache, init_weights and counts; its output gate (RMSNorm of the heads' output times SiLU of a gate from
 the layer input) fills the core's gate slot. Dao & Gu 2024, arXiv 2405.21060 (Jamba mixes Mamba 7:1
 with attention). Tests: tests/variants/test_mamba2.py (the chunked and recurrent forms against the
 materialised matrix and a float64 loop, outputs and gradients; segmented decoding);
@@ -26,8 +26,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from attention import CausalSelfAttention
-from variants.gdn import GatedRMSNorm, RecurrentState, ShortConv, ignores_kv_heads
+from mixer import Mixer
+from variants.gdn import CONV, GatedRMSNorm, RecurrentState, ShortConv, ignores_kv_heads
 
 
 def chunked_ssd(x, a, Bm, Cm, h0=None, chunk: int = 64):
@@ -63,26 +63,56 @@ def ssd_step(x, a, Bm, Cm, state):
     return (Cm[:, None, None, :] @ state).squeeze(-2), state
 
 
-class Mamba2(CausalSelfAttention):
-    softmax = False  # no softmax weights: the probe has no statistics for it
-    rotates_heads = False  # no RoPE: its order comes from the recurrence
+class Mamba2(Mixer):
+    """A sibling of softmax attention under mixer.Mixer: hook_z, its own output gate in the gate slot,
+    a recurrent state."""
+    recurrent = True  # a constant-size state, no KV cache (no softmax weights: the probe has no statistics)
     chunk = 64  # positions per chunk of the training form
 
-    def __init__(self, config, layer: int, **slots):
-        super().__init__(config, layer, **{**slots, "gate": partial(GatedRMSNorm, gate_first=True)})
+    def __init__(self, config, layer: int, **slots):  # the softmax slots (path, bias, sink, select) do not apply
+        super().__init__(config, layer, gate=partial(GatedRMSNorm, gate_first=True))
 
     check = ignores_kv_heads("mamba2", "B and C are shared by every head")
 
+    @staticmethod
+    def state_width(c) -> int:
+        return c.attn.state_dim or c.head_dim  # B's and C's width
+
+    @classmethod
+    def projections(cls, c) -> dict:
+        """in_proj's parts: x as v, B as q, C and Δ as k; o; `gate` the output gate's."""
+        d, ds = c.n_embd, cls.state_width(c)
+        return {"q": d * ds, "k": d * ds + d * c.n_head, "v": d * d, "o": d * d, "gate": d * d}
+
+    @classmethod
+    def params(cls, c) -> dict:
+        """in_proj's and c_proj's biases; the convolution, A_log, dt_bias, D, the norm's weight."""
+        d, nh, ds = c.n_embd, c.n_head, cls.state_width(c)
+        return {"matrices": sum(cls.projections(c).values()),
+                "other": int(c.bias) * (d + 2 * ds + nh + d) + (d + 2 * ds) * CONV + 3 * nh + d}
+
+    @classmethod
+    def mixing_macs(cls, c, seq_len, keys) -> tuple:
+        """In its chunks of L: C·B with L positions, shared by the heads (L ds), and C against the state
+        (hs ds per head) as scores; the masked weighted sum of L inputs and the state update (L hs + hs ds
+        per head)."""
+        nh, hs, ds, L = c.n_head, c.head_dim, cls.state_width(c), min(seq_len, cls.chunk)
+        return L * ds + nh * hs * ds, nh * (L * hs + hs * ds)
+
+    @classmethod
+    def state_numbers(cls, c) -> int:
+        d, ds = c.n_embd, cls.state_width(c)
+        return c.n_head * ds * c.head_dim + (d + 2 * ds) * (CONV - 1)  # h per head; the convolution's last inputs
+
     def make_projections(self, config):
         d, nh, hs = config.n_embd, config.n_head, config.head_dim
-        self.n_kv_head, self.state_dim = nh, config.attn.state_dim or hs
+        self.n_kv_head, self.state_dim = nh, self.state_width(config)
         self.in_proj = nn.Linear(d, nh * hs + 2 * self.state_dim + nh, bias=config.bias)  # [x | B | C | Δ]
         self.conv = ShortConv(nh * hs + 2 * self.state_dim)  # on x, B and C
         self.A_log = nn.Parameter(torch.empty(nh))
         self.dt_bias = nn.Parameter(torch.empty(nh))
         self.D = nn.Parameter(torch.ones(nh))  # the skip: D x_t
         self.c_proj = nn.Linear(nh * hs, d, bias=config.bias)
-        self.q_gain = self.k_gain = self.norm_kind = None
 
     @torch.no_grad()
     def init_weights(self):

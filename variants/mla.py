@@ -12,7 +12,8 @@ bytes, int8 and sink caches), tests/test_variants.py (through every path and a s
 import torch
 import torch.nn as nn
 
-from attention import CausalSelfAttention, KVCache, Mask, resolve_scale, rotate
+from attention import CausalSelfAttention, Mask, resolve_scale, rotate
+from kv_cache import INT8_SCALE_BYTES, KVCache
 from rules import UserError
 
 
@@ -29,6 +30,51 @@ class LatentAttention(CausalSelfAttention):
     attend over the latents themselves, all heads sharing them like one key/value head; then W_uv,h
     turns each head's weighted latent into its output): the cache is read, never expanded."""
     rotates_heads = False  # RoPE rotates its own decoupled part (model.attn.rope_head_dim), not the heads
+    selects = False  # a key selection over latents is not implemented
+
+    @staticmethod
+    def dims(c) -> tuple:
+        """(d_c, d_r, the query latent's width or 0): d_r is 0 without RoPE."""
+        a = c.attn
+        return a.kv_lora_rank or 4 * c.head_dim, LatentAttention.rope_width(c) if c.pos == "rope" else 0, a.q_lora_rank or 0
+
+    @classmethod
+    def rope_width(cls, c):
+        return c.attn.rope_head_dim or c.head_dim // 2
+
+    @classmethod
+    def kv_heads(cls, c) -> int:
+        return c.n_head  # every head reads the one shared latent
+
+    @classmethod
+    def projections(cls, c) -> dict:
+        """k and v include the down-projection to the latent (and its RoPE key) and the up-projections
+        from it, as training computes them for every token."""
+        d, nh, hs = c.n_embd, c.n_head, c.head_dim
+        d_c, d_r, rq = cls.dims(c)
+        q = (d * rq + rq * nh * (hs + d_r)) if rq else d * nh * (hs + d_r)
+        return {"q": q, "k": d * (d_c + d_r) + d_c * nh * hs, "v": d_c * nh * hs, "o": nh * hs * d}
+
+    @classmethod
+    def params(cls, c, sink: bool = True) -> dict:
+        """Its projections and the gate's matrix; q_down, q_up, kv_down and c_proj's biases, the latent's
+        norm (and the query latent's), a learned sink's logits."""
+        nh, hs, d = c.n_head, c.head_dim, c.n_embd
+        d_c, d_r, rq = cls.dims(c)
+        gate = {"none": 0, "head": nh, "channel": nh * hs}[c.attn.gate] * d
+        return {"matrices": sum(cls.projections(c).values()) + gate,
+                "other": int(c.bias) * ((rq + nh * (hs + d_r)) + (d_c + d_r) + d) + d_c + rq
+                + (nh if c.attn.sink == "learned" else 0)}
+
+    @classmethod
+    def mixing_macs(cls, c, seq_len, keys) -> tuple:
+        return keys * c.n_head * (c.head_dim + cls.dims(c)[1]), keys * c.n_head * c.head_dim  # keys carry k_R too
+
+    @classmethod
+    def cache_bytes(cls, c, dtype_bytes: int = 4, int8: bool = False, n_kv_head=None) -> int:
+        """The latent and the RoPE key, shared by every head; int8: a byte each and a scale for each."""
+        d_c, d_r, _ = cls.dims(c)
+        return d_c + d_r + 2 * INT8_SCALE_BYTES if int8 else (d_c + d_r) * dtype_bytes
 
     @staticmethod
     def check(config) -> list:
@@ -42,16 +88,14 @@ class LatentAttention(CausalSelfAttention):
         if config.rope_dim % 2:
             raise UserError(f"MLA's RoPE part (model.attn.rope_head_dim, else head_dim/2) is {config.rope_dim}, odd, "
                             "but RoPE rotates pairs of channels: set model.attn.rope_head_dim to an even number")
-        if config.n_kv_head != config.n_head:  # every head reads the one shared latent
-            ignored, config.n_kv_head = config.n_kv_head, config.n_head
-            return [f"model.n_kv_head={ignored} has no effect with model.attn.kind=mla (every head reads the one "
-                    "shared latent): ignored"]
+        if config.n_kv_head != config.n_head:  # every head reads the one shared latent (kv_heads; GPTConfig sets it)
+            return [f"model.n_kv_head={config.n_kv_head} has no effect with model.attn.kind=mla (every head reads the "
+                    "one shared latent): ignored"]
         return []
 
     def make_projections(self, config):
         a, d, nh, hs = config.attn, config.n_embd, config.n_head, config.head_dim
-        self.d_c = a.kv_lora_rank or 4 * hs
-        self.d_r = (a.rope_head_dim or hs // 2) if config.pos == "rope" else 0  # no RoPE: no decoupled part
+        self.d_c, self.d_r, _ = self.dims(config)  # no RoPE: no decoupled part
         if a.q_lora_rank:  # queries from their own latent (DeepSeek-V2 does this to save activation memory)
             self.q_down = nn.Linear(d, a.q_lora_rank, bias=config.bias)
             self.q_norm = nn.RMSNorm(a.q_lora_rank, eps=1e-6)

@@ -57,7 +57,22 @@ class BlockChoice(SelectedMask):
         return Mask.__call__(self, device, q0, q1, k0, k1) & self.blocks[:, :, q0:q1][..., self.ids[k0:k1]]
 
 
-class MoBA:
+class Selection:
+    """What every key selection (the core's select slot) answers besides its choice: the keys query i
+    reads, its parameters and an auxiliary loss (none by default), as counting.py and GPT.forward ask."""
+
+    @staticmethod
+    def params(c) -> int:
+        return 0
+
+    def aux_loss(self):
+        return None
+
+    def aux_metrics(self) -> dict:
+        return {}
+
+
+class MoBA(Selection):
     """select(q, k, mask, q_pos, k_pos) -> BlockChoice: q (B, nh, Tq, hs), k (B, n_kv, Tk, hs) the keys
     the layer attends over, q_pos (Tq,) and k_pos (Tk,) their positions (a cache's slots may hold
     positions in any order)."""
@@ -75,6 +90,11 @@ class MoBA:
             return (f"select_block={a.select_block} cuts {length} tokens into {n} block(s) and select_topk="
                     f"{a.select_topk} reads up to {a.select_topk} earlier ones besides a query's own: every key; {fix}")
         return None
+
+    @staticmethod
+    def reads(a, i: int) -> int:
+        """Keys causal query i reads: its own block's up to itself and min(K, b) earlier blocks of B."""
+        return i % a.select_block + 1 + min(a.select_topk, i // a.select_block) * a.select_block
 
     def __call__(self, q, k, mask: Mask, q_pos, k_pos) -> BlockChoice:
         nh = q.size(1)

@@ -10,10 +10,10 @@ Tests: tests/variants/test_moba.py (against a top-k written out; k covering ever
 import torch
 
 from attention import Mask, repeat_kv
-from variants.moba import SelectedMask
+from variants.moba import SelectedMask, Selection
 
 
-class Oracle:
+class Oracle(Selection):
     """select(q, k, mask, q_pos, k_pos) -> SelectedMask, as variants.moba.MoBA."""
 
     def __init__(self, config):
@@ -25,6 +25,11 @@ class Oracle:
         if a.select_topk >= length:
             return f"select_topk={a.select_topk} keys per query of at most {length}: every key; lower select_topk"
         return None
+
+    @staticmethod
+    def reads(a, i: int) -> int:
+        """Keys causal query i reads: select_topk, or all i + 1 it sees."""
+        return min(a.select_topk, i + 1)
 
     def __call__(self, q, k, mask: Mask, q_pos=None, k_pos=None) -> SelectedMask:
         visible = mask(q.device)

@@ -33,7 +33,7 @@ sdpa_attention, the masked path. It drops no attention weights (model.dropout mu
 import torch
 import torch.nn.functional as F
 
-from attention import sdpa_attention
+from variants.sinks import sdpa_with_sink
 from variants.moba import BlockChoice
 
 
@@ -153,7 +153,7 @@ def gathered_attention(q, k, v, *, scale: float, mask=None, bias=None, sink=None
     """The gathered path, sdpa_attention's signature: q (B, nh, T, hs), k and v (B, n_kv, T, hs) ->
     (B, nh, T, hs) over the blocks a BlockChoice chose; anything else by sdpa_attention, masked."""
     if bias is not None or not gathers(mask):
-        return sdpa_attention(q, k, v, scale=scale, mask=mask, bias=bias, sink=sink, dropout_p=dropout_p)
+        return sdpa_with_sink(q, k, v, scale=scale, mask=mask, bias=bias, sink=sink, dropout_p=dropout_p)
     if dropout_p > 0:
         raise ValueError("the gathered path does not drop attention weights")
     with torch.autocast(q.device.type, enabled=False):  # its products run in at least fp32, into fp32 buffers

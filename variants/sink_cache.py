@@ -15,7 +15,8 @@ P; every offset the logits see is then n - 1 - c, as the paper's in-cache positi
 """
 import torch
 
-from attention import KVCache, rotate
+from attention import rotate
+from kv_cache import KVCache
 
 
 class SinkKVCache(KVCache):

@@ -237,7 +237,7 @@ def test_the_keys_each_query_reads_and_the_parameters_are_what_counting_says():
 
 def test_only_softmax_layers_get_an_indexer():
     model = make(attn={**ATTN, "layer_kinds": ["softmax", "gdn"]})
-    assert isinstance(model.blocks[0].attn.select, Indexer) and model.blocks[1].attn.select is None
+    assert isinstance(model.blocks[0].attn.select, Indexer) and getattr(model.blocks[1].attn, "select", None) is None
     assert not any(".select." in n for n, _ in model.blocks[1].named_parameters())
 
 
@@ -279,7 +279,7 @@ RUN = ["model.attn.select=indexer", "model.attn.select_topk=8", "model.block_siz
 
 @pytest.mark.slow  # two runs of 120 steps
 def test_a_run_logs_the_indexer_kl_and_its_training_lowers_it(train_cfg, tmp_path):
-    """train/indexer_kl on every log line; trained (indexer_kl=1), its mean over the last 3 log lines is
+    """aux/indexer_kl on every log line; trained (indexer_kl=1), its mean over the last 3 log lines is
     below half the untrained indexer's (indexer_kl=0: the same run, the indexer left at its init). On
     repeated spans, whose copying heads attend sharply (a near-uniform p is matched by any indexer)."""
     from tracking import read_metrics
@@ -291,14 +291,14 @@ def test_a_run_logs_the_indexer_kl_and_its_training_lowers_it(train_cfg, tmp_pat
         out = tmp_path / f"kl{w}"
         train(train_cfg(*steps, f"model.attn.indexer_kl={w}", f"out_dir={out}"))
         lines = [m for m in read_metrics(out) if "train/loss" in m and "lr" in m]
-        assert [m["step"] for m in lines] == list(range(10, 121, 10)) and all("train/indexer_kl" in m for m in lines)
-        kls[w] = sum(m["train/indexer_kl"] for m in lines[-3:]) / 3
+        assert [m["step"] for m in lines] == list(range(10, 121, 10)) and all("aux/indexer_kl" in m for m in lines)
+        kls[w] = sum(m["aux/indexer_kl"] for m in lines[-3:]) / 3
     assert kls[1.0] < 0.5 * kls[0.0], kls
 
 
 @pytest.mark.slow  # trains 8 steps twice
 def test_a_run_resumed_from_its_middle_is_the_uninterrupted_run(train_cfg, tmp_path):
-    """Weights (the indexer's too), optimizer state and every logged line, train/indexer_kl included,
+    """Weights (the indexer's too), optimizer state and every logged line, aux/indexer_kl included,
     bit for bit."""
     from checkpoint import load_checkpoint, step_name
     from helpers import metrics_without_timing
@@ -311,7 +311,7 @@ def test_a_run_resumed_from_its_middle_is_the_uninterrupted_run(train_cfg, tmp_p
     (b / step_name(8)).unlink()  # as if killed after step 4's checkpoint
     train(train_cfg(*steps, f"out_dir={b}", "resume=true"))
     assert metrics_without_timing(b) == metrics_without_timing(a)
-    assert any("train/indexer_kl" in m for m in metrics_without_timing(a))
+    assert any("aux/indexer_kl" in m for m in metrics_without_timing(a))
     wa, wb = load_checkpoint(a / step_name(8)), load_checkpoint(b / step_name(8))
     assert any(".select." in key for key in wa["model"])
     for key, tensor in wa["model"].items():

@@ -8,7 +8,8 @@ from fractions import Fraction
 import pytest
 import torch
 
-from attention import Mask, reference_attention, sdpa_attention
+from attention import Mask, reference_attention
+from variants.sinks import sdpa_with_sink
 from helpers import grads, plain_attention, saved_bytes
 from helpers import variant_model as make
 from model import GPTConfig
@@ -76,7 +77,7 @@ def test_the_gathered_path_equals_the_masked_path_and_the_chosen_keys_written_ou
     got = grads(path(gathered_attention), *xs)
     names = ("out", "dq", "dk", "dv", "dsink")
     assert_close(got, grads(path(reference_attention), *xs), names)
-    assert_close(got, grads(path(sdpa_attention), *xs), names)
+    assert_close(got, grads(path(sdpa_with_sink), *xs), names)  # the fused path (with a sink, its key)
     assert_close(got[:1], [chosen_written_out(*xs[:3], 0.3, mask(), xs[3] if sink else None)], names)
 
 

@@ -1,0 +1,134 @@
+"""mixer.py: a new kind is one class and one row of variants.KINDS. A toy kind registered from this
+file, with no other edit anywhere, is built, counted (parameters, MACs measured by torch's FLOP counter,
+state bytes against the built cache), decoded from its own state as the whole sequence computes, and
+drawn by the probe (its effective attention against its output); the auxiliary-loss path of the base
+adds a term's gradient without changing the loss's value."""
+import pytest
+import torch
+import torch.nn as nn
+from torch.utils.flop_counter import FlopCounterMode
+
+import variants
+from attnstats import layer_maps
+from counting import count_params, kv_cache_bytes, macs_per_token, state_bytes
+from mixer import Mixer, WithGradient, aux_metrics, with_aux_losses
+from model import GPT, GPTConfig
+from sample import generate
+
+
+class FastWeights(Mixer):
+    """Linear attention without a feature map or a normaliser (Schlag et al. 2021's fast weights):
+    y_t = Σ_{s≤t} (q_t·k_s) v_s, a state S = Σ k vᵀ (hs x hs per head) in generation."""
+    recurrent = True
+
+    def make_projections(self, config):
+        d = config.n_embd
+        self.c_attn = nn.Linear(d, 3 * d, bias=config.bias)
+        self.c_proj = nn.Linear(d, d, bias=config.bias)
+
+    def forward(self, x, *, rope=None, kv_cache=None, pos=0, window=None, ve=None):
+        B, T, _ = x.shape
+        q, k, v = self.c_attn(x).view(B, T, 3, self.n_head, self.head_dim).unbind(2)
+        q, k, v = (h(t).transpose(1, 2) for h, t in ((self.hook_q, q), (self.hook_k, k), (self.hook_v, v)))
+        if kv_cache is None:  # training: the masked quadratic form
+            y = (q @ k.transpose(-1, -2)).tril() @ v
+        else:  # generation: the state, one token at a time
+            ys = []
+            for t in range(T):
+                kv_cache.S = kv_cache.S + k[:, :, t, :, None] @ v[:, :, t, None, :]
+                ys.append(q[:, :, t, None] @ kv_cache.S)
+            y = torch.cat(ys, dim=2)
+        return self.project(x, y.transpose(1, 2))
+
+    def new_cache(self, batch_size, length, *, device=None, dtype=torch.float32, **_):
+        state = type("State", (), {})()
+        state.S = torch.zeros(batch_size, self.n_head, self.head_dim, self.head_dim, device=device)
+        state.nbytes = lambda: state.S.numel() * state.S.element_size()
+        return state
+
+    def effective_attention(self, x, q, k, *, rope=None):
+        return (q.transpose(1, 2) @ k.transpose(1, 2).transpose(-1, -2)).tril()
+
+    @classmethod
+    def projections(cls, c):
+        d = c.n_embd
+        return {"q": d * d, "k": d * d, "v": d * d, "o": d * d}
+
+    @classmethod
+    def params(cls, c):
+        return {"matrices": 4 * c.n_embd ** 2, "other": int(c.bias) * 4 * c.n_embd}
+
+    @classmethod
+    def mixing_macs(cls, c, seq_len, keys):
+        return seq_len * c.n_embd, seq_len * c.n_embd  # the full table's convention, as softmax attention's
+
+    @classmethod
+    def state_numbers(cls, c):
+        return c.n_head * c.head_dim ** 2
+
+
+@pytest.fixture
+def toy(monkeypatch):
+    monkeypatch.setitem(variants.KINDS, "fastweights", FastWeights)
+    return lambda **kw: GPTConfig(vocab_size=40, block_size=16, n_layer=3, n_head=2, n_embd=16, pos="none", **kw)
+
+
+def test_a_kind_registered_from_a_test_is_built_and_counted(toy):
+    c = toy(bias=True, attn={"layer_kinds": ["fastweights", "softmax", "fastweights"]})
+    torch.manual_seed(0)
+    model = GPT(c)
+    assert [type(b.attn).__name__ for b in model.blocks] == ["FastWeights", "CausalSelfAttention", "FastWeights"]
+    assert count_params(c)["total"] == model.num_params()
+    B, N = 2, c.block_size
+    with FlopCounterMode(display=False) as counter:
+        model(torch.randint(0, c.vocab_size, (B, N)))
+    flops = {k: sum(v.values()) for k, v in counter.get_flop_counts().items()}
+    m = macs_per_token(toy(bias=True, attn={"kind": "fastweights"}), N)  # per token of a fastweights layer
+    assert flops["GPT.blocks.0.attn"] == 2 * B * N * (m["proj"] + m["attn"])  # the matmuls torch counted
+    caches = model.new_kv_cache(B, N)
+    assert state_bytes(c, B) == caches[0].nbytes() + caches[2].nbytes()
+    assert kv_cache_bytes(c, N, B) == caches[1].nbytes()  # only the softmax layer caches per token
+
+
+def test_a_registered_kind_decodes_from_its_state_as_the_whole_sequence(toy):
+    torch.manual_seed(1)
+    model = GPT(toy(attn={"kind": "fastweights"})).eval()
+    idx = torch.randint(0, 40, (2, 3))
+    cached = generate(model, idx, 10, temperature=0.0, kv_cache=True)
+    recomputed = generate(model, idx, 10, temperature=0.0, kv_cache=False)
+    assert torch.equal(cached, recomputed)
+
+
+def test_the_probe_draws_a_registered_kind_by_its_effective_attention(toy):
+    torch.manual_seed(2)
+    model = GPT(toy(attn={"kind": "fastweights"})).eval()
+    idx = torch.randint(0, 40, (1, 12))
+    seen = {}
+    model.blocks[1].attn.hook_v.register_forward_hook(lambda m, a, out: seen.__setitem__("v", out))
+    model.blocks[1].attn.hook_z.register_forward_hook(lambda m, a, out: seen.__setitem__("z", out))
+    maps, stats, notes = layer_maps(model, idx)
+    assert maps.shape == (3, 2, 12, 12)
+    z = maps[1] @ seen["v"][0].transpose(0, 1).float()  # (nh, T, hs): A @ v, the output the layer gave
+    torch.testing.assert_close(z, seen["z"][0].transpose(0, 1).float(), rtol=1e-4, atol=1e-5)
+    assert all(note is not None for note in notes[1])  # signed rows: no entropy, and a note says why
+
+
+def test_the_auxiliary_loss_path_adds_a_gradient_not_a_value():
+    """with_aux_losses: the loss's value unchanged; its gradient reaches each term as if added."""
+    w = torch.tensor(2.0, requires_grad=True)
+
+    class Aux(nn.Module):
+        def aux_loss(self):
+            return "square", (w ** 2)
+
+        def aux_metrics(self):
+            return {"square": torch.tensor(3.0)}
+
+    assert Mixer.aux_loss(None) is None and Mixer.aux_metrics(None) == {}  # the base's: none
+    loss = (w * 5).sum()
+    total = with_aux_losses(loss, [Aux()])
+    assert total.item() == 10.0
+    total.backward()
+    assert w.grad.item() == 5 + 2 * 2  # d(5w)/dw + d(w²)/dw
+    assert aux_metrics([Aux(), Aux()]) == {"square": torch.tensor(3.0)}
+    assert WithGradient.apply(loss.detach().requires_grad_(), w ** 2).item() == 10.0
