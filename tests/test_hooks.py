@@ -1,7 +1,7 @@
 """The hook points carry TransformerLens' names and mean what its hooks mean: the residual stream
 before, between and after a block's two halves, what each half adds, and the softmax's weights
 (hook_pattern), which a hook can read or replace. Checked against the stream added up by hand, plain
-math attention written out here, and (tests/test_export_clients.py) TransformerLens itself."""
+math attention written out here, and (tests/tools/test_export_clients.py) TransformerLens itself."""
 import pytest
 import torch
 

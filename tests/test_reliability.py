@@ -1,7 +1,7 @@
 """Nothing lost, nothing silently wrong: one test per hostile case found by using every command as a
 new user would, each naming the failure it reproduces ("Was: ..."), one test that walks every numeric config key through
 its bad values (0, negative, huge, nan, inf, wrong type), and one that sets every key where it has
-no effect. Output paths are tests/test_output_paths.py's, exports' overwrite tests/test_export.py's."""
+no effect. Output paths are tests/test_output_paths.py's, exports' overwrite tests/tools/test_export.py's."""
 import copy
 import dataclasses
 import json

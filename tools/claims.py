@@ -21,7 +21,7 @@ Random measurements take --seed; each claim draws from its own generator (seed a
 gives the same figures as the whole run. The training runs use train.py's own seed (1337): their figures
 are the same on every run of the same code on the same kind of machine. --out DIR receives the training
 runs, the figures (claims_entropy.png, claims_qk_norm.png), claims.json and claims.md. Adding a claim is
-one function under @claim in its text's file; tests/test_claims.py holds every id of CLAIMS.md to
+one function under @claim in its text's file; tests/tools/test_claims.py holds every id of CLAIMS.md to
 exactly one row.
 """
 import argparse

@@ -28,7 +28,7 @@ def model_of(variant):
     model = variant_model(block_size=16, **VARIANTS[variant]).double()
     with torch.no_grad():
         for b in model.blocks:
-            if isinstance(b.attn.sink_logit, torch.nn.Parameter):
+            if isinstance(getattr(b.attn, "sink_logit", None), torch.nn.Parameter):  # a softmax layer's sink
                 b.attn.sink_logit.copy_(torch.linspace(-1, 2, b.attn.n_head))
     return model
 
