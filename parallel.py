@@ -82,8 +82,12 @@ def all_ranks_agree(flag: bool, device, world: int) -> bool:
 # ----------------------------------------------------------------------------- the model over them
 
 def load_weights(model, weights: dict):
-    """load_state_dict, with shape mismatches named in one line instead of a traceback."""
+    """load_state_dict, with shape mismatches named in one line instead of a traceback. A zero sink logit
+    of a layer that takes no sink is left out: older versions registered one, never trained, on every
+    layer of a hybrid with model.attn.sink=learned, recurrent layers included."""
     own = model.state_dict()
+    weights = {name: t for name, t in weights.items()
+               if name in own or not (name.endswith(".attn.sink_logit") and not t.any())}
     for name, tensor in weights.items():
         if name in own and own[name].shape != tensor.shape:
             raise UserError(f"checkpoint does not fit this model: {name} is {tuple(tensor.shape)} in the "

@@ -132,3 +132,20 @@ def test_the_auxiliary_loss_path_adds_a_gradient_not_a_value():
     assert w.grad.item() == 5 + 2 * 2  # d(5w)/dw + d(w²)/dw
     assert aux_metrics([Aux(), Aux()]) == {"square": torch.tensor(3.0)}
     assert WithGradient.apply(loss.detach().requires_grad_(), w ** 2).item() == 10.0
+
+
+def test_a_hybrid_checkpoint_with_the_unused_sink_of_its_recurrent_layers_loads():
+    """Older versions gave a gdn layer of a hybrid with a learned sink a sink logit it never used (zero):
+    such weights load; a nonzero one is not silently dropped."""
+    from parallel import load_weights
+    from rules import UserError
+    c = GPTConfig(vocab_size=40, block_size=16, n_layer=2, n_head=2, n_embd=16, attn={"layer_kinds": ["gdn", "softmax"],
+                                                                                      "sink": "learned"})
+    torch.manual_seed(3)
+    model = GPT(c)
+    old = {**model.state_dict(), "blocks.0.attn.sink_logit": torch.zeros(2)}
+    fresh = GPT(c)
+    load_weights(fresh, old)
+    assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), model.state_dict().values()))
+    with pytest.raises(UserError, match="unexpected"):
+        load_weights(fresh, {**old, "blocks.0.attn.sink_logit": torch.ones(2)})
