@@ -875,7 +875,7 @@ def test_sampling_at_extreme_temperatures_and_top_p(tiny_run, sample_cfg):
 
 def test_bench_without_warm_up_times_its_steps():
     """Was: bench.warmup=0 ended in ZeroDivisionError."""
-    from tools.bench import bench
+    from benchmarks import bench
     r = bench(compose_cfg("bench", ["model=debug", "device=cpu", "bench.warmup=0", "bench.iters=1",
                                     "train.batch_size=2"]))
     assert r["attnlab"]["ms_per_iter"] > 0
