@@ -48,3 +48,18 @@ def welch_interval(a: list, b: list) -> dict:
     p = float(stats.ttest_ind(b, a, equal_var=False).pvalue) if va + vb > 0 else 1.0
     return {"diff": statistics.fmean(b) - statistics.fmean(a), "half": half, "p": p, "df": df, "test": "Welch t",
             "n": min(len(a), len(b))}
+
+
+# ----------------------------------------------------------------------------- the Wilson interval
+
+Z95 = 1.959963984540054  # the standard normal's 97.5% quantile: a two-sided 95% interval
+
+
+def wilson(right: int, n: int, z: float = Z95) -> tuple:
+    """The Wilson score interval of a proportion right/n (Wilson 1927, JASA 22:209): the p whose
+    normal test at p does not reject right/n; unlike p ± z·se it stays inside [0, 1] and is not zero
+    wide at 0 or n right."""
+    p, z2 = right / n, z * z
+    centre = (p + z2 / (2 * n)) / (1 + z2 / n)
+    half = z * math.sqrt(p * (1 - p) / n + z2 / (4 * n * n)) / (1 + z2 / n)
+    return (0.0 if right == 0 else centre - half), (1.0 if right == n else centre + half)  # exact there
