@@ -137,9 +137,12 @@ def rope_freqs(head_dim: int, length: int, base: float, device=None, theta=None,
     return torch.stack((angles.cos(), angles.sin()), dim=-1) * mscale
 
 
-def apply_rope(x, freqs, real=None):
+def apply_rope(x, freqs, dim=None, real=None):
     """The apply: rotate each channel pair (2j, 2j+1) of x (..., hs) by the angle whose cos and sin freqs
-    (..., hs/2, 2) holds: one complex multiply eagerly, real arithmetic under torch.compile (real=True)."""
+    holds: (T, hs/2, 2) for the T positions along x's dimension `dim`, or (None) already broadcastable.
+    One complex multiply eagerly, real arithmetic under torch.compile (real=True): inductor fuses it."""
+    if dim is not None:
+        freqs = freqs.view(*[freqs.size(0) if i == dim % x.dim() else 1 for i in range(x.dim() - 1)], -1, 2)
     real = torch.compiler.is_compiling() if real is None else real
     pairs = x.to(torch.promote_types(x.dtype, torch.float32)).unflatten(-1, (-1, 2))  # (..., hs/2, 2), >= fp32
     if real:
@@ -149,10 +152,6 @@ def apply_rope(x, freqs, real=None):
     else:
         out = torch.view_as_real(torch.view_as_complex(pairs) * torch.view_as_complex(freqs))
     return out.flatten(-2).type_as(x)
-
-
-def rotate(x, freqs):  # apply_rope on x (B, T, ..., hs) at the positions of freqs (T, hs/2, 2)
-    return apply_rope(x, freqs.view(freqs.size(0), *([1] * (x.dim() - 3)), -1, 2))
 
 
 def qk_normalize(x, kind: str, eps: float = 1e-6):
@@ -226,13 +225,13 @@ class CausalSelfAttention(Mixer):
             qk, v = qkv.split((2 * nq, nkv), dim=-1)
             gains = None if self.q_gain is None else torch.stack((self.q_gain, self.k_gain))  # (2, nh, 1 or hs)
             qk = self.normalize(qk.view(B, T, 2, self.n_head, hs), gains)
-            q, k = (qk if rope is None else rotate(qk, rope)).unbind(2)  # (B, T, nh, hs) each
+            q, k = (qk if rope is None else apply_rope(qk, rope, dim=1)).unbind(2)  # (B, T, nh, hs) each
         else:  # grouped-query: fewer k heads than q heads
             q, k, v = qkv.split((nq, nkv, nkv), dim=-1)
             q = self.normalize(q.view(B, T, self.n_head, hs), self.q_gain)
             k = self.normalize(k.view(B, T, self.n_kv_head, hs), self.k_gain)
             if rope is not None:
-                q, k = rotate(q, rope), rotate(k, rope)
+                q, k = apply_rope(q, rope, dim=1), apply_rope(k, rope, dim=1)
         return q, k, (v if ve is None else v + ve).view(B, T, self.n_kv_head, hs)
 
     def forward(self, x, *, rope=None, kv_cache=None, pos=0, window=None, ve=None):

@@ -220,7 +220,7 @@ class GPT(nn.Module):
             self.rope = self.rope_table(self.rope.size(0), self.rope.device)
         return self
 
-    def rope_theta(self, device=None):
+    def rope_frequencies(self, device=None):
         """RoPE's frequencies and temperature, scaled as model.rope_scaling says (variants/rope_scaling.py)."""
         c = self.config
         scaling = ROPE_SCALINGS[c.rope_scaling if c.rope_scaling_factor != 1 else "none"]
@@ -228,7 +228,7 @@ class GPT(nn.Module):
 
     def rope_table(self, length: int, device=None):
         """cos and sin of RoPE's angles for positions 0..length-1."""
-        return rope_freqs(self.config.rope_dim, length, self.config.rope_base, device, *self.rope_theta(device))
+        return rope_freqs(self.config.rope_dim, length, self.config.rope_base, device, *self.rope_frequencies(device))
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())  # a tied embedding counts once
@@ -283,7 +283,7 @@ class GPT(nn.Module):
         positions, MLA's latents, a recurrent state), kept as the settings ask (variants.kv_cache)."""
         p = self.wte.weight
         device = device or p.device
-        make = kv_cache(dtype, static, sinks, self.rope_theta(device)[0] if self.rotary and sinks else None)
+        make = kv_cache(dtype, static, sinks, self.rope_frequencies(device)[0] if self.rotary and sinks else None)
         dtype = p.dtype if dtype in (None, torch.int8) else dtype  # an int8 cache returns the model's dtype
         return [block.attn.new_cache(batch_size, length, device=device, dtype=dtype, make=make, **options)
                 for block in self.blocks]

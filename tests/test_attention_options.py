@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from rules import UserError
-from attention import attention_scores, qk_normalize, resolve_scale, rotate
+from attention import apply_rope, attention_scores, qk_normalize, resolve_scale
 from attnstats import logit_bound, reading_qk
 from model import GPT, GPTConfig
 from variants import attention
@@ -106,8 +106,8 @@ def test_qk_norm_comes_before_rope():
     q, _, _ = attn.qkv(x, freqs)  # (1, T, nh, hs)
     q_raw = (x @ attn.c_attn.weight[:32].T).view(1, 8, 2, 16)  # (1, T, nh, hs)
     gain = attn.q_gain.view(2, 16)
-    norm_then_rope = rotate(gain * qk_normalize(q_raw, "rms"), freqs)
-    rope_then_norm = gain * qk_normalize(rotate(q_raw, freqs), "rms")
+    norm_then_rope = apply_rope(gain * qk_normalize(q_raw, "rms"), freqs, dim=1)
+    rope_then_norm = gain * qk_normalize(apply_rope(q_raw, freqs, dim=1), "rms")
     assert torch.allclose(q, norm_then_rope, atol=1e-5)
     assert not torch.allclose(q, rope_then_norm, atol=1e-2)
 

@@ -81,7 +81,7 @@ class Indexer(nn.Module, Selection):
         self.theta = self.own_theta = None  # without RoPE there is no rotation to undo, and none of its own
         if config.pos == "rope":
             from variants import ROPE_SCALINGS  # the table that imports this file: complete once a model is built
-            # the frequencies GPT.rope_theta gives the layers
+            # the frequencies GPT.rope_frequencies gives the layers
             scaling = ROPE_SCALINGS[config.rope_scaling if config.rope_scaling_factor != 1 else "none"]
             self.theta = partial(scaling, config.rope_dim, config.rope_base, config.rope_scaling_factor,
                                  config.rope_original_length)

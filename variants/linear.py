@@ -12,7 +12,7 @@ written out, against the layer's own output).
 import torch
 import torch.nn.functional as F
 
-from attention import CausalSelfAttention, repeat_kv, rotate
+from attention import CausalSelfAttention, apply_rope, repeat_kv
 
 LINEAR_CHUNK = 64  # positions per chunk of the training form (counting.py counts with it)
 
@@ -87,7 +87,7 @@ class LinearAttention(CausalSelfAttention):
         fq, fk = elu_feature(q), elu_feature(k)  # (B, heads, T, hs)
         if rope is None:
             return (fq, fq), (fk, fk), v
-        rot = lambda t: rotate(t.transpose(1, 2), rope).transpose(1, 2)  # noqa: E731
+        rot = lambda t: apply_rope(t, rope, dim=-2)  # noqa: E731
         return (rot(fq), fq), (rot(fk), fk), v
 
     def effective_attention(self, x, q, k, *, rope=None):
@@ -107,7 +107,7 @@ class LinearAttention(CausalSelfAttention):
         fq, fk = elu_feature(q), elu_feature(k)
         den = (fq * fk.cumsum(dim=2)).sum(-1, keepdim=True)  # φ(q_i)·z_i (B, nh, T, 1)
         if rope is not None:  # the numerator's features, rotated as forward rotates them
-            fq, fk = (rotate(t.transpose(1, 2), rope).transpose(1, 2) for t in (fq, fk))
+            fq, fk = (apply_rope(t, rope, dim=-2) for t in (fq, fk))
         return (fq @ fk.transpose(-1, -2)).tril() / den  # (B, nh, T, T)
 
     def new_cache(self, batch_size: int, length: int, *, device=None, dtype=torch.float32, make=None):

@@ -12,7 +12,7 @@ bytes, int8 and sink caches), tests/test_variants.py (through every path and a s
 import torch
 import torch.nn as nn
 
-from attention import CausalSelfAttention, Mask, resolve_scale, rotate
+from attention import CausalSelfAttention, Mask, apply_rope, resolve_scale
 from kv_cache import INT8_SCALE_BYTES, KVCache
 from rules import UserError
 
@@ -117,14 +117,14 @@ class LatentAttention(CausalSelfAttention):
         h = self.q_norm(self.q_down(x)) if hasattr(self, "q_down") else x
         q = self.q_up(h).view(B, T, self.n_head, self.head_dim + self.d_r)
         qc, qr = q.split((self.head_dim, self.d_r), dim=-1)
-        return qc, (rotate(qr, rope) if rope is not None and self.d_r else qr)
+        return qc, (apply_rope(qr, rope, dim=1) if rope is not None and self.d_r else qr)
 
     def latents(self, x, rope):
         """What the cache holds for x (B, T, C): the RoPE key rope(k_R) (B, 1, T, d_r) and the latent
         norm(c) (B, 1, T, d_c)."""
         c, kr = self.kv_down(x).split((self.d_c, self.d_r), dim=-1)
         if rope is not None and self.d_r:
-            kr = rotate(kr.unsqueeze(2), rope).squeeze(2)
+            kr = apply_rope(kr, rope, dim=1)
         return kr.unsqueeze(1), self.kv_norm(c).unsqueeze(1)
 
     def expand(self, kr, c):

@@ -15,7 +15,7 @@ P; every offset the logits see is then n - 1 - c, as the paper's in-cache positi
 """
 import torch
 
-from attention import rotate
+from attention import apply_rope
 from kv_cache import KVCache
 
 
@@ -50,7 +50,7 @@ class SinkKVCache(KVCache):
         if self.theta is not None:  # turn each key from its own position to its place seen from the query
             place = pos - (order.numel() - 1) + torch.arange(order.numel(), device=k.device)
             angles = torch.outer((place - self.key_pos[order]).float(), self.theta)  # (n, hs/2)
-            keys = rotate(keys.transpose(1, 2), torch.stack((angles.cos(), angles.sin()), -1)).transpose(1, 2)
+            keys = apply_rope(keys, torch.stack((angles.cos(), angles.sin()), -1), dim=-2)
         return keys, self.v[:, :, order], None
 
     def positions(self, q_pos, n: int):

@@ -95,13 +95,13 @@ def test_the_index_score_depends_on_positions_only_through_their_offset(scaling)
     """q and k rotated as the model's layers rotate them (its own RoPE table, scaled or not) to positions
     shifted by 57, scored at those positions: the same score. The indexer undoes the layer's RoPE and
     applies its own, so a slid cache chooses as recomputation does."""
-    from attention import rotate
+    from attention import apply_rope
     g = torch.Generator().manual_seed(2)
     c = GPTConfig(**{**dataclasses.asdict(config(n_kv_head=2)), **scaling})
     sel, table = Indexer(c), GPT(c).rope_table(80)  # (80, hs/2, 2): cos and sin the layers rotate by
     q, k = torch.randn(2, 4, 10, 8, generator=g), torch.randn(2, 2, 10, 8, generator=g)
     pos = torch.arange(10)
-    turn = lambda x, at: rotate(x.transpose(1, 2), table[at]).transpose(1, 2)  # noqa: E731  (B, heads, T, hs)
+    turn = lambda x, at: apply_rope(x, table[at], dim=-2)  # noqa: E731  (B, heads, T, hs)
     at = lambda shift: sel.score(turn(q, pos + shift), turn(k, pos + shift), pos + shift, pos + shift)  # noqa: E731
     a, b = at(0), at(57)
     assert torch.allclose(a, b, atol=1e-5), (a - b).abs().max()

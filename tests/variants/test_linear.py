@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from attention import rope_freqs, rotate
+from attention import apply_rope, rope_freqs
 from helpers import variant_model as make
 from model import GPT, GPTConfig
 from variants.linear import LinearState
@@ -26,8 +26,8 @@ def linear_formula(q, k, v, rope=None):
     k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
     rq, rk = q, k
     if rope is not None:
-        rq = rotate(q.transpose(1, 2), rope.double()).transpose(1, 2)
-        rk = rotate(k.transpose(1, 2), rope.double()).transpose(1, 2)
+        rq = apply_rope(q, rope.double(), dim=-2)
+        rk = apply_rope(k, rope.double(), dim=-2)
     out = torch.zeros_like(q[..., :v.size(-1)])
     for i in range(q.size(2)):
         num = (rq[:, :, i:i + 1] * rk[:, :, :i + 1]).sum(-1)  # (B, h, i+1)

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from attention import rope_freqs, rotate
+from attention import apply_rope, rope_freqs
 from counting import count_params, kv_cache_bytes
 from helpers import plain_attention
 from helpers import variant_model as make
@@ -26,10 +26,10 @@ def test_mla_equals_attention_from_the_latent_with_its_up_projections_written_ou
     with torch.no_grad():
         h = attn.q_norm(attn.q_down(x)) if q_lora else x
         q = (h @ attn.q_up.weight.T).view(B, T, nh, hs + dr)
-        qc, qr = q[..., :hs], rotate(q[..., hs:], rope)
+        qc, qr = q[..., :hs], apply_rope(q[..., hs:], rope, dim=1)
         latent = x @ attn.kv_down.weight.T
         c = attn.kv_norm(latent[..., :dc])  # the cached latent
-        kr = rotate(latent[..., dc:].unsqueeze(2), rope)  # the one RoPE key, shared by the heads
+        kr = apply_rope(latent[..., dc:].unsqueeze(2), rope, dim=1)  # the one RoPE key, shared by the heads
         kc = (c @ attn.k_up.weight.T).view(B, T, nh, hs)
         v = (c @ attn.v_up.weight.T).view(B, T, nh, hs)
         qh = torch.cat([qc, qr], -1).transpose(1, 2)

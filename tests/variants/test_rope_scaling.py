@@ -75,7 +75,7 @@ def test_sample_py_generates_with_a_scaled_rope_over_the_longer_context(tmp_path
     assert model.config.block_size == 64 and model.config.rope_original_length == 16
     d = model.config.head_dim
     base = model.config.rope_base * 4 ** (d / (d - 2))
-    assert torch.allclose(model.rope_theta()[0], 1.0 / base ** (torch.arange(0, d, 2).float() / d))
+    assert torch.allclose(model.rope_frequencies()[0], 1.0 / base ** (torch.arange(0, d, 2).float() / d))
     chars = sorted(" .abcdefghijklmnopqrstuvwxyz")
     idx = torch.tensor([[chars.index(ch) for ch in "the quick"]])
     with torch.no_grad():
