@@ -207,7 +207,7 @@ TEXT_SHAPE = dict(vocab_size=128256, block_size=8192, n_layer=32, n_head=32, n_e
        "每层：N² 项 2N²d，投影 4Nd²，SwiGLU 前馈 3Nd·d_ff。d = 4096、32 头、d_ff = 14336 时，"
        "N² 项在 N = 8192 追上投影，"
        "21504 追上前馈，约 29700 追上两者之和；2k 上下文时约占该层 7%。",
-       tests=("tests/tools/test_cost.py::test_crossovers_make_the_two_terms_equal",))
+       tests=("tests/test_counting.py::test_crossovers_make_the_two_terms_equal",))
 def check_a6(ctx):
     mha, gqa = GPTConfig(**TEXT_SHAPE), preset("llama3_8b_shape")
     x_mha, x_gqa = ({k: float(v) for k, v in crossovers(c).items()} for c in (mha, gqa))
@@ -237,7 +237,7 @@ def check_a6(ctx):
              "layer, 128 GiB for 32 layers, while the model's bf16 weights are ≈ 16 GB.",
        "朴素实现会存下注意力权重：N = 8192、32 头、bf16、批大小 1 时每层 4 GiB，32 层共 128 GiB，"
        "而 bf16 权重约 16 GB。",
-       tests=("tests/tools/test_cost.py::test_mha_gelu_by_hand",))
+       tests=("tests/test_counting.py::test_mha_gelu_by_hand",))
 def check_a7(ctx):
     c = preset("llama3_8b_shape")
     mem = memory_breakdown(c, 8192, 1, 2)

@@ -202,7 +202,7 @@ def check_c8(ctx):
              "requests it exceeds the weights; GQA cuts it about linearly in the number of KV heads.",
        "KV 缓存字节数 ≈ 层数 × KV 头数 × token 数 × 头维度 × 2 × 每数字节数 × 批大小；长上下文、多请求时超过权重；"
        "GQA 让它随 KV 头数近似线性减小。",
-       tests=("tests/tools/test_cost.py::test_kv_bytes_equal_a_real_cache_after_prefill",
+       tests=("tests/test_counting.py::test_kv_bytes_equal_a_real_cache_after_prefill",
               "tests/test_variants.py::test_kv_cache_is_n_head_over_n_kv_head_times_smaller"))
 def check_c9(ctx):
     small = GPTConfig(vocab_size=40, block_size=64, n_layer=3, n_head=4, n_kv_head=2, n_embd=32)

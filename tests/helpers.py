@@ -179,6 +179,17 @@ def saved_bytes(fn):
     return sum(seen.values())
 
 
+# ----------------------------------------------------------------------------- shapes counted by hand
+
+# MHA + GELU, everything else the defaults (LayerNorm without bias, Pre-LN, RoPE, tied head):
+# d=64, 4 heads of 16, d_kv = 4*16 = 64, d_ff = 4*64 = 256, vocab 100, 2 layers.
+MHA_GELU = dict(vocab_size=100, block_size=32, n_layer=2, n_head=4, n_embd=64)
+# GQA + SwiGLU with RMSNorm and an untied head: d=80, 4 query heads of 20 sharing 2 K/V heads,
+# d_kv = 2*20 = 40, d_ff = 64*ceil(8*80/3/64) = 64*ceil(3.33) = 256, vocab 100, 2 layers.
+GQA_SWIGLU = dict(vocab_size=100, block_size=32, n_layer=2, n_head=4, n_kv_head=2, n_embd=80, mlp="swiglu",
+                  norm="rmsnorm", tie_embeddings=False)
+
+
 # ----------------------------------------------------------------------------- models and training runs
 
 def variant_model(seed=0, block_size=16, n_layer=2, n_head=4, n_embd=32, vocab=40, impl="sdpa", **kw):
