@@ -18,8 +18,8 @@ from claims import (IMPLS, LargestTensor, Result, claim, flops, fmt, layer_max, 
 
 @claim("A1", "Attention is five steps: scores QKᵀ, scale by 1/√d_k, add the mask M, softmax, weighted sum of V.",
        "注意力分五步：QKᵀ 打分，乘以 1/√d_k 缩放，加上掩码 M，做 softmax，再对 V 加权求和。",
-       tests=("tests/test_model.py::test_reference_path_equals_hand_written_softmax",
-              "tests/test_model.py::test_fast_path_equals_reference"))
+       tests=("tests/test_attention.py::test_reference_path_equals_hand_written_softmax",
+              "tests/test_attention.py::test_fast_path_equals_reference"))
 def check_a1(ctx):
     gen, d, T = ctx.gen(), 16, 9
     q, k, v = (rand(gen, 2, 3, T, d) for _ in range(3))
@@ -40,7 +40,7 @@ def check_a1(ctx):
              "std ≈ 2.8 / 11.3 / 32.4 at d_k = 8 / 128 / 1024.",
        "q、k 各分量独立、均值 0、方差 1 时 Var(q·k) = d_k：8192 对随机向量下，d_k = 8 / 128 / 1024 的标准差约为 "
        "2.8 / 11.3 / 32.4。",
-       tests=("tests/test_attention_options.py::test_raw_score_variance_is_dk_and_sqrt_dk_scaling_makes_it_one",))
+       tests=("tests/test_attention.py::test_raw_score_variance_is_dk_and_sqrt_dk_scaling_makes_it_one",))
 def check_a2(ctx):
     gen, n = ctx.gen(), 8192
     stds, ratios, scaled = [], [], []
@@ -73,7 +73,7 @@ def six_score_rows(gen, n=8192, d=128):
              "over 8192 rows; divided by √128 first, ≈ 0.42.",
        "6 个分数一行、离散度如 d_k = 128（标准差 11.3）：8192 行上最大 softmax 权重平均约 0.92；"
        "先除以 √128 则约 0.42。",
-       tests=("tests/test_attention_options.py::test_softmax_peak_of_six_scores_unscaled_vs_scaled",))
+       tests=("tests/test_attention.py::test_softmax_peak_of_six_scores_unscaled_vs_scaled",))
 def check_a3(ctx):
     q, k = six_score_rows(ctx.gen())
     eye = torch.eye(6, dtype=q.dtype).expand(q.size(0), 1, 6, 6)  # weights @ I: the weights themselves
@@ -148,8 +148,8 @@ def check_a4(ctx):
              "QK-Norm holds the logits' scale.",
        "1/√d_k 是固定的逐维校正，挡不住训练中 ‖q‖、‖k‖ 变大；QK-Norm 才能把 logit 的尺度稳住。",
        trains=True,
-       tests=("tests/test_attention_options.py::test_qk_norm_bounds_logits_for_any_input_magnitude",
-              "tests/test_attention_options.py::test_without_qk_norm_logits_grow_with_the_input"))
+       tests=("tests/test_attention.py::test_qk_norm_bounds_logits_for_any_input_magnitude",
+              "tests/test_attention.py::test_without_qk_norm_logits_grow_with_the_input"))
 def check_a5(ctx):
     torch.manual_seed(ctx.seed)
     idx = torch.randint(40, (2, 32), generator=ctx.gen())

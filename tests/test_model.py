@@ -1,5 +1,6 @@
-"""The model against independent references: plain-math attention, explicit rotation matrices,
-SDPA, known numbers."""
+"""GPT against independent references and known numbers: causality on both attention paths, the
+paths end to end, the loss at init, the init stds, parameters and FLOPs by hand, config errors, a bf16
+cast. attention.py's own functions are tested in test_attention.py."""
 import math
 
 import pytest
@@ -7,108 +8,14 @@ import torch
 import torch.nn.functional as F
 
 from rules import UserError
-from attention import apply_rope, rope_freqs
 from counting import flops_per_token
 from model import GPT, GPTConfig
 from optim import adamw
-from variants import attention
 
 
 def diff(a, b):
     d = (a - b).abs()
     return f"max diff {d.max().item():.3e}, mean diff {d.mean().item():.3e}"
-
-
-def hand_attention(q, k, v, scale):
-    """softmax(Q Kᵀ * scale + M) V in float64, the mask built element by element (queries are the
-    last Tq of Tk positions)."""
-    q, k, v = q.double(), k.double(), v.double()
-    Tq, Tk = q.size(-2), k.size(-2)
-    M = torch.zeros(Tq, Tk, dtype=torch.float64)
-    for i in range(Tq):
-        for j in range(Tk):
-            if j > Tk - Tq + i:
-                M[i, j] = float("-inf")
-    return torch.softmax(q @ k.transpose(-2, -1) * scale + M, dim=-1) @ v
-
-
-@pytest.mark.parametrize("Tq,Tk", [(7, 7), (1, 9), (3, 10)])
-def test_reference_path_equals_hand_written_softmax(Tq, Tk):
-    torch.manual_seed(0)
-    q, k, v = torch.randn(2, 3, Tq, 8), torch.randn(2, 3, Tk, 8), torch.randn(2, 3, Tk, 8)
-    scale = 1 / math.sqrt(8)
-    got = attention(q.double(), k.double(), v.double(), scale, impl="reference")
-    want = hand_attention(q, k, v, scale)
-    assert torch.allclose(got, want, atol=1e-12), diff(got, want)
-
-
-@pytest.mark.parametrize("Tq,Tk", [(16, 16), (1, 16), (5, 16)])
-@pytest.mark.parametrize("scale", [1 / math.sqrt(16), 1.0, 1 / 16, 0.37])
-def test_fast_path_equals_reference(Tq, Tk, scale):
-    torch.manual_seed(1)
-    q, k, v = torch.randn(2, 4, Tq, 16), torch.randn(2, 4, Tk, 16), torch.randn(2, 4, Tk, 16)
-    fast = attention(q, k, v, scale, impl="sdpa")
-    ref = attention(q, k, v, scale, impl="reference")
-    assert torch.allclose(fast, ref, atol=1e-5), diff(fast, ref)
-
-
-def test_scale_is_passed_explicitly_to_sdpa():
-    # SDPA's hidden default is 1/sqrt(hs); a different explicit scale must change the result
-    torch.manual_seed(2)
-    q, k, v = torch.randn(1, 1, 6, 8) * 3, torch.randn(1, 1, 6, 8) * 3, torch.randn(1, 1, 6, 8)
-    unscaled = attention(q, k, v, 1.0, impl="sdpa")
-    assert torch.allclose(unscaled, hand_attention(q, k, v, 1.0).float(), atol=1e-5)
-    assert not torch.allclose(unscaled, attention(q, k, v, 1 / math.sqrt(8), impl="sdpa"), atol=1e-3)
-
-
-def rotate_reference(x, pos, base=10000.0):
-    """RoPE by explicit 2x2 rotation matrices on pairs (2j, 2j+1), float64: x (hs,) at position pos."""
-    hs = x.numel()
-    out = torch.empty(hs, dtype=torch.float64)
-    for j in range(hs // 2):
-        angle = pos * base ** (-2 * j / hs)
-        c, s = math.cos(angle), math.sin(angle)
-        a, b = x[2 * j].item(), x[2 * j + 1].item()
-        out[2 * j], out[2 * j + 1] = c * a - s * b, s * a + c * b
-    return out
-
-
-@pytest.mark.parametrize("real", [False, True], ids=["complex (eager)", "real (compiled)"])
-def test_rope_matches_rotation_matrices_and_keeps_norms(real):
-    torch.manual_seed(3)
-    hs, T = 16, 12
-    x = torch.randn(T, hs)
-    rotated = apply_rope(x, rope_freqs(hs, T, 10000.0), real=real)  # position t for row t
-    for t in range(T):
-        want = rotate_reference(x[t], t)
-        assert torch.allclose(rotated[t].double(), want, atol=1e-5), diff(rotated[t].double(), want)
-    assert torch.allclose(rotated.norm(dim=-1), x.norm(dim=-1), atol=1e-5)
-
-
-def test_rope_dot_product_depends_only_on_offset():
-    torch.manual_seed(4)
-    hs = 32
-    q, k = torch.randn(hs), torch.randn(hs)
-    freqs = rope_freqs(hs, 200, 10000.0)
-
-    def score(m, n):
-        return (apply_rope(q, freqs[m]) @ apply_rope(k, freqs[n])).item()
-
-    for m, n in [(5, 2), (9, 9), (3, 40)]:
-        for shift in (1, 17, 150):
-            assert score(m, n) == pytest.approx(score(m + shift, n + shift), abs=1e-4)
-    assert abs(score(5, 2) - score(5, 3)) > 1e-3  # and it does depend on the offset
-
-
-def test_rope_never_touches_v():
-    # v is the third of c_attn's output, untouched: compare with a manual projection
-    torch.manual_seed(5)
-    model = GPT(GPTConfig(vocab_size=11, block_size=8, n_layer=1, n_head=2, n_embd=16))
-    attn = model.blocks[0].attn
-    x = torch.randn(2, 8, 16)
-    _, _, v = attn.qkv(x, model.rope_at(0, 8))
-    v_manual = (x @ attn.c_attn.weight[32:].T).view(2, 8, 2, 8)  # (B, T, n_kv, hs), as qkv gives it
-    assert torch.allclose(v, v_manual, atol=1e-6)
 
 
 def tiny(**kw):
