@@ -46,8 +46,8 @@ class RunDir:
         `source`, its checkpoint); a new run, or one that branches off another run's checkpoint
         (`branch`: a longer context), is this command's, and must not hold a run already."""
         self.path = self.given if source is None or branch else source.parent
-        if self.path != self.given and self.made and self.master:  # resume=RUN_DIR: the dir made for this command is not used
-            remove_new_run_dir(self.given)
+        if self.path != self.given and self.made and self.master:
+            remove_new_run_dir(self.given)  # resume=RUN_DIR: the dir made for this command is not used
         if not self.master:
             return
         self.lock = lock_run_dir(self.path)
