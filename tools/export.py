@@ -1,8 +1,8 @@
 """Export a checkpoint to a Hugging Face transformers model directory, exactly.
 
-    python tools/export.py ckpt=outputs/runs/X out=hf/X      # a run dir (its best.pt) or a checkpoint file
-    python tools/export.py ckpt=best.pt out=hf/X overwrite=true
-    python tools/export.py ckpt=outputs/runs/X out=hf/X format=code
+    python tools/export.py ckpt=outputs/runs/X out=outputs/export/X      # a run dir (its best.pt) or a checkpoint file
+    python tools/export.py ckpt=best.pt out=outputs/export/X overwrite=true
+    python tools/export.py ckpt=outputs/runs/X out=outputs/export/X format=code
 
 The directory holds config.json, model.safetensors, generation_config.json, the tokenizer
 (tokenizer.json, tokenizer_config.json), a README.md model card and attnlab_export.json (the files
