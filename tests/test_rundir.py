@@ -1,0 +1,45 @@
+"""rundir.RunDir: a training run's dir is chosen, locked and cleaned, and a refused run leaves nothing
+behind (train.setup uses it; tests/test_reliability.py checks the same through whole runs)."""
+import pytest
+
+from checkpoint import step_name
+from rules import UserError
+from rundir import RunDir
+
+
+def test_a_refused_run_removes_the_dir_it_made_and_lets_the_lock_go(tmp_path):
+    run_dir = RunDir(tmp_path / "new")
+    with pytest.raises(UserError), run_dir.removed_if_refused():
+        run_dir.check()
+        run_dir.open()
+        assert (tmp_path / "new" / ".lock").exists()
+        raise UserError("refused")
+    assert not (tmp_path / "new").exists() and run_dir.lock.closed
+
+
+def test_a_dir_that_holds_a_run_is_refused_and_left_as_it_was(tmp_path):
+    old = tmp_path / "old"
+    old.mkdir()
+    (old / step_name(10)).write_bytes(b"")
+    (old / f".{step_name(20)}.tmp-123").write_bytes(b"")  # a killed write's: only a run that holds the lock cleans it
+    run_dir = RunDir(old)
+    assert not run_dir.made
+    with pytest.raises(UserError, match="already holds a run: continue it with resume=true"):
+        with run_dir.removed_if_refused():
+            run_dir.open()
+    assert sorted(p.name for p in old.iterdir()) == sorted([".lock", step_name(10), f".{step_name(20)}.tmp-123"])
+
+
+def test_a_second_training_in_a_locked_dir_is_refused_in_one_line(tmp_path):
+    first = RunDir(tmp_path / "run")
+    first.open()
+    try:
+        with pytest.raises(UserError, match="is in use by a running training"):
+            RunDir(tmp_path / "run").open()
+    finally:
+        first.lock.close()
+
+
+def test_an_unset_dir_is_refused_before_anything_is_made(tmp_path):
+    with pytest.raises(UserError, match="out_dir is unset"):
+        RunDir(None).check()
