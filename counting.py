@@ -169,6 +169,12 @@ def flops_per_token(c, seq_len=None) -> int:
     return round(6 * macs_per_token(c, c.block_size if seq_len is None else seq_len)["forward"])
 
 
+def all_attention(c):
+    """The same stack with softmax attention in every layer (what a hybrid's recurrent layers save)."""
+    from dataclasses import replace
+    return replace(c, attn=replace(c.attn, kind="softmax", layer_kinds=None, state_dim=None))
+
+
 def crossovers(c) -> dict:
     """Exact lengths N where attention's 2*N*d MACs per token equal (a) the projections
     2*d*(d + d_kv), (b) the MLP k*d*d_ff (k = 2, or 3 for SwiGLU), (c) both: divide by 2*d."""

@@ -26,7 +26,7 @@ from cli import cli, run_app  # noqa: E402
 from device import DTYPES  # noqa: E402
 from files import check_output_file  # noqa: E402
 from rules import POSITIVE, Needs, OneOf, Range, check_values  # noqa: E402
-from counting import (ADAMW_BYTES_PER_PARAM, RECURRENT, attention_variants, cache_table, count_params, crossovers,
+from counting import (ADAMW_BYTES_PER_PARAM, RECURRENT, all_attention, attention_variants, cache_table, count_params, crossovers,
                       kv_cache_bytes, layer_table, macs_per_token, memory_breakdown, mlp_matrices, per_gpu_bytes,
                       selected_keys, selected_macs, state_bytes)
 from config import model_config
@@ -273,11 +273,6 @@ def selected_report(r, c, N) -> str:
            f"  a query in block b reads its own block and min(K, b) earlier ones, whole: (K+1)*B = {(K + 1) * B} keys "
            "once b >= K, whatever N"]
     return "\n".join(out)
-
-
-def all_attention(c: GPTConfig) -> GPTConfig:
-    """The same stack with softmax attention in every layer."""
-    return replace(c, attn=replace(c.attn, kind="softmax", layer_kinds=None, state_dim=None))
 
 
 def stack(c, N, B, nbytes) -> dict:

@@ -6,7 +6,7 @@ one: a table ends at block_size, so generation past it re-prefills). GPT-2's lea
 et al. 2019) and Vaswani et al. 2017's fixed sinusoids; NoPE: Kazemnejad et al. 2023, arXiv
 2305.19466. Tests: tests/variants/test_positions.py (the sinusoidal formula, what NoPE cannot tell
 apart, tables that end), tests/test_variants.py (each scheme through the paths and caches),
-tests/test_eval_lengths.py (evaluation past the trained length).
+tests/tools/test_eval_lengths.py (evaluation past the trained length).
 """
 import torch
 import torch.nn as nn

@@ -52,7 +52,8 @@ def test_eval_stream_compares_cache_dtypes_against_a_recomputation(tmp_path):
     from counting import kv_cache_bytes
     from helpers import compose_cfg, save_tiny_checkpoint
     from sample import generate
-    from tools.eval_stream import eval_stream, stream_tokens
+    from streams import stream_tokens
+    from tools.eval_stream import eval_stream
     ckpt = save_tiny_checkpoint(tmp_path, block_size=16)
     text = tmp_path / "text.txt"
     text.write_text("the quick brown fox jumps over the lazy dog " * 10)
