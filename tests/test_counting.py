@@ -8,11 +8,10 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from config import model_config
-from counting import (activation_bytes, attention_variants, count_params, crossovers, flops_per_token,
+from counting import (activation_bytes, all_attention, attention_variants, count_params, crossovers, flops_per_token,
                       macs_per_token, memory_breakdown, per_gpu_bytes)
 from helpers import GQA_SWIGLU, MHA_GELU, REPO, compose_cfg
 from model import GPT, GPTConfig
-from tools.cost import all_attention
 
 
 def cost_cfg(*overrides):
