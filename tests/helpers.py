@@ -131,15 +131,15 @@ def run_chromium(*args, timeout=90):
 
 # ----------------------------------------------------------------------------- formulas written out
 
-def plain_attention(q, k, v, scale, causal=True, window=None, sink=None, bias=None):
-    """softmax(q·kᵀ·scale + bias + M)·v written out in float64, K/V repeated per query-head group;
-    queries are the last Tq of the Tk positions; M hides later keys and, with a window, keys W or more
-    back; a sink (nh,) is one more logit per head whose value is zero; bias (nh, Tq, Tk) is added."""
+def plain_weights(q, k, scale, causal=True, window=None, sink=None, bias=None, keep=None):
+    """softmax(q·kᵀ·scale + bias + M) written out in float64, (B, nh, Tq, Tk), K repeated per query-head
+    group; queries are the last Tq of the Tk positions; M hides later keys and, with a window, keys W or
+    more back, and with keep (booleans broadcastable to the scores) every key it does not mark; a sink
+    (nh,) is one more logit per head, its weight left out of the result; bias (nh, Tq, Tk) is added."""
     import torch
 
-    q, k, v = q.double(), k.double(), v.double()
-    g = q.size(1) // k.size(1)
-    k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+    q, k = q.double(), k.double()
+    k = k.repeat_interleave(q.size(1) // k.size(1), dim=1)
     Tq, Tk = q.size(2), k.size(2)
     s = q @ k.transpose(-2, -1) * scale
     if bias is not None:
@@ -149,10 +149,19 @@ def plain_attention(q, k, v, scale, causal=True, window=None, sink=None, bias=No
         j = torch.arange(Tk)[None, :]
         band = (j <= i) & ((j > i - window) if window is not None else True)
         s = s.masked_fill(~band, float("-inf"))
+    if keep is not None:
+        s = s.masked_fill(~keep, float("-inf"))
     if sink is not None:
         s = torch.cat([sink.double().view(1, -1, 1, 1).expand(*s.shape[:-1], 1), s], dim=-1)
-        return torch.softmax(s, dim=-1)[..., 1:] @ v
-    return torch.softmax(s, dim=-1) @ v
+        return torch.softmax(s, dim=-1)[..., 1:]
+    return torch.softmax(s, dim=-1)
+
+
+def plain_attention(q, k, v, scale, causal=True, window=None, sink=None, bias=None, keep=None):
+    """softmax(q·kᵀ·scale + bias + M)·v written out in float64: plain_weights (its arguments) times V
+    repeated per query-head group; a sink's value is zero."""
+    v = v.double().repeat_interleave(q.size(1) // v.size(1), dim=1)
+    return plain_weights(q, k, scale, causal=causal, window=window, sink=sink, bias=bias, keep=keep) @ v
 
 
 def grads(fn, *xs):

@@ -11,7 +11,7 @@ import torch
 
 from attnstats import attention_maps
 from checkpoint import save_checkpoint
-from helpers import compose_cfg
+from helpers import compose_cfg, plain_weights
 from model import GPT, GPTConfig
 from data.tokenizer import CharTokenizer
 from tools.visualize import visualize
@@ -48,8 +48,8 @@ def save_tiny_checkpoint(path, **over):
 
 def independent_maps(model, idx):
     """(L, nh, T, T) float64 weights from each layer's own q, k (CausalSelfAttention.qkv on the
-    input the layer received), with query head h reading kv head h // (nh / n_kv), a -inf upper
-    triangle and a softmax: no probe, no attention_scores, no repeat_kv."""
+    input the layer received), written out by helpers.plain_weights (query head h reads kv head
+    h // (nh / n_kv), a -inf upper triangle, a softmax): no probe, no attention_scores, no repeat_kv."""
     inputs = {}
     hooks = [b.attn.register_forward_pre_hook(lambda mod, args, kw, l=l: inputs.__setitem__(l, (args[0], kw["rope"])),
                                               with_kwargs=True) for l, b in enumerate(model.blocks)]
@@ -58,18 +58,11 @@ def independent_maps(model, idx):
     for h in hooks:
         h.remove()
     out = []
-    T = idx.size(1)
-    upper = torch.ones(T, T, dtype=torch.bool).triu(1)
     for l, block in enumerate(model.blocks):
         attn = block.attn
         with torch.no_grad():
             q, k, _ = (t.transpose(1, 2) for t in attn.qkv(*inputs[l]))  # (1, nh, T, hs), (1, n_kv, T, hs)
-        group = attn.n_head // attn.n_kv_head
-        heads = []
-        for h in range(attn.n_head):
-            s = (q[0, h].double() @ k[0, h // group].double().T) * attn.scale
-            heads.append(torch.softmax(s.masked_fill(upper, float("-inf")), dim=-1))
-        out.append(torch.stack(heads))
+        out.append(plain_weights(q, k, attn.scale)[0])  # (nh, T, T)
     return torch.stack(out)
 
 

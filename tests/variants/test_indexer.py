@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from attention import Mask
-from helpers import hooked_outputs, variant_model as make
+from helpers import hooked_outputs, plain_attention, variant_model as make
 from model import GPT, GPTConfig
 from rules import UserError
 from variants.indexer import Indexer
@@ -207,9 +207,7 @@ def test_the_layer_and_the_probe_read_the_chosen_keys_only(impl):
     pos = torch.arange(32)
     chosen = chosen_written_out(score_written_out(attn.select, q, k, pos, pos), pos, pos, 3)[:, None]  # (B, 1, T, T)
     assert chosen.sum(-1).lt(torch.arange(1, 33)).any()  # some query leaves keys out
-    k, v = k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1)
-    logits = (q @ k.transpose(-1, -2) / math.sqrt(q.size(-1))).masked_fill(~chosen, float("-inf"))
-    want = torch.softmax(logits, -1) @ v
+    want = plain_attention(q, k, v, 1 / math.sqrt(q.size(-1)), causal=False, keep=chosen)
     assert torch.allclose(seen["hook_z"].transpose(1, 2).double(), want, atol=1e-5)
     with torch.no_grad():
         probe, _ = attn.scores(seen["hook_q"], seen["hook_k"])

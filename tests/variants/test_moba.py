@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from attention import Mask
-from helpers import hooked_outputs, variant_model as make
+from helpers import hooked_outputs, plain_attention, variant_model as make
 from model import GPTConfig
 from rules import UserError
 from sample import generate
@@ -90,12 +90,10 @@ def test_the_layer_is_softmax_over_the_chosen_keys_by_hand(select, impl):
     attn = model.blocks[0].attn
     seen = hooked_outputs(model, attn, torch.randint(40, (2, 32), generator=torch.Generator().manual_seed(2)))
     q, k, v = (seen[n].transpose(1, 2).double() for n in ("hook_q", "hook_k", "hook_v"))  # (B, heads, T, hs)
-    k, v = k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1)
     pos = torch.arange(32)
     chosen = attn.select(seen["hook_q"].transpose(1, 2), seen["hook_k"].transpose(1, 2), Mask(32, 32), pos, pos)()
     assert chosen.sum(-1).lt(torch.arange(1, 33)).any()  # some query leaves keys out
-    logits = (q @ k.transpose(-1, -2) / math.sqrt(q.size(-1))).masked_fill(~chosen, float("-inf"))
-    want = torch.softmax(logits, -1) @ v
+    want = plain_attention(q, k, v, 1 / math.sqrt(q.size(-1)), causal=False, keep=chosen)
     assert torch.allclose(seen["hook_z"].transpose(1, 2).double(), want, atol=1e-5)
     probe, _ = attn.scores(seen["hook_q"], seen["hook_k"])
     assert torch.equal(probe.isfinite(), chosen)

@@ -29,22 +29,6 @@ def choice(q, k, block, topk):
     return MoBA(config(T, block, topk))(q, k, Mask(T, T), torch.arange(T), torch.arange(T))
 
 
-def chosen_written_out(q, k, v, scale, table, sink=None):
-    """softmax over the keys the (B, nh, T, T) table lets through, one query at a time, in float64."""
-    B, nh, T, _ = q.shape
-    k, v = (x.double().repeat_interleave(nh // x.size(1), dim=1) for x in (k, v))
-    out = torch.zeros(B, nh, T, v.size(-1), dtype=torch.float64)
-    for b in range(B):
-        for h in range(nh):
-            for i in range(T):
-                keys = torch.nonzero(table[b, h, i]).flatten()
-                logits = (k[b, h, keys] @ q[b, h, i].double()) * scale
-                e = torch.exp(logits - logits.max())
-                total = e.sum() + (torch.exp(sink[h].double() - logits.max()) if sink is not None else 0)
-                out[b, h, i] = (e / total) @ v[b, h, keys]
-    return out
-
-
 def inputs(B, nh, n_kv, T, hs=8, seed=0, sink=False):
     g = torch.Generator().manual_seed(seed)
     xs = [torch.randn(B, nh, T, hs, generator=g, dtype=torch.float64),
@@ -67,7 +51,7 @@ CASES = [(2, 4, 4, 37, 5, 2, False), (2, 4, 2, 37, 8, 1, False), (1, 4, 1, 30, 7
                          ids=["mha-ragged", "gqa-ragged", "mqa-sink", "gqa-whole-blocks-sink", "short"])
 def test_the_gathered_path_equals_the_masked_path_and_the_chosen_keys_written_out(B, nh, n_kv, T, block, topk, sink):
     """Outputs and gradients (q, k, v, the sink) equal the masked paths' (reference, sdpa) in float64, and
-    the output equals softmax over the chosen keys one query at a time."""
+    the output equals softmax over the chosen keys written out (helpers.plain_attention, keep=the choice)."""
     xs = inputs(B, nh, n_kv, T, seed=T + block, sink=sink)
     mask = choice(xs[0], xs[1], block, topk)
     assert mask().sum(-1).lt(torch.arange(1, T + 1)).any() or T <= block  # some query leaves keys out
@@ -78,7 +62,8 @@ def test_the_gathered_path_equals_the_masked_path_and_the_chosen_keys_written_ou
     names = ("out", "dq", "dk", "dv", "dsink")
     assert_close(got, grads(path(reference_attention), *xs), names)
     assert_close(got, grads(path(sdpa_with_sink), *xs), names)  # the fused path (with a sink, its key)
-    assert_close(got[:1], [chosen_written_out(*xs[:3], 0.3, mask(), xs[3] if sink else None)], names)
+    want = plain_attention(*xs[:3], 0.3, causal=False, keep=mask(), sink=xs[3] if sink else None)
+    assert_close(got[:1], [want], names)
 
 
 @pytest.mark.parametrize("n_kv", [4, 2])
