@@ -1,7 +1,8 @@
 """Nothing lost, nothing silently wrong: one test per hostile case found by using every command as a
-new user would, each naming the failure it reproduces ("Was: ..."), one test that walks every numeric config key through
-its bad values (0, negative, huge, nan, inf, wrong type), and one that sets every key where it has
-no effect. Output paths are tests/test_output_paths.py's, exports' overwrite tests/tools/test_export.py's."""
+new user would, each saying what must hold and what goes wrong otherwise; one test that walks every
+numeric config key through its bad values (0, negative, huge, nan, inf, wrong type), and one that sets
+every key where it has no effect. Output paths are tests/test_output_paths.py's, exports' overwrite
+tests/tools/test_export.py's."""
 import copy
 import dataclasses
 import json
@@ -72,7 +73,8 @@ def snapshot(run: Path) -> dict:
 
 @pytest.mark.slow
 def test_resume_with_max_iters_below_the_checkpoint_step_is_refused_and_changes_nothing(tmp_path, shared):
-    """Was: the loop never stopped (`step 8700/100`, test `==`) and pruned the finished run's checkpoints."""
+    """Resuming past train.max_iters is refused and leaves the run as it was: the loop stops on `>=`, never
+    runs on (`step 8700/100` under an `==` test) and never prunes the finished run's checkpoints."""
     train(make_cfg(tmp_path, shared, "train.max_iters=20"))
     run = tmp_path / "run"
     before = snapshot(run)
@@ -92,7 +94,8 @@ def read_metrics_bytes(data: bytes) -> list:
 
 
 def test_second_training_in_a_run_dir_is_refused_while_the_first_holds_it(tmp_path, shared, cli):
-    """Was: both exited 0, metrics.jsonl interleaved. The lock is an flock held by the first."""
+    """A second training in a held run dir is one line and writes nothing, so two runs never both exit 0
+    with interleaved metrics.jsonl lines. The lock is an flock held by the first."""
     run = tmp_path / "run"
     holder = cli.popen("-c", "import sys, time; sys.path.insert(0, sys.argv[1]); "
                        "from rundir import lock_run_dir; from pathlib import Path; "
@@ -111,7 +114,8 @@ def test_second_training_in_a_run_dir_is_refused_while_the_first_holds_it(tmp_pa
 
 
 def test_default_run_dirs_of_runs_started_in_the_same_second_differ():
-    """Was: `%Y-%m-%d_%H-%M-%S`, so two `python train.py` started together shared one dir."""
+    """The default run dir's name carries microseconds (`%f`): with `%Y-%m-%d_%H-%M-%S` alone, two
+    `python train.py` started together would share one dir."""
     import yaml
     from hydra.core.utils import setup_globals
     from omegaconf import OmegaConf
@@ -123,7 +127,8 @@ def test_default_run_dirs_of_runs_started_in_the_same_second_differ():
 
 
 def test_checkpoints_past_step_9999999_sort_by_number(tmp_path):
-    """Was: names padded to 7 digits sorted as text, so the newest (step 10,000,000) was pruned."""
+    """Checkpoints sort by step number, not as text: with names padded to 7 digits sorted as text the
+    newest (step 10,000,000) would be pruned."""
     state = {"model": {}, "model_config": {}, "tokenizer": {"kind": "char", "chars": "ab"}}
     for step in (10, 9_999_999, 10_000_000):
         ck.save_checkpoint(tmp_path / ck.step_name(step), {**state, "step": step})
@@ -134,7 +139,8 @@ def test_checkpoints_past_step_9999999_sort_by_number(tmp_path):
 
 @pytest.mark.slow  # trains 10 steps, then resumes to 20
 def test_torn_last_metrics_line_is_dropped_so_resume_and_report_work(tmp_path, shared, caplog):
-    """Was: JSONDecodeError on resume and in report.py after a kill mid-write."""
+    """A torn last line of metrics.jsonl (a kill mid-write) is dropped with a warning: report.py and a
+    resume read the file without a JSONDecodeError."""
     train(make_cfg(tmp_path, shared, "train.max_iters=10"))
     run = tmp_path / "run"
     with open(run / "metrics.jsonl", "a") as f:
@@ -147,7 +153,8 @@ def test_torn_last_metrics_line_is_dropped_so_resume_and_report_work(tmp_path, s
 
 
 def test_truncating_metrics_is_atomic(tmp_path, monkeypatch):
-    """Was: rewritten in place, so a kill mid-rewrite lost the history."""
+    """truncate_metrics replaces the file atomically: a kill mid-rewrite leaves the whole history (a
+    rewrite in place would lose it)."""
     import tracking
     path = tmp_path / "metrics.jsonl"
     path.write_text("".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in range(10)))
@@ -165,7 +172,8 @@ def test_truncating_metrics_is_atomic(tmp_path, monkeypatch):
 
 
 def test_resume_with_another_corpus_of_the_same_vocabulary_size_is_refused(tmp_path, shared):
-    """Was: accepted, so every id silently meant another character."""
+    """Resuming on a corpus of other characters but the same vocabulary size is refused: every id would
+    silently mean another character."""
     a, b = tmp_path / "a.txt", tmp_path / "b.txt"
     a.write_text("abcd abcd dcba\n" * 300)
     b.write_text("wxyz wxyz zyxw\n" * 300)  # five characters each: same vocab size, other mapping
@@ -178,7 +186,8 @@ def test_resume_with_another_corpus_of_the_same_vocabulary_size_is_refused(tmp_p
 
 
 def test_refused_command_keeps_the_runs_hydra_record(tmp_path, shared, cli):
-    """Was: Hydra rewrote .hydra/ before our checks, so report.py mislabelled the run."""
+    """A refused command leaves the run's .hydra/ record as it was (Hydra writes it before our checks),
+    so report.py labels the run by the overrides it ran with."""
     run = tmp_path / "run"
     args = ["model=debug", "train.max_iters=2", "train.eval_interval=1", "train.eval_iters=1", "train.batch_size=2",
             "device=cpu", "logger.wandb.mode=disabled", f"data.path={shared['corpus']}",
@@ -192,7 +201,8 @@ def test_refused_command_keeps_the_runs_hydra_record(tmp_path, shared, cli):
 
 
 def test_run_that_died_before_its_first_checkpoint_is_taken_by_a_rerun(tmp_path, shared):
-    """Was: neither a rerun nor resume=true accepted the directory."""
+    """A run dir whose run died before its first checkpoint is taken by a rerun (its lines and config
+    replaced); resume=true says it starts again without resume=true."""
     run = tmp_path / "run"
     run.mkdir()
     (run / "metrics.jsonl").write_text(json.dumps({"step": 0, "val/loss": 9.9}) + "\n")
@@ -213,7 +223,8 @@ def test_resume_from_best_pt_is_one_line(tmp_path, shared):
 
 
 def test_temp_files_of_killed_writes_are_removed_at_the_next_start(tmp_path, shared, dead_pid):
-    """Was: `.ckpt_*.tmp-PID` files and half-prepared cache dirs piled up after every kill."""
+    """The next start removes the `.ckpt_*.tmp-PID` files and half-prepared cache dirs that killed
+    processes left, and keeps those of a preparation still running."""
     run, cache = tmp_path / "run", tmp_path / "cache"
     pid = dead_pid
     run.mkdir()
@@ -233,7 +244,8 @@ def test_temp_files_of_killed_writes_are_removed_at_the_next_start(tmp_path, sha
 # ----------------------------------------------------------------------------- silent wrong results
 
 def test_cache_key_tells_apart_corpora_with_the_same_concatenated_bytes(tmp_path):
-    """Was: a hash of the files' bytes run together, so these shared one cache (and split)."""
+    """The cache key tells apart file sets whose bytes run together are the same (or renamed files): a
+    hash of the joined bytes would give them one cache and one split."""
     texts = {"one": {"a.txt": "first document\nand its end\n", "b.txt": "second document\n"},
              "two": {"a.txt": "first document\n", "b.txt": "and its end\nsecond document\n"},  # same bytes joined
              "renamed": {"a.txt": "first document\nand its end\n", "c.txt": "second document\n"}}
@@ -260,7 +272,8 @@ def nan_checkpoint(tiny_run, tmp_path) -> Path:
 
 
 def test_nan_weight_checkpoint_is_refused_for_sampling(tmp_path, tiny_run, sample_cfg):
-    """Was: it loaded, and greedy sampling printed blank lines with exit 0."""
+    """A checkpoint with a NaN weight is refused in one line; loaded, greedy sampling would print blank
+    lines with exit 0."""
     path = nan_checkpoint(tiny_run, tmp_path)
     with pytest.raises(UserError, match="holds non-finite weights") as e:
         sample(sample_cfg(f"ckpt={path}", "temperature=0", "max_new_tokens=5"))
@@ -276,8 +289,9 @@ def bpe_run(tmp_path, shared, path, name):
 
 @pytest.mark.slow  # trains two BPE models (a BPE tokenizer each)
 def test_bpe_model_of_a_single_document_asks_for_a_prompt(tmp_path, shared, sample_cfg, caplog):
-    """Was: an empty prompt started from <|endoftext|>, a token a single-file corpus never has in
-    its train split (appended once, at its end, in val): the output was byte noise."""
+    """An empty prompt is refused for a BPE model of a single document: <|endoftext|> is a token a
+    single-file corpus never has in its train split (appended once, at its end, in val), and starting
+    from it gives byte noise. A model that saw it samples from it."""
     single = bpe_run(tmp_path, shared, shared["corpus"], "single")
     assert ck.load_checkpoint(single / "best.pt")["eot_in_train"] is False
     with pytest.raises(UserError, match="trained on a single document.*pass prompt=TEXT") as e:
@@ -300,7 +314,8 @@ def test_bpe_model_of_a_single_document_asks_for_a_prompt(tmp_path, shared, samp
 
 
 def test_values_that_only_fail_together_are_refused(tmp_path, shared):
-    """Was: min_lr > lr accepted (the "decay" raised the lr)."""
+    """Values that only fail together are refused before anything is written: min_lr > lr (the "decay"
+    would raise the lr), and weight_decay x lr >= 1."""
     with pytest.raises(UserError, match=r"train.min_lr=0.01 is above train.lr=0.001") as e:
         train(make_cfg(tmp_path, shared, "train.lr=1e-3", "train.min_lr=1e-2"))
     one_line(e)
@@ -311,7 +326,8 @@ def test_values_that_only_fail_together_are_refused(tmp_path, shared):
 
 
 def test_glob_of_few_files_warns_with_the_actual_val_share(tmp_path, caplog):
-    """Was: 2 files at val_fraction=0.1 put 54 % of the tokens in val, silently."""
+    """A glob of few files warns with the val split's real share of the tokens (2 files at
+    val_fraction=0.1 put 54 % of them in val), and the reused cache says it again."""
     (tmp_path / "d").mkdir()
     (tmp_path / "d" / "a.txt").write_text(corpus_text(120))
     (tmp_path / "d" / "b.txt").write_text(corpus_text(100))
@@ -339,8 +355,9 @@ def other_bits(path: Path) -> int:
 
 
 def test_caches_and_checkpoints_are_no_more_readable_than_a_0640_source(tmp_path, shared, umask, monkeypatch):
-    """Was: a file only its owner's group could read was copied into world-readable token files,
-    ~/.cache/huggingface Arrow files and checkpoints."""
+    """Token files, checkpoints and their dirs are no more readable than the source: a file only its
+    owner's group can read is never copied into world-readable token files, ~/.cache/huggingface Arrow
+    files or checkpoints; and the umask is respected."""
     import datasets
     hf_default = tmp_path / "hf-default"
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", hf_default)
@@ -382,7 +399,8 @@ def wait_for(predicate, proc, timeout=120):
 
 
 def test_ctrl_c_while_sampling_prints_what_was_generated(tiny_run, cli):
-    """Was: max_new_tokens=<huge> printed nothing, and Ctrl-C threw the text away with a traceback."""
+    """Ctrl-C during a long generation (max_new_tokens=<huge>) prints the text generated so far and one
+    line, never a traceback, and exits 130."""
     proc = cli.popen("sample.py", f"ckpt={tiny_run}", "prompt=line", "max_new_tokens=3000000", "device=cpu",
                      preexec_fn=interruptible)
     first = proc.stderr.readline()  # the log line just before generation starts
@@ -396,7 +414,8 @@ def test_ctrl_c_while_sampling_prints_what_was_generated(tiny_run, cli):
 
 
 def test_wandb_online_without_a_key_is_one_line_before_anything_is_written(tmp_path, shared, monkeypatch):
-    """Was: an 8-frame UsageError traceback after the run dir was set up."""
+    """W&B online without an API key is one line before the run dir exists (not W&B's 8-frame
+    UsageError traceback after it); a key in the netrc file is found."""
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     monkeypatch.delenv("WANDB_IDENTITY_TOKEN_FILE", raising=False)
     monkeypatch.setenv("NETRC", str(tmp_path / "no-netrc"))
@@ -443,8 +462,8 @@ def broken_checkpoints(tiny_run, tmp_path):
 
 
 def test_broken_checkpoints_are_one_line_and_never_called_untrusted(tmp_path, tiny_run, sample_cfg):
-    """Was: a corrupt (not pickled) file was reported as an untrusted pickle; a text file, an
-    unknown model key or a damaged tokenizer ended in a traceback."""
+    """Every broken checkpoint is one line, and a corrupt (not pickled) file is never reported as an
+    untrusted pickle; a text file, an unknown model key or a damaged tokenizer included."""
     for name, path in broken_checkpoints(tiny_run, tmp_path).items():
         with pytest.raises(UserError) as e:
             sample(sample_cfg(f"ckpt={path}", "max_new_tokens=3"))
@@ -490,8 +509,9 @@ DAMAGE = {  # what a kill, a full disk or a hand can leave of a prepared dataset
 
 @pytest.mark.parametrize("damage", DAMAGE)
 def test_damaged_prepared_data_is_found_and_prepared_again(tmp_path, damage, caplog):
-    """Was: a train.bin cut short (meta.json: 180,000 tokens, 50,000 left) or with changed bytes was
-    used as it was, and a cache dir without its meta.json ended in an OSError traceback."""
+    """Damaged prepared data is found and prepared again, in one log line: a train.bin cut short
+    (meta.json: 180,000 tokens, 50,000 left) or with changed bytes is never used as it is, and a cache
+    dir without its meta.json is no OSError traceback."""
     (tmp_path / "c.txt").write_text(corpus_text())
     cfg = compose_cfg("config", ["data=text", f"data.path={tmp_path / 'c.txt'}", f"data.cache_dir={tmp_path}/cache"])
     out = prepare(cfg.data)
@@ -516,7 +536,7 @@ def test_a_token_file_cut_short_is_one_line_when_opened(tmp_path):
 
 
 def test_last_good_checkpoint_names_a_good_one(tmp_path, shared, monkeypatch):
-    """Was: the newest checkpoint on disk was named, even one whose val loss was already NaN."""
+    """A diverged run names the last checkpoint whose val loss is finite, not the newest on disk."""
     real_estimate = train_module.estimate_loss
     monkeypatch.setattr(train_module, "estimate_loss",
                         lambda run: {"train": math.nan, "val": math.nan} if run.step == 20 else real_estimate(run))
@@ -543,8 +563,9 @@ def poison_training_forward(monkeypatch, from_call: int):
 
 
 def test_nan_from_a_bad_model_value_is_not_blamed_on_the_learning_rate(tmp_path, shared, monkeypatch):
-    """Was: `lower train.lr` even for a NaN the freshly initialised model gives (e.g. model.rope_base=0:
-    1/0**x makes the rotary angles infinite), before the learning rate has acted at all."""
+    """A NaN the freshly initialised model gives (e.g. model.rope_base=0: 1/0**x makes the rotary angles
+    infinite) points at the model.* values, not `lower train.lr`: the learning rate has not acted yet.
+    After some updates a NaN is a divergence that names the lr."""
     poison_training_forward(monkeypatch, from_call=1)
     with pytest.raises(UserError, match=r"freshly initialised model already gives it, so the learning rate is "
                                         r"not the cause: check the model.\* values") as e:
@@ -558,7 +579,8 @@ def test_nan_from_a_bad_model_value_is_not_blamed_on_the_learning_rate(tmp_path,
 
 @pytest.mark.parametrize("script,sig", [("data/prepare.py", "SIGINT"), ("train.py", "SIGINT"), ("data/prepare.py", "SIGTERM")])
 def test_ctrl_c_during_data_preparation_is_one_line_and_leaves_nothing(tmp_path, script, sig, cli):
-    """SIGTERM likewise (was: the process died at once, its temporary dirs left in the cache)."""
+    """Ctrl-C, and SIGTERM likewise, during data preparation is one line and leaves no temporary dir in
+    the cache."""
     # one tokenizing process: with data.num_proc > 1 a Ctrl-C can leave datasets' worker pool
     # waiting for killed workers (README, Reliability: not guaranteed)
     big = tmp_path / "big.txt"
@@ -577,7 +599,8 @@ def test_ctrl_c_during_data_preparation_is_one_line_and_leaves_nothing(tmp_path,
 
 
 def test_out_of_memory_batch_is_one_line(tmp_path, shared, monkeypatch):
-    """Was: a RuntimeError traceback from the allocator."""
+    """A batch too large for memory is one line, from the estimate and from the allocator's own failure
+    (never a RuntimeError traceback)."""
     with pytest.raises(UserError, match=r"need at least .* GiB .*train.batch_size=1000000000000") as e:
         train(make_cfg(tmp_path, shared, "train.batch_size=1000000000000"))
     one_line(e)
@@ -769,7 +792,7 @@ TRAINING = ["device=cpu", "logger.wandb.mode=disabled"]
 ])
 def test_bad_values_through_the_real_cli_are_one_line(tmp_path, script, args, needle, cli):
     """A few of the cases above end to end: `error: ...` as the one last line, status 1, no traceback,
-    and nothing written: no run dir (was: train.py left the run dir Hydra made, with its train.log)."""
+    and nothing written: no run dir (train.py removes the run dir Hydra made, with its train.log)."""
     r = cli(script, *args, f"hydra.run.dir={tmp_path / 'run'}")
     assert_one_line_error(r, needle)
     assert not (tmp_path / "run").exists()
@@ -778,7 +801,8 @@ def test_bad_values_through_the_real_cli_are_one_line(tmp_path, script, args, ne
 # ----------------------------------------------------------------------------- interruptions, changed data, values at their limits
 
 def test_sigterm_while_sampling_prints_what_was_generated(tiny_run, tmp_path, cli):
-    """Was: `timeout 6 python sample.py max_new_tokens=3000000 > out.txt` left 0 bytes and no message."""
+    """SIGTERM during sampling (`timeout 6 python sample.py max_new_tokens=3000000 > out.txt`) leaves the
+    text generated so far in the file and one line on stderr, exit 143."""
     with open(tmp_path / "out.txt", "w") as out:
         proc = cli.popen("sample.py", f"ckpt={tiny_run}", "prompt=line", "max_new_tokens=3000000", "device=cpu",
                          stdout=out)
@@ -794,7 +818,8 @@ def test_sigterm_while_sampling_prints_what_was_generated(tiny_run, tmp_path, cl
 
 
 def test_resume_with_another_text_of_the_same_characters_is_refused(tmp_path, shared):
-    """Was: trained on the other text without a word (the tokenizer alone was compared)."""
+    """Resuming on another text of the same characters is refused (the tokens are compared, not the
+    tokenizer alone); the same text at another path is the same data."""
     a, b = tmp_path / "a.txt", tmp_path / "b.txt"
     a.write_text(corpus_text())
     b.write_text("".join(reversed(corpus_text().splitlines(keepends=True))))  # the same characters
@@ -811,8 +836,8 @@ def test_resume_with_another_text_of_the_same_characters_is_refused(tmp_path, sh
 
 
 def test_resume_with_another_split_seed_or_data_seed_is_refused(tmp_path, shared):
-    """Was: a multi-file run resumed with another data.split_seed (documents moved between train
-    and val) or another train.data_seed (other evaluation windows) went on without a word."""
+    """A multi-file run resumed with another data.split_seed (documents moved between train and val)
+    or another train.data_seed (other evaluation windows) is refused in one line."""
     docs = tmp_path / "docs"
     docs.mkdir()
     for i in range(12):
@@ -840,7 +865,8 @@ def record_bytes(path: Path, name_end: str) -> tuple:
 
 
 def test_a_checkpoint_with_changed_bytes_is_refused(tmp_path, tiny_run, sample_cfg):
-    """Was: 64 corrupted bytes inside a weight loaded, and sampling printed other text."""
+    """64 changed bytes inside a weight fail the record's checksum: the checkpoint is refused in one line,
+    never sampled from."""
     good = tiny_run / "best.pt"
     with zipfile.ZipFile(good) as z:  # the largest tensor record
         largest = max((i for i in z.infolist() if "/data/" in i.filename), key=lambda i: i.file_size).filename
@@ -856,7 +882,8 @@ def test_a_checkpoint_with_changed_bytes_is_refused(tmp_path, tiny_run, sample_c
 
 
 def test_lr_decay_that_ends_before_the_warmup_is_refused(tmp_path, shared):
-    """Was: accepted, and the lr jumped from its peak to min_lr when the warmup ended."""
+    """An lr decay that ends before the warmup is refused (the lr would jump from its peak to min_lr when
+    the warmup ends)."""
     with pytest.raises(UserError, match=r"train.lr_decay_iters=50 is not past train.warmup_iters=100") as e:
         train(make_cfg(tmp_path, shared, "train.warmup_iters=100", "train.lr_decay_iters=50"))
     one_line(e)
@@ -864,8 +891,9 @@ def test_lr_decay_that_ends_before_the_warmup_is_refused(tmp_path, shared):
 
 
 def test_sampling_at_extreme_temperatures_and_top_p(tiny_run, sample_cfg):
-    """Was: temperature=1e-40: `RuntimeError: probability tensor contains inf/nan`; top_p=1e-300 (0 in
-    float32): `invalid multinomial distribution`. Near those limits sampling is greedy decoding."""
+    """temperature=1e-40 and top_p=1e-300 (0 in float32) sample as greedy decoding, with no `probability
+    tensor contains inf/nan` or `invalid multinomial distribution` error; temperature=1e300 still gives
+    text."""
     base = [f"ckpt={tiny_run}", "prompt=line", "max_new_tokens=20"]
     greedy = sample(sample_cfg(*base, "temperature=0"))
     assert sample(sample_cfg(*base, "temperature=1e-40")) == greedy
@@ -874,7 +902,7 @@ def test_sampling_at_extreme_temperatures_and_top_p(tiny_run, sample_cfg):
 
 
 def test_bench_without_warm_up_times_its_steps():
-    """Was: bench.warmup=0 ended in ZeroDivisionError."""
+    """bench.warmup=0 times its steps (no ZeroDivisionError)."""
     from benchmarks import bench
     r = bench(compose_cfg("bench", ["model=debug", "device=cpu", "bench.warmup=0", "bench.iters=1",
                                     "train.batch_size=2"]))
@@ -882,7 +910,8 @@ def test_bench_without_warm_up_times_its_steps():
 
 
 def test_resuming_a_finished_run_says_so_and_changes_nothing(tmp_path, shared, caplog):
-    """Was: `done: val loss nan`, after rewriting the run's record and plots."""
+    """Resuming a finished run says there is nothing to do, returns its val loss (not `done: val loss
+    nan`) and leaves its record and plots as they were."""
     first = train(make_cfg(tmp_path, shared, "train.max_iters=10"))
     before = snapshot(tmp_path / "run")
     again = train(make_cfg(tmp_path, shared, "train.max_iters=10", "resume=true"))
@@ -892,9 +921,9 @@ def test_resuming_a_finished_run_says_so_and_changes_nothing(tmp_path, shared, c
 
 
 def test_muon_settings_under_adamw_are_warned_recorded_and_the_run_goes_on(tmp_path, shared, caplog):
-    """Was: train.muon_* were silently ignored under train.optimizer=adamw; then refused, which killed
-    a sweep's AdamW arm. Now: one warning line at the start, the run's record lists it, the run trains
-    (as AdamW alone: the same as without the setting)."""
+    """train.muon_* under train.optimizer=adamw is neither silently ignored nor refused (a refusal would
+    kill a sweep's AdamW arm): one warning line at the start, the run's record lists it, and the run
+    trains as AdamW alone, the same as without the setting."""
     with caplog.at_level(logging.WARNING, logger="attnlab"):
         with_lr = train(make_cfg(tmp_path, shared, "train.muon_lr=0.01", "train.max_iters=4"))
     line = "train.muon_lr=0.01 has no effect unless train.optimizer=muon: ignored (its default is None)"
@@ -998,8 +1027,8 @@ def test_every_key_that_can_be_idle_has_a_case():
 @pytest.mark.parametrize("args", [["train.lr=nan"], ["data.path=no-such-file.txt"], ["model.block_size=100000"]],
                          ids=["bad value", "missing data", "refused after the data"])
 def test_a_refused_training_writes_nothing(tmp_path, shared, args, cli):
-    """Was: a refused train.py left outputs/runs/<time>/train.log (Hydra made the dir and opened the
-    log before any check)."""
+    """A refused train.py leaves nothing in its working directory: no outputs/runs/<time>/train.log
+    (Hydra makes the dir and opens the log before any check)."""
     r = cli("train.py", "model=debug", "device=cpu", "logger.wandb.mode=disabled", "data=text",
             f"data.path={shared['corpus']}", f"data.cache_dir={shared['cache']}", *args, cwd=tmp_path)
     assert_one_line_error(r, args[0].split("=")[0])
@@ -1007,7 +1036,9 @@ def test_a_refused_training_writes_nothing(tmp_path, shared, args, cli):
 
 
 def test_cost_at_extreme_lengths_gives_a_result_and_a_plot(tmp_path):
-    """Was: the plot failed at any length (a float N met a Fraction) and, past int64, in matplotlib."""
+    """cost.py gives the exact result and draws its plot at any length, 10^12 tokens and batch 10^6
+    included (values past int64): a float N meeting a Fraction, or int64 overflow in matplotlib, would
+    fail the plot."""
     from tools.cost import cost
     r = cost(compose_cfg("cost", ["model=debug", "seq_len=1000000000000", "batch_size=1000000", "format=json",
                                   f"plot={tmp_path / 'cost.png'}"]))
@@ -1016,8 +1047,8 @@ def test_cost_at_extreme_lengths_gives_a_result_and_a_plot(tmp_path):
 
 
 def test_an_interrupt_lost_in_a_clean_up_callback_is_raised_again(monkeypatch):
-    """Was: a Ctrl-C or SIGTERM that landed while Python ran a weakref's callback (often, while
-    `datasets` tokenizes) was printed as "Exception ignored" and the command went on to the end."""
+    """A Ctrl-C or SIGTERM that lands while Python runs a weakref's callback (often, while `datasets`
+    tokenizes) is raised again, not printed as "Exception ignored" with the command going on to the end."""
     import sys
     import weakref
     from cli import redeliver_lost_interrupt
