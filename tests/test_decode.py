@@ -122,7 +122,8 @@ def test_bench_sample_prints_ratios_and_the_bandwidth_bound(capsys):
     (["batch_sizes=[]"], "batch_sizes=[]: list at least one value"),
 ])
 def test_bench_sample_with_nothing_to_time_says_what_to_change_before_any_work(overrides, needle, capsys):
-    """Was: exit 0 having printed only its header line."""
+    """With nothing to time, bench_sample is one line saying what to change, before printing anything (not
+    exit 0 after only its header line)."""
     from helpers import compose_cfg
     from rules import UserError
     from benchmarks import bench_sample

@@ -24,7 +24,7 @@ from train import train
 CUDA = torch.device("cuda")  # only named, never used: no test here touches a GPU
 
 
-# ----------------------------------------------------------------------------- bug 1: resume on a GPU
+# ----------------------------------------------------------------------------- resuming on a GPU
 
 def test_resume_restores_rng_states_on_a_device_other_than_the_cpu(train_cfg, tmp_path, monkeypatch):
     """The checkpoint is read to CPU: read to the run's device, the sampler and RNG byte tensors
@@ -48,7 +48,7 @@ def test_resume_restores_rng_states_on_a_device_other_than_the_cpu(train_cfg, tm
         run.lock.close()
 
 
-# ----------------------------------------------------------------------------- bug 2: MFU under DDP
+# ----------------------------------------------------------------------------- MFU under DDP
 
 def test_mfu_is_per_gpu_when_tokens_per_sec_counts_every_process():
     logged = []
@@ -66,7 +66,7 @@ def test_mfu_is_per_gpu_when_tokens_per_sec_counts_every_process():
     assert line["mfu"] == pytest.approx(flops * line["tokens_per_sec"] / (4 * 1e12), rel=1e-12)
 
 
-# ----------------------------------------------------------------------------- bug 4: a compile sweep
+# ----------------------------------------------------------------------------- a compile sweep
 
 COMPILE_SWEEP = """
 import functools, json, os, runpy, sys
@@ -106,7 +106,7 @@ def test_every_point_of_a_seven_point_compile_sweep_really_compiles(tmp_path, cl
     assert trained == list(range(7)) and evaluated == list(range(7)), compiled
 
 
-# ----------------------------------------------------------------------------- bug 5: dtype=auto
+# ----------------------------------------------------------------------------- dtype=auto
 
 @pytest.mark.parametrize("capability, gpu, dtype", [((7, 0), "V100", torch.float16), ((7, 5), "T4", torch.float16),
                                                     ((8, 0), "A100", torch.bfloat16), ((8, 9), "L4", torch.bfloat16),
@@ -119,7 +119,7 @@ def test_auto_dtype_is_bf16_only_where_the_gpu_has_it(monkeypatch, capability, g
     assert pick_dtype("bfloat16", CUDA) == torch.bfloat16  # asked for, given
 
 
-# ----------------------------------------------------------------------------- bug 6: fp16 skipping a step
+# ----------------------------------------------------------------------------- fp16 skipping a step
 
 def test_fp16_run_skips_a_nonfinite_step_and_goes_on(train_cfg, tmp_path, monkeypatch):
     """The GradScaler's unscale_ of a skipped step must be closed by update(), or the next step's
@@ -131,7 +131,7 @@ def test_fp16_run_skips_a_nonfinite_step_and_goes_on(train_cfg, tmp_path, monkey
     assert scaler["scale"] < 2.0 ** 16  # the NaN step lowered the scale: update() saw its inf gradients
 
 
-# ----------------------------------------------------------------------------- bug 7: fp32 -> fp16 resume
+# ----------------------------------------------------------------------------- an fp32 checkpoint resumed in fp16
 
 @pytest.mark.slow  # trains 10 steps, then resumes to 14
 def test_resume_a_float32_checkpoint_in_float16(train_cfg, tmp_path):
@@ -142,7 +142,7 @@ def test_resume_a_float32_checkpoint_in_float16(train_cfg, tmp_path):
     assert load_checkpoint(tmp_path / "run" / step_name(14))["scaler"]["scale"] > 0  # a fresh scaler from here
 
 
-# ----------------------------------------------------------------------------- bug 8: peak FLOP/s
+# ----------------------------------------------------------------------------- peak FLOP/s
 
 @pytest.mark.parametrize("name, dtype, peak", [
     ("NVIDIA H100 80GB HBM3", torch.bfloat16, 989e12), ("NVIDIA H100 PCIe", torch.bfloat16, 756e12),
@@ -248,7 +248,7 @@ def test_two_ranks_seed_their_gpus_apart_agree_on_skipping_and_save_every_ranks_
     assert sorted(p.name for p in tmp_path.glob("rank*.ok")) == ["rank0.ok", "rank1.ok"]
 
 
-# ----------------------------------------------------------------------------- the GPU check's own findings
+# ----------------------------------------------------------------------------- the compiled decode step and the static cache
 
 def test_compiled_decode_step_mutates_only_static_inputs_so_cuda_graphs_can_capture_it(monkeypatch):
     """mode="reduce-overhead" skips CUDA graphs when an input the graph mutates in place is not a static

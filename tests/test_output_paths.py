@@ -140,7 +140,8 @@ def test_read_only_places_are_one_line_through_the_cli(tmp_path, cli):
 @pytest.mark.parametrize("script,place", [("train.py", "a_file"), ("train.py", "a_file/sub"),
                                           ("train.py", "/proc/attnlab-run"), ("sample.py", "a_file")])
 def test_a_run_dir_hydra_cannot_make_is_one_line(tmp_path, script, place, cli):
-    """Was: Hydra's FileExistsError traceback (it makes the run dir before the command runs)."""
+    """A run dir Hydra cannot make is one line, not Hydra's FileExistsError traceback (it makes the run dir
+    before the command runs), and the file in its way is kept."""
     (tmp_path / "a_file").write_text("keep me\n")
     r = cli(script, f"hydra.run.dir={place}", "device=cpu", cwd=tmp_path)
     assert_one_line_error(r, f"cannot make the run dir {place}")

@@ -115,7 +115,8 @@ def test_skip_nonfinite_skips_bad_steps_and_goes_on(train_cfg, tmp_path, monkeyp
 
 
 def test_sigterm_stops_a_whole_sweep_not_only_its_current_run(tmp_path, cli):
-    """Was: the signalled run checkpointed and returned, and Hydra started the next point."""
+    """SIGTERM stops the whole sweep: the signalled run checkpoints and returns, and Hydra starts no next
+    point."""
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("".join(f"line {i}: the quick brown fox jumps over the lazy dog\n" for i in range(300)))
     sweep = tmp_path / "sweep"
@@ -135,8 +136,10 @@ def test_sigterm_stops_a_whole_sweep_not_only_its_current_run(tmp_path, cli):
 
 
 def test_a_checkpoint_from_before_an_option_existed_resumes_as_that_options_default(train_cfg, tmp_path):
-    """Was: a checkpoint written before model.attn.kind, window, gate, ... existed was refused by every
-    later version ("model.attn is {...} here but {...} in the checkpoint")."""
+    """A checkpoint without model.attn.kind, window, gate, ... (written before they existed) resumes with
+    each at its default, not refused with "model.attn is {...} here but {...} in the checkpoint"; it
+    may lengthen its context with RoPE scaling; such an option set to other than its default is another
+    model, refused."""
     train(train_cfg("train.max_iters=10"))
     path = tmp_path / "run" / step_name(10)
     state = load_checkpoint(path)

@@ -473,8 +473,10 @@ def tree(path: Path) -> dict:
 
 
 def test_overwrite_replaces_only_an_export_of_ours_and_never_the_directory_you_are_in(tmp_path, monkeypatch):
-    """Was: overwrite=true deleted any directory holding a config.json (a project with its sources),
-    and `cd EXPORT && export.py out=. overwrite=true` emptied the directory, then failed to write."""
+    """overwrite=true replaces only a directory holding an export's files and nothing else: never a
+    project that merely holds a config.json (and its sources), never an export with a file added, and
+    never the directory you are in (`cd EXPORT && export.py out=. overwrite=true`), which it would empty
+    and then fail to write."""
     ckpt = write_checkpoint(tmp_path / "ckpt.pt", export_model())
     project = tmp_path / "project"
     (project / "src").mkdir(parents=True)
@@ -487,7 +489,7 @@ def test_overwrite_replaces_only_an_export_of_ours_and_never_the_directory_you_a
 
     out = run_export(ckpt, tmp_path / "hf")
     exported = tree(out)
-    (out / "notes.txt").write_text("mine")  # something added to an export: no longer only ours
+    (out / "notes.txt").write_text("mine")  # something added to an export: not only ours
     with pytest.raises(UserError, match="holds notes.txt, which no export wrote"):
         run_export(ckpt, out, "overwrite=true")
     assert tree(out) == {**exported, "notes.txt": b"mine"}

@@ -58,7 +58,7 @@ def test_two_run_sweep_then_report(tmp_path, cli):
 
 def test_a_sweep_runs_every_arm_when_one_arm_ignores_a_setting(tmp_path, cli):
     """`python train.py -m train.optimizer=adamw,muon train.muon_lr=0.01`: the Muon lr does nothing in the
-    AdamW arm. Both arms run (a refusal there used to stop the sweep at its first job); the AdamW run
+    AdamW arm. Both arms run (a refusal there would stop the sweep at its first job); the AdamW run
     warns once at its start and lists the setting in its run_info.json, the Muon run lists nothing,
     and the report names it under the AdamW arm."""
     sweep = tmp_path / "sweep"
@@ -181,8 +181,8 @@ def test_the_data_seed_shares_batches_across_arms_and_changes_them_across_seeds(
 
 def test_runs_of_an_older_version_join_the_arm_of_their_settings(tmp_path):
     """Runs made before an option existed lack its key; newer runs with the same settings carry it at its
-    default. They are one arm, labelled by what really differs (was: as many arms as versions, labels
-    full of `(unset)`); a key that newer runs set to different values still tells arms apart."""
+    default. They are one arm, labelled by what really differs (not as many arms as versions, with
+    labels full of `(unset)`); a key that newer runs set to different values still tells arms apart."""
     for s in (1, 2):
         fake_run(tmp_path, f"old{s}", cfg(False, s), 1.80 + s / 100)
     new_cfg = lambda qk, s, gate: {**cfg(qk, s), "model": {"n_layer": 2, "attn": {"qk_norm": qk, "gate": gate}}}
