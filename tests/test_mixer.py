@@ -135,8 +135,8 @@ def test_the_auxiliary_loss_path_adds_a_gradient_not_a_value():
 
 
 def test_a_hybrid_checkpoint_with_the_unused_sink_of_its_recurrent_layers_loads():
-    """Older versions gave a gdn layer of a hybrid with a learned sink a sink logit it never used (zero):
-    such weights load; a nonzero one is not silently dropped."""
+    """A hybrid's checkpoint whose gdn layer, under a learned sink, holds a sink logit that layer never uses
+    (zero) loads; a nonzero one is refused, never silently dropped."""
     from parallel import load_weights
     from rules import UserError
     c = GPTConfig(vocab_size=40, block_size=16, n_layer=2, n_head=2, n_embd=16, attn={"layer_kinds": ["gdn", "softmax"],

@@ -44,7 +44,7 @@ def test_quick_claims_hold_and_only_trained_ones_are_skipped(quick_rows):
 
 def test_partial_and_missing_parts_are_named(quick_rows):
     """A claim only partly checkable says what is missing; C10's fronts and C12's alternatives (linear,
-    Mamba-2, Gated DeltaNet, hybrids) are all in attnlab now."""
+    Mamba-2, Gated DeltaNet, hybrids) are all in attnlab."""
     assert quick_rows["C12"]["status"] == "holds" and "the recall part: full run" in quick_rows["C12"]["measured"]
     assert quick_rows["C10"]["status"] == "holds" and "not in attnlab" in quick_rows["C10"]["note"]
 
