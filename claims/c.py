@@ -348,5 +348,6 @@ def check_c12(ctx):
                   f"{cfg.model.block_size} tokens, {cfg.model.n_layer} layers of one {cfg.model.n_embd}-wide head, "
                   f"{cfg.train.max_iters} steps): pure linear recalls {recall['recall_linear']:.3f}, the hybrid "
                   f"[linear, softmax] {recall['recall_hybrid']:.3f}", tolerance,
-                  note="one seed here; docs/hybrids.md has the recall experiment with 3 seeds and intervals",
+                  note="one seed here; in docs/hybrids.md (3 seeds, 2,000 steps) [linear, softmax] learned the lookup in 1 of 3 "
+                       "seeds and [gdn, softmax] in all 3",
                   figures=figures)
