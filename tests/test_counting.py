@@ -14,9 +14,9 @@ from helpers import GQA_SWIGLU, MHA_GELU, REPO, compose_cfg
 from model import GPT, GPTConfig
 
 
-def cost_cfg(*overrides):
-    """The cost command's config (its model group and defaults), without the figure."""
-    return compose_cfg("cost", ["plot=null", *overrides])
+def model_cfg(preset):
+    """The model group of a preset (configs/model/PRESET.yaml), as every command composes it."""
+    return compose_cfg("config", [f"model={preset}"]).model
 
 
 # ----------------------------------------------------------------------------- by hand
@@ -180,8 +180,8 @@ MODEL_PRESETS = sorted(p.stem for p in (REPO / "configs" / "model").glob("*.yaml
 def test_every_model_preset_counts_like_its_model(preset):
     """Built on the meta device (shapes, no memory: llama3_8b_shape has 8B parameters); presets
     without a vocabulary get a small one."""
-    cfg = cost_cfg(f"model={preset}")
-    c = model_config(cfg.model, None if cfg.model.vocab_size else 96)
+    m = model_cfg(preset)
+    c = model_config(m, None if m.vocab_size else 96)
     with torch.device("meta"):
         model = GPT(c)
     assert count_params(c)["total"] == model.num_params()
@@ -191,7 +191,7 @@ def test_every_model_preset_counts_like_its_model(preset):
 
 
 def test_llama3_8b_shape_is_llama_3_8b():
-    c = model_config(cost_cfg("model=llama3_8b_shape").model)
+    c = model_config(model_cfg("llama3_8b_shape"))
     assert count_params(c)["total"] == 8_030_261_248  # Meta's published count for Llama 3 8B
     assert (c.n_layer, c.n_embd, c.n_head, c.n_kv_head, c.head_dim, c.d_ff, c.vocab_size) == \
         (32, 4096, 32, 8, 128, 14336, 128256)
