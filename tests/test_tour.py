@@ -1,5 +1,6 @@
 """The guided tour: docs/tour.md and docs/tour.zh.md show the same steps, commands and figures; every
-step's command runs and prints the figures its page quotes; notebooks/tour.ipynb runs from top to bottom.
+step's command runs and prints the figures its page quotes; notebooks/tour.ipynb and notebooks/tour.zh.ipynb are
+what scripts/make_notebooks.py makes from the pages, and the notebook runs from top to bottom.
 
 How a page is read (the pages say it to their readers too):
 - A step is a `## ` section that holds the marker `<!-- tour:step -->`; its command is the one line of
@@ -12,8 +13,11 @@ How a page is read (the pages say it to their readers too):
   occurrence of the span's leading words the output's next numbers are the span's, a ranged one within
   its range, the others as written.
 """
+import ast
+import importlib.util
 import json
 import os
+import posixpath
 import re
 import subprocess
 import sys
@@ -25,7 +29,7 @@ import pytest
 from helpers import REPO, cli_env
 
 PAGES = {"en": REPO / "docs" / "tour.md", "zh": REPO / "docs" / "tour.zh.md"}
-NOTEBOOK = REPO / "notebooks" / "tour.ipynb"
+NOTEBOOKS = {"en": REPO / "notebooks" / "tour.ipynb", "zh": REPO / "notebooks" / "tour.zh.ipynb"}
 MARKER = "<!-- tour:step -->"
 FIGURE = re.compile(r"\*\*`([^`]+)`\*\*")
 # a number as the tools print them: 5,120  0.533  -0.12  4e-16  0e+00; not the digits of a name (L1H3, d_k, x10)
@@ -228,18 +232,138 @@ def test_ranged_figures_come_only_from_training_steps():
             assert re.search(r"train\.py|ckpt=|report\.py|--out", step.command), (step.title, ranged)
 
 
-def test_the_notebook_is_stored_without_outputs():
-    nb = json.loads(NOTEBOOK.read_text(encoding="utf-8"))
-    for cell in nb["cells"]:
+# ----------------------------------------------------------------------------- the notebooks (fast)
+
+def make_notebooks():
+    """scripts/make_notebooks.py as a module (scripts/ is no package)."""
+    spec = importlib.util.spec_from_file_location("make_notebooks", REPO / "scripts" / "make_notebooks.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def notebook(lang="en") -> dict:
+    return json.loads(NOTEBOOKS[lang].read_text(encoding="utf-8"))
+
+
+def sources(nb: dict, kind: str) -> list:
+    return ["".join(c["source"]) for c in nb["cells"] if c["cell_type"] == kind]
+
+
+def setup_functions() -> dict:
+    """The functions of the notebook's first code cell (what it calls to install), without running the cell."""
+    tree = ast.parse(sources(notebook(), "code")[0])
+    tree.body = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom, ast.FunctionDef))
+                 or (isinstance(n, ast.Assign) and n.targets[0].id == "NOT_FOR_THE_TOUR")]
+    scope = {}
+    exec(compile(tree, "setup cell", "exec"), scope)
+    return scope
+
+
+@pytest.mark.parametrize("lang", NOTEBOOKS)
+def test_the_notebooks_are_what_the_script_makes_from_the_pages(lang):
+    """An edited page (or tour_cells.py) without `python scripts/make_notebooks.py` fails here."""
+    made = make_notebooks().notebooks()[lang]
+    assert NOTEBOOKS[lang].read_text(encoding="utf-8") == make_notebooks().text_of(made), \
+        f"{NOTEBOOKS[lang].name} is stale: run python scripts/make_notebooks.py"
+
+
+@pytest.mark.parametrize("lang", NOTEBOOKS)
+def test_the_notebook_is_stored_without_outputs(lang):
+    for cell in notebook(lang)["cells"]:
         if cell["cell_type"] == "code":
             assert cell.get("outputs") == [] and cell.get("execution_count") is None, "".join(cell["source"])[:80]
 
 
-def test_the_notebooks_first_code_cell_installs_only_outside_the_repo():
-    nb = json.loads(NOTEBOOK.read_text(encoding="utf-8"))
-    first = "".join(next(c for c in nb["cells"] if c["cell_type"] == "code")["source"])
-    assert "requirements.txt" in first and "git" in first and "clone" in first
-    assert "attention.py" in first  # how it recognises the repository
+@pytest.mark.parametrize("lang", NOTEBOOKS)
+def test_every_step_is_its_text_then_its_command_then_what_to_look_at(lang):
+    """Each step's heading, its command run as the page writes it, its figures and its pictures (as seen from
+    notebooks/, where they exist) are in the notebook, in the page's order."""
+    nb, text = notebook(lang), page(lang)
+    cells = ["".join(c["source"]) for c in nb["cells"]]
+    markdown = "\n".join(sources(nb, "markdown"))
+    at = 0
+    for step in steps_of(text):
+        heading = next(i for i, c in enumerate(cells) if c.startswith("## " + step.title))
+        ran = next(i for i, c in enumerate(cells) if f"run({json.dumps(step.command, ensure_ascii=False)})" in c)
+        assert at < heading < ran, (step.title, at, heading, ran)
+        at = ran
+        assert MARKER not in cells[heading] and "```\n" + step.command not in markdown
+        for span in step.figures:
+            assert f"**`{span}`**" in markdown, (step.title, span)
+    for target in IMAGE.findall(text):
+        if "://" not in target:
+            seen = posixpath.normpath(posixpath.join("../docs", target))
+            assert f"]({seen})" in markdown and (NOTEBOOKS[lang].parent / seen).is_file(), seen
+
+
+def test_the_chinese_notebook_carries_the_chinese_page_and_the_same_code():
+    en, zh = notebook("en"), notebook("zh")
+    assert sources(en, "code") == sources(zh, "code")
+    han = lambda s: len(re.findall(r"[\u4e00-\u9fff]", s))
+    assert han("".join(sources(zh, "markdown"))) > 0.8 * han(page("zh"))
+    assert han("".join(sources(en, "markdown"))) <= han(page("en")) + 3  # the page's own, and the link 中文版
+    assert "(tour.zh.ipynb)" in sources(en, "markdown")[0] and "(tour.ipynb)" in sources(zh, "markdown")[0]
+
+
+@pytest.mark.parametrize("lang", NOTEBOOKS)
+def test_the_notebook_opens_with_a_colab_badge_for_the_same_repository_the_first_cell_clones(lang):
+    first, setup = sources(notebook(lang), "markdown")[0], sources(notebook(lang), "code")[0]
+    url = re.search(r"\(https://colab\.research\.google\.com/github/([^/]+)/attnlab/blob/main/([^)]+)\)", first)
+    assert url and url.group(2) == NOTEBOOKS[lang].relative_to(REPO).as_posix(), first[:300]
+    assert re.search(r'^REPO_URL = "https://github\.com/' + re.escape(url.group(1)) + '/attnlab"', setup, re.M)
+
+
+def test_the_first_code_cell_finds_the_checkout_and_installs_only_elsewhere_with_this_kernels_python():
+    setup = sources(notebook(), "code")[0]
+    assert "attention.py" in setup  # how it recognises the repository
+    assert re.search(r"^REPO = find_repo\(Path\.cwd\(\)\)", setup, re.M) and "if REPO is None:" in setup
+    assert "os.environ" not in setup  # nothing to set in a checkout
+    assert "sys.executable" in setup
+    for code in sources(notebook(), "code"):
+        assert not re.search(r"^\s*[!%]", code, re.M), code[:80]  # no shell escapes: the kernel's own Python
+
+
+def test_the_install_keeps_a_recent_enough_torch_and_installs_what_the_tour_needs():
+    f = setup_functions()
+    requirements = (REPO / "requirements.txt").read_text(encoding="utf-8")
+    lines = [l.split("#")[0].strip() for l in requirements.splitlines() if l.split("#")[0].strip()]
+    torch_line = next(l for l in lines if f["requirement_name"](l) == "torch")
+    floor = re.search(r"[\d.]+$", torch_line).group()
+    assert {f["requirement_name"](l) for l in lines} >= f["NOT_FOR_THE_TOUR"]  # the list names real lines
+    newer = ".".join(str(n + 1) if i == 1 else str(n) for i, n in enumerate(f["release"](floor)))
+    for installed in (floor, floor + "+cu126", newer):  # Colab's CUDA build, or one newer than the floor
+        plan, keep = f["install_plan"](requirements, installed)
+        assert torch_line not in plan and not any(f["requirement_name"](l) == "torch" for l in plan), installed
+        assert keep == f"torch=={installed}"  # the constraint that stops anything pulling another torch
+    for installed in (None, "2.0.1", "1.13.1+cu117"):
+        plan, keep = f["install_plan"](requirements, installed)
+        assert torch_line in plan and keep is None, installed
+    plan, _ = f["install_plan"](requirements, floor)
+    assert set(plan) == {l for l in lines if f["requirement_name"](l) not in f["NOT_FOR_THE_TOUR"] | {"torch"}}
+    assert f["release"]("2.13.0+cu126") == (2, 13, 0) and f["release"]("2.9") < f["release"]("2.13.0")
+
+
+@pytest.mark.slow
+def test_in_a_venv_that_already_holds_torch_the_install_downloads_no_torch(tmp_path):
+    """As in Colab: torch is there before the notebook runs (this machine's, through --system-site-packages).
+    The first cell's install() must neither download nor replace it."""
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True)
+    python = venv / "bin" / "python"
+    setup = sources(notebook(), "code")[0]
+    tree = ast.parse(setup)
+    tree.body = [n for n in tree.body if not isinstance(n, ast.If) and not (
+        isinstance(n, ast.Assign) and n.targets[0].id == "REPO")]  # its functions, not its clone
+    script = tmp_path / "install.py"
+    script.write_text(ast.unparse(tree) + f"\ninstall(Path({str(REPO)!r}), quiet=False)\n", encoding="utf-8")
+    version = [str(python), "-c", "import torch; print(torch.__version__, torch.__file__)"]
+    before = subprocess.run(version, capture_output=True, text=True, check=True).stdout
+    r = subprocess.run([str(python), str(script)], capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    pulled = [l for l in r.stdout.splitlines() if re.match(r"\s*(Collecting|Downloading|Installing).*\btorch\b", l)]
+    assert not pulled and "stays" in r.stdout, pulled or r.stdout[:500]
+    assert subprocess.run(version, capture_output=True, text=True, check=True).stdout == before
 
 
 # ----------------------------------------------------------------------------- running it (slow)
@@ -271,20 +395,23 @@ def test_each_steps_command_runs_and_prints_the_figures_the_page_quotes(chain, w
 
 @pytest.mark.slow
 def test_the_notebook_runs_from_top_to_bottom(tmp_path):
-    """Executed by a Jupyter kernel (nbclient) at small settings (TOUR_FAST=1), writing under tmp_path."""
+    """Executed by a Jupyter kernel (nbclient) from notebooks/, as a reader opens it in a checkout (no setting
+    needed), at small settings (TOUR_FAST=1), writing under tmp_path."""
     nbformat = pytest.importorskip("nbformat")
     nbclient = pytest.importorskip("nbclient")
-    nb = nbformat.read(NOTEBOOK, as_version=4)
+    nb = nbformat.read(NOTEBOOKS["en"], as_version=4)
     env = {"TOUR_FAST": "1", "TOUR_OUT": str(tmp_path / "out")}
     old = {k: os.environ.get(k) for k in env}
     os.environ.update(env)  # the kernel inherits the test's environment
     try:
         nbclient.NotebookClient(nb, timeout=900, kernel_name="python3",
-                                resources={"metadata": {"path": str(NOTEBOOK.parent)}}).execute()
+                                resources={"metadata": {"path": str(NOTEBOOKS["en"].parent)}}).execute()
     finally:
         for k, v in old.items():
             os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
     ran = [c for c in nb.cells if c.cell_type == "code"]
     assert all(c.execution_count for c in ran)
+    printed = "".join(o.get("text", "") for o in ran[0].outputs)
+    assert f"attnlab at {REPO}" in printed, printed  # found the checkout, cloned nothing
     images = sum(1 for c in ran for o in c.outputs if "image/png" in o.get("data", {}))
-    assert images >= 5, f"the notebook showed {images} pictures"
+    assert images >= 8, f"the notebook showed {images} pictures"

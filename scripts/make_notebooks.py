@@ -1,0 +1,206 @@
+"""Build the tour's notebooks from its pages: notebooks/tour.ipynb from docs/tour.md and notebooks/tour.zh.ipynb
+from docs/tour.zh.md, with the code of notebooks/tour_cells.py (one source for both languages).
+
+    python scripts/make_notebooks.py            # write both notebooks (stored without outputs)
+    python scripts/make_notebooks.py --check    # exit 1 if a stored notebook differs from what the pages make
+    python scripts/make_notebooks.py --html     # also execute the tour once and render both, with its
+                                                # outputs, as docs/tour_notebook.html and docs/tour_notebook.zh.html
+    python scripts/make_notebooks.py --html --fast   # the same at the notebook's FAST settings
+
+Each notebook opens with the page's title, an "Open in Colab" badge, the page's introduction and a note on
+running it, then the setup cells. Every step of the page (a `## ` section holding `<!-- tour:step -->`) becomes:
+a markdown cell with the section's text up to its command; the step's code cells (its command, run as the page
+writes it, and the cells of tour_cells.py whose pattern matches that command); a markdown cell with the rest of
+the section (its "Look at", its figures, its checks). A section without a step is one markdown cell. Links and
+pictures are rewritten relative to notebooks/. The badge names OWNER's GitHub repository: a fork sets OWNER
+below (and REPO_URL in tour_cells.py's first cell) and runs this script again.
+
+--html executes the English notebook once with nbclient (its code is the Chinese one's too, so both HTML copies
+show the same outputs) and renders with nbconvert, which is not in requirements.txt: `pip install nbconvert`.
+"""
+import argparse
+import copy
+import json
+import os
+import posixpath
+import re
+import sys
+import time
+from pathlib import Path
+
+import nbformat
+
+REPO = Path(__file__).resolve().parents[1]
+CELLS = REPO / "notebooks" / "tour_cells.py"
+OWNER = "your-github-name"  # the GitHub owner of the repository the Colab badge opens (a fork: its own)
+BOOKS = {  # language: (page, notebook, HTML copy)
+    "en": ("docs/tour.md", "notebooks/tour.ipynb", "docs/tour_notebook.html"),
+    "zh": ("docs/tour.zh.md", "notebooks/tour.zh.ipynb", "docs/tour_notebook.zh.html"),
+}
+MARKER = "<!-- tour:step -->"
+COMMAND_BLOCK = re.compile(r"^```[\w-]*\n(.*?)^```[ \t]*\n?", re.M | re.S)
+TARGET = re.compile(r"(\]\()([^)\s]+)(\))")  # the target of a markdown link or picture
+NOTE = {
+    "en": "This notebook is made from [docs/tour.md]({page}) by `scripts/make_notebooks.py`: each step's text, "
+          "then its command, run here as the page writes it, then what to look at. Run the cells in order. The "
+          "first one finds the repository; opened anywhere else (Colab), it clones `REPO_URL` (edit that line "
+          "first; the badge above opens {owner}'s copy, so a fork edits `OWNER` in the script) and installs what "
+          "the tour needs, keeping an installed torch that is recent enough. `FAST = True` in the second cell (or "
+          "`TOUR_FAST=1`) cuts every training run short: minutes instead of a quarter of an hour on two CPU "
+          "cores, but the trained figures are then not the page's. A copy with its outputs: "
+          "[docs/tour_notebook.html](../docs/tour_notebook.html). [中文版](tour.zh.ipynb)",
+    "zh": "本笔记本由 `scripts/make_notebooks.py` 从 [docs/tour.zh.md]({page}) 生成：每一步先是正文，然后是那一步的命令"
+          "（在这里照页面上写的原样运行），最后是该看什么。请按顺序运行各个单元。第一个单元负责找到仓库；在别处打开"
+          "（比如 Colab）时，它会克隆 `REPO_URL`（先改这一行；上面的徽章打开的是 {owner} 的仓库，fork 的话请改脚本里的 "
+          "`OWNER`），并只安装导览需要的包，已经装好且版本够新的 torch 保持不动。在第二个单元里设 `FAST = True`"
+          "（或设环境变量 `TOUR_FAST=1`）会把每次训练都截短：在双核 CPU 上几分钟跑完，而不是一刻钟，但训练得来的数字"
+          "就不再是页面上的了。带输出的副本：[docs/tour_notebook.zh.html](../docs/tour_notebook.zh.html)。"
+          "[English](tour.ipynb)",
+}
+
+
+# ----------------------------------------------------------------------------- reading
+
+def code_cells(text: str) -> list:
+    """[(where, source)] of tour_cells.py: where is "setup" or a step's command pattern."""
+    parts = re.split(r"^# %% (.*)\n", text, flags=re.M)
+    cells = []
+    for where, source in zip(parts[1::2], parts[2::2]):
+        where = where.strip()
+        pattern = "setup" if where == "setup" else re.fullmatch(r"step (.+)", where).group(1)
+        cells.append((pattern, source.strip("\n")))
+    return cells
+
+
+def sections(page: str) -> tuple:
+    """(the text before the first `## `, [the `## ` sections])."""
+    parts = re.split(r"^(?=## )", page, flags=re.M)
+    return parts[0], parts[1:]
+
+
+def relink(markdown: str) -> str:
+    """Links and pictures of a page in docs/, as seen from notebooks/."""
+    def fix(m):
+        target = m.group(2)
+        if re.match(r"[a-z]+:|#|/", target):
+            return m.group(0)
+        path, _, anchor = target.partition("#")
+        return m.group(1) + posixpath.normpath(posixpath.join("../docs", path)) + ("#" + anchor if anchor else "") + m.group(3)
+    return TARGET.sub(fix, markdown)
+
+
+def badge(lang: str) -> str:
+    url = f"https://colab.research.google.com/github/{OWNER}/attnlab/blob/main/{BOOKS[lang][1]}"
+    return f"[![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)]({url})"
+
+
+# ----------------------------------------------------------------------------- building
+
+def build(lang: str, page: str, cells: list) -> nbformat.NotebookNode:
+    md = lambda text, own="": nbformat.v4.new_markdown_cell(own + relink(text.strip("\n")))
+    code = lambda source: nbformat.v4.new_code_cell(source)
+    intro, parts = sections(page)
+    title, _, rest = intro.partition("\n")
+    rest = "\n".join(l for l in rest.splitlines() if not re.search(r"\]\((tour(\.zh)?\.md|\.\./notebooks/)", l))
+    nb = nbformat.v4.new_notebook()
+    nb.metadata = {"kernelspec": {"display_name": "Python 3", "language": "python", "name": "python3"},
+                   "language_info": {"name": "python"}}
+    note = NOTE[lang].format(page="../" + BOOKS[lang][0], owner=OWNER)
+    nb.cells.append(md(rest, own=f"{title}\n\n{badge(lang)}\n\n{note}\n\n"))
+    nb.cells += [code(source) for where, source in cells if where == "setup"]
+    steps = [(where, source) for where, source in cells if where != "setup"]
+    used = set()
+    for section in parts:
+        if MARKER not in section:
+            nb.cells.append(md(section))
+            continue
+        before, after = section.split(MARKER, 1)
+        block = COMMAND_BLOCK.search(after)
+        command = block.group(1).strip()
+        mine = [i for i, (pattern, _) in enumerate(steps) if re.search(pattern, command)]
+        used.update(mine)
+        sources = [steps[i][1].replace("run(PAGE_COMMAND)", f"run({json.dumps(command, ensure_ascii=False)})")
+                   for i in mine]
+        if not any(f"run({json.dumps(command, ensure_ascii=False)})" in s for s in sources):
+            sources.insert(0, f"run({json.dumps(command, ensure_ascii=False)})")
+        nb.cells.append(md(before))
+        nb.cells += [code(s) for s in sources]
+        if (rest := after[:block.start()] + after[block.end():]).strip():
+            nb.cells.append(md(rest))
+    lost = [steps[i][0] for i in range(len(steps)) if i not in used]
+    if lost:
+        raise SystemExit(f"{CELLS.relative_to(REPO)}: no step of {BOOKS[lang][0]} has a command matching {lost}")
+    for i, cell in enumerate(nb.cells):  # ids that stay the same from one build to the next
+        cell["id"] = f"{lang}-{i}"
+    return nb
+
+
+def notebooks() -> dict:
+    """{lang: the notebook its page and tour_cells.py make}."""
+    cells = code_cells(CELLS.read_text(encoding="utf-8"))
+    return {lang: build(lang, (REPO / page).read_text(encoding="utf-8"), cells) for lang, (page, _, _) in BOOKS.items()}
+
+
+def text_of(nb) -> str:
+    return nbformat.writes(nb) + "\n"
+
+
+# ----------------------------------------------------------------------------- executing, rendering
+
+def execute(nb, fast: bool):
+    """Run the notebook from notebooks/ with nbclient, as a reader would."""
+    import nbclient
+    nb = copy.deepcopy(nb)
+    if fast:
+        os.environ["TOUR_FAST"] = "1"  # the kernel inherits this process's environment
+    t0 = time.perf_counter()
+    nbclient.NotebookClient(nb, timeout=3600, kernel_name="python3",
+                            resources={"metadata": {"path": str(REPO / "notebooks")}}).execute()
+    print(f"executed in {time.perf_counter() - t0:.0f} s{' (FAST)' if fast else ''}", file=sys.stderr)
+    return nb
+
+
+def render(executed, nb, path: Path):
+    """nb (a language's notebook) with the outputs of `executed` (the same code cells), as HTML."""
+    try:
+        from nbconvert import HTMLExporter
+    except ImportError:
+        raise SystemExit("--html needs nbconvert (not in requirements.txt): pip install nbconvert")
+    nb = copy.deepcopy(nb)
+    ran = [c for c in executed.cells if c.cell_type == "code"]
+    mine = [c for c in nb.cells if c.cell_type == "code"]
+    assert [c.source for c in ran] == [c.source for c in mine], "the languages' code cells differ"
+    for c, r in zip(mine, ran):
+        c.outputs, c.execution_count = r.outputs, r.execution_count
+    html, _ = HTMLExporter().from_notebook_node(nb, resources={"metadata": {"name": path.stem}})
+    path.write_text(html, encoding="utf-8")
+    print(f"wrote {path.relative_to(REPO)} ({path.stat().st_size / 1e6:.1f} MB)", file=sys.stderr)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--check", action="store_true", help="write nothing; exit 1 if a notebook is stale")
+    parser.add_argument("--html", action="store_true", help="also execute the tour and render the HTML copies")
+    parser.add_argument("--fast", action="store_true", help="with --html: execute at the FAST settings")
+    args = parser.parse_args()
+    books = notebooks()
+    stale = []
+    for lang, nb in books.items():
+        path = REPO / BOOKS[lang][1]
+        if not path.is_file() or path.read_text(encoding="utf-8") != text_of(nb):
+            stale.append(BOOKS[lang][1])
+            if not args.check:
+                path.write_text(text_of(nb), encoding="utf-8")
+    if args.check:
+        if stale:
+            raise SystemExit(f"stale: {', '.join(stale)} (run python scripts/make_notebooks.py)")
+        return
+    print("wrote" if stale else "unchanged:", ", ".join(stale) or ", ".join(b[1] for b in BOOKS.values()))
+    if args.html:
+        executed = execute(books["en"], args.fast)
+        for lang, nb in books.items():
+            render(executed, nb, REPO / BOOKS[lang][2])
+
+
+if __name__ == "__main__":
+    main()
