@@ -6,6 +6,9 @@ from docs/tour.zh.md, with the code of notebooks/tour_cells.py (one source for b
     python scripts/make_notebooks.py --html     # also execute the tour once and render both, with its
                                                 # outputs, as docs/tour_notebook.html and docs/tour_notebook.zh.html
     python scripts/make_notebooks.py --html --fast   # the same at the notebook's FAST settings
+    python scripts/make_notebooks.py --html --outputs outputs/tour-notebook/executed.ipynb
+                                                # render again with the outputs of the last execution
+                                                # (after a change of the pages' text, not of a command)
 
 Each notebook opens with the page's title, an "Open in Colab" badge, the page's introduction and a note on
 running it, then the setup cells. Every step of the page (a `## ` section holding `<!-- tour:step -->`) becomes:
@@ -37,6 +40,7 @@ BOOKS = {  # language: (page, notebook, HTML copy)
     "en": ("docs/tour.md", "notebooks/tour.ipynb", "docs/tour_notebook.html"),
     "zh": ("docs/tour.zh.md", "notebooks/tour.zh.ipynb", "docs/tour_notebook.zh.html"),
 }
+EXECUTED = REPO / "outputs" / "tour-notebook" / "executed.ipynb"  # the last --html execution, with its outputs
 MARKER = "<!-- tour:step -->"
 COMMAND_BLOCK = re.compile(r"^```[\w-]*\n(.*?)^```[ \t]*\n?", re.M | re.S)
 TARGET = re.compile(r"(\]\()([^)\s]+)(\))")  # the target of a markdown link or picture
@@ -157,6 +161,9 @@ def execute(nb, fast: bool):
     nbclient.NotebookClient(nb, timeout=3600, kernel_name="python3",
                             resources={"metadata": {"path": str(REPO / "notebooks")}}).execute()
     print(f"executed in {time.perf_counter() - t0:.0f} s{' (FAST)' if fast else ''}", file=sys.stderr)
+    EXECUTED.parent.mkdir(parents=True, exist_ok=True)
+    nbformat.write(nb, EXECUTED)
+    print(f"wrote {EXECUTED.relative_to(REPO)}", file=sys.stderr)
     return nb
 
 
@@ -182,6 +189,8 @@ def main():
     parser.add_argument("--check", action="store_true", help="write nothing; exit 1 if a notebook is stale")
     parser.add_argument("--html", action="store_true", help="also execute the tour and render the HTML copies")
     parser.add_argument("--fast", action="store_true", help="with --html: execute at the FAST settings")
+    parser.add_argument("--outputs", type=Path, metavar="IPYNB",
+                        help="with --html: take the outputs of this executed notebook instead of executing")
     args = parser.parse_args()
     books = notebooks()
     stale = []
@@ -197,7 +206,7 @@ def main():
         return
     print("wrote" if stale else "unchanged:", ", ".join(stale) or ", ".join(b[1] for b in BOOKS.values()))
     if args.html:
-        executed = execute(books["en"], args.fast)
+        executed = nbformat.read(args.outputs, as_version=4) if args.outputs else execute(books["en"], args.fast)
         for lang, nb in books.items():
             render(executed, nb, REPO / BOOKS[lang][2])
 
