@@ -12,6 +12,8 @@ import importlib.util
 import itertools
 import re
 import shlex
+import subprocess
+import sys
 
 import pytest
 from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -217,6 +219,10 @@ def parse_only(script: str, args: list, monkeypatch):
 @pytest.mark.parametrize("command", all_commands())
 def test_every_documented_command_composes(command, monkeypatch):
     program, script, args = split(command)
+    if program == "python" and script == "-c":  # a snippet: it must run, and print something
+        r = subprocess.run([sys.executable, "-c", args[0]], cwd=REPO, capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0 and r.stdout.strip(), f"{command} failed:\n{r.stderr[-2000:]}"
+        return
     if script.startswith("-m "):
         assert importlib.util.find_spec(script[3:]) is not None, f"no module {script[3:]}"
         return
