@@ -250,13 +250,18 @@ def sources(nb: dict, kind: str) -> list:
     return ["".join(c["source"]) for c in nb["cells"] if c["cell_type"] == kind]
 
 
-def setup_functions() -> dict:
-    """The functions of the notebook's first code cell (what it calls to install), without running the cell."""
+def setup_definitions() -> str:
+    """The imports, functions and NOT_FOR_THE_TOUR of the notebook's first code cell (what it calls to install),
+    without the statements that find, clone and install."""
     tree = ast.parse(sources(notebook(), "code")[0])
     tree.body = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom, ast.FunctionDef))
                  or (isinstance(n, ast.Assign) and n.targets[0].id == "NOT_FOR_THE_TOUR")]
+    return ast.unparse(tree)
+
+
+def setup_functions() -> dict:
     scope = {}
-    exec(compile(tree, "setup cell", "exec"), scope)
+    exec(compile(setup_definitions(), "setup cell", "exec"), scope)
     return scope
 
 
@@ -351,12 +356,8 @@ def test_in_a_venv_that_already_holds_torch_the_install_downloads_no_torch(tmp_p
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True)
     python = venv / "bin" / "python"
-    setup = sources(notebook(), "code")[0]
-    tree = ast.parse(setup)
-    tree.body = [n for n in tree.body if not isinstance(n, ast.If) and not (
-        isinstance(n, ast.Assign) and n.targets[0].id == "REPO")]  # its functions, not its clone
     script = tmp_path / "install.py"
-    script.write_text(ast.unparse(tree) + f"\ninstall(Path({str(REPO)!r}), quiet=False)\n", encoding="utf-8")
+    script.write_text(setup_definitions() + f"\ninstall(Path({str(REPO)!r}), quiet=False)\n", encoding="utf-8")
     version = [str(python), "-c", "import torch; print(torch.__version__, torch.__file__)"]
     before = subprocess.run(version, capture_output=True, text=True, check=True).stdout
     r = subprocess.run([str(python), str(script)], capture_output=True, text=True, timeout=900)
