@@ -105,7 +105,7 @@ from IPython.display import Image, display
 # notebook so): minutes instead of a quarter of an hour, but the trained figures are then not the page's.
 FAST = os.environ.get("TOUR_FAST") == "1"  # or set it: FAST = True
 FAST_ITERS = 60
-OUT = Path(os.environ.get("TOUR_OUT") or f"outputs/tour-notebook/{time.strftime('%Y-%m-%d_%H-%M-%S')}").resolve()
+OUT = Path(os.environ.get("TOUR_OUT") or f"outputs/tour-notebook/{time.strftime('%Y-%m-%d_%H-%M-%S')}")
 OUT.mkdir(parents=True, exist_ok=True)
 torch.set_num_threads(1)  # the models here are too small for a second thread to help (docs/tour.md)
 
@@ -217,6 +217,11 @@ show(OUT / "induction" / "attention.png")
 run("python tools/visualize.py ckpt=outputs/tour/induction prompt=\"'abcXYZabcXYZ'\" out=outputs/tour/maps top_k=3")
 show(OUT / "maps" / "attention.png")
 
+# %% step experiment=induction_cpu
+# Sampling from this model prefills the prompt once, then decodes one token a step from its KV cache (the step
+# on prefill, decode and the KV cache counts what that cache holds).
+run("python sample.py ckpt=outputs/tour/induction prompt=\"'the cat sat. the cat '\" max_new_tokens=40 temperature=0.5")
+
 # %% step tools/cost\.py model=llama3
 run(PAGE_COMMAND)
 show(OUT / "cost.png")
@@ -225,10 +230,6 @@ show(OUT / "cost.png")
 # MoBA: how many keys a query reads when it chooses 2 blocks of 16
 run("python tools/cost.py model=default seq_len=128 model.attn.select=moba model.attn.select_block=16 "
     "model.attn.select_topk=2 plot=null", after="select=moba", lines=7)
-
-# %% step --only .*\bC9\b
-# Prefill and decode on the model of the induction step: the prompt once, then one token a step from the cache.
-run("python sample.py ckpt=outputs/tour/induction prompt=\"'the cat sat. the cat '\" max_new_tokens=40 temperature=0.5")
 
 # %% step tools/ablate\.py
 run(PAGE_COMMAND)
