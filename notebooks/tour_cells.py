@@ -102,7 +102,7 @@ import torch
 from IPython.display import Image, display
 
 # FAST: every training run stops at 60 steps and the claims' trained checks are skipped (the tests run the
-# notebook so): minutes instead of a quarter of an hour, but the trained figures are then not the page's.
+# notebook so): on two CPU cores about 2 minutes instead of 4, but the trained figures are then not the page's.
 FAST = os.environ.get("TOUR_FAST") == "1"  # or set it: FAST = True
 FAST_ITERS = 60
 OUT = Path(os.environ.get("TOUR_OUT") or f"outputs/tour-notebook/{time.strftime('%Y-%m-%d_%H-%M-%S')}")

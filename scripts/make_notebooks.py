@@ -50,15 +50,15 @@ NOTE = {
           "first one finds the repository; opened anywhere else (Colab), it clones `REPO_URL` (edit that line "
           "first; the badge above opens {owner}'s copy, so a fork edits `OWNER` in the script) and installs what "
           "the tour needs, keeping an installed torch that is recent enough. `FAST = True` in the second cell (or "
-          "`TOUR_FAST=1`) cuts every training run short: minutes instead of a quarter of an hour on two CPU "
-          "cores, but the trained figures are then not the page's. A copy with its outputs: "
+          "`TOUR_FAST=1`) cuts every training run short: on two CPU cores the notebook then takes about 2 minutes "
+          "instead of 4, but the trained figures are not the page's. A copy with its outputs: "
           "[docs/tour_notebook.html](../docs/tour_notebook.html). [中文版](tour.zh.ipynb)",
     "zh": "本笔记本由 `scripts/make_notebooks.py` 从 [docs/tour.zh.md]({page}) 生成：每一步先是正文，然后是那一步的命令"
           "（在这里照页面上写的原样运行），最后是该看什么。请按顺序运行各个单元。第一个单元负责找到仓库；在别处打开"
           "（比如 Colab）时，它会克隆 `REPO_URL`（先改这一行；上面的徽章打开的是 {owner} 的仓库，fork 的话请改脚本里的 "
           "`OWNER`），并只安装导览需要的包，已经装好且版本够新的 torch 保持不动。在第二个单元里设 `FAST = True`"
-          "（或设环境变量 `TOUR_FAST=1`）会把每次训练都截短：在双核 CPU 上几分钟跑完，而不是一刻钟，但训练得来的数字"
-          "就不再是页面上的了。带输出的副本：[docs/tour_notebook.zh.html](../docs/tour_notebook.zh.html)。"
+          "（或设环境变量 `TOUR_FAST=1`）会把每次训练都截短：在双核 CPU 上整个笔记本大约 2 分钟跑完，而不是 4 分钟，"
+          "但训练得来的数字就不再是页面上的了。带输出的副本：[docs/tour_notebook.zh.html](../docs/tour_notebook.zh.html)。"
           "[English](tour.ipynb)",
 }
 
