@@ -201,6 +201,25 @@ GQA_SWIGLU = dict(vocab_size=100, block_size=32, n_layer=2, n_head=4, n_kv_head=
 
 # ----------------------------------------------------------------------------- models and training runs
 
+def sharp_model(seed=0, vocab=61, block_size=32, **over):
+    """A two-layer, two-head GPT whose attention is sharp (q|k|v weights x6) and QK-Norm gains away from
+    1, in eval mode: maps with structure to draw and read. over: GPTConfig fields."""
+    import torch
+
+    from model import GPT, GPTConfig
+
+    torch.manual_seed(seed)
+    fields = {"vocab_size": vocab, "block_size": block_size, "n_layer": 2, "n_head": 2, "n_embd": 32, **over}
+    model = GPT(GPTConfig(**fields))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "gain" in name:
+                p.uniform_(0.5, 2.0)
+            elif "c_attn" in name:
+                p.mul_(6)
+    return model.eval()
+
+
 def variant_model(seed=0, block_size=16, n_layer=2, n_head=4, n_embd=32, vocab=40, impl="sdpa", **kw):
     """A small GPT of any variant (GPTConfig fields as keywords; attn options merged with impl) with
     trained-looking weights, in eval mode."""

@@ -8,8 +8,7 @@ import pytest
 import torch
 
 from plots import format_top_keys, label, pack_weights, token_pieces, top_keys, write_views
-from helpers import needs_chromium
-from model import GPT, GPTConfig
+from helpers import needs_chromium, sharp_model
 from data.tokenizer import CharTokenizer, TiktokenTokenizer
 
 VOCAB = "\n !',.:;?ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
@@ -24,7 +23,6 @@ def test_packed_weights_round_trip_to_1e_5():
     assert (values.view(2, 3, -1) - maps[..., rows, cols].double()).abs().max() < 1e-5
 
 
-
 def test_bpe_tokens_are_shown_readably():
     tok = TiktokenTokenizer.train(["the cat sat on the mat. " * 50], vocab_size=300)
     text = "the cat\n—é"
@@ -32,7 +30,6 @@ def test_bpe_tokens_are_shown_readably():
     assert "".join(pieces).startswith("the cat\n")
     assert any(p.startswith("\\x") for p in pieces)  # a byte of a UTF-8 character, spelled out
     assert label("\n") == "↵" and label(" the") == "␣the" and label("\x07") == "\\x07"
-
 
 
 def test_top_keys_of_a_hand_made_map():
@@ -45,32 +42,17 @@ def test_top_keys_of_a_hand_made_map():
     assert "L0 H0  0.600 'b'@1  0.300 'c'@2" in text
 
 
-
 # ----------------------------------------------------------------------------- the viewer in a real browser
-
-def make_model(seed=0, vocab=len(VOCAB), block_size=32, **over):
-    torch.manual_seed(seed)
-    fields = {"vocab_size": vocab, "block_size": block_size, "n_layer": 2, "n_head": 2, "n_embd": 32, **over}
-    model = GPT(GPTConfig(**fields))
-    with torch.no_grad():  # trained-looking weights: sharper attention, gains away from 1
-        for name, p in model.named_parameters():
-            if "gain" in name:
-                p.uniform_(0.5, 2.0)
-            elif "c_attn" in name:
-                p.mul_(6)
-    return model.eval()
-
 
 
 def cell_numbers(dom, cls):
     return [float(x) for x in re.findall(rf'<t[dh] class="{cls}"[^>]*>([0-9.]+)</t[dh]>', dom)]
 
 
-
 @needs_chromium
 def test_viewer_builds_its_page_in_headless_chromium(tmp_path, chromium):
     tok = CharTokenizer("".join(sorted(set(VOCAB + "<>/!-"))))  # ids in code-point order
-    model = make_model(vocab=tok.vocab_size, block_size=96, **GQA)  # 2 layers x 4 heads
+    model = sharp_model(vocab=tok.vocab_size, block_size=96, **GQA)  # 2 layers x 4 heads
     text = "ROMEO: But soft, what light\nthrough yonder </script><!--<script> window"  # markup stays text
     idx = torch.as_tensor(tok.encode(text))[None]
     views = write_views(model, idx, tok, tmp_path, title="test <viewer>", meta="a tiny model", query=9)

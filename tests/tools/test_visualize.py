@@ -11,8 +11,7 @@ import torch
 
 from attnstats import attention_maps
 from checkpoint import save_checkpoint
-from helpers import compose_cfg, plain_weights
-from model import GPT, GPTConfig
+from helpers import compose_cfg, plain_weights, sharp_model
 from data.tokenizer import CharTokenizer
 from tools.visualize import visualize
 
@@ -26,21 +25,8 @@ VARIANTS = {
 }
 
 
-def make_model(seed=0, vocab=len(VOCAB), block_size=32, **over):
-    torch.manual_seed(seed)
-    fields = {"vocab_size": vocab, "block_size": block_size, "n_layer": 2, "n_head": 2, "n_embd": 32, **over}
-    model = GPT(GPTConfig(**fields))
-    with torch.no_grad():  # trained-looking weights: sharper attention, gains away from 1
-        for name, p in model.named_parameters():
-            if "gain" in name:
-                p.uniform_(0.5, 2.0)
-            elif "c_attn" in name:
-                p.mul_(6)
-    return model.eval()
-
-
 def save_tiny_checkpoint(path, **over):
-    model = make_model(**over)
+    model = sharp_model(**over)
     state = {"model": model.state_dict(), "model_config": dataclasses.asdict(model.config),
              "tokenizer": CharTokenizer(VOCAB).to_dict(), "step": 7}
     return save_checkpoint(path, state)
@@ -68,7 +54,7 @@ def independent_maps(model, idx):
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=list(VARIANTS))
 def test_maps_equal_softmax_of_the_models_own_q_and_k(variant):
-    model = make_model(**VARIANTS[variant])
+    model = sharp_model(**VARIANTS[variant])
     idx = torch.randint(len(VOCAB), (1, 29), generator=torch.Generator().manual_seed(1))
     maps, stats = attention_maps(model, idx)
     want = independent_maps(model, idx)
