@@ -14,6 +14,7 @@ How a page is read (the pages say it to their readers too):
   its range, the others as written.
 """
 import ast
+import html as htmllib
 import importlib.util
 import json
 import os
@@ -347,6 +348,19 @@ def test_the_install_keeps_a_recent_enough_torch_and_installs_what_the_tour_need
     plan, _ = f["install_plan"](requirements, floor)
     assert set(plan) == {l for l in lines if f["requirement_name"](l) not in f["NOT_FOR_THE_TOUR"] | {"torch"}}
     assert f["release"]("2.13.0+cu126") == (2, 13, 0) and f["release"]("2.9") < f["release"]("2.13.0")
+
+
+@pytest.mark.parametrize("lang", NOTEBOOKS)
+def test_the_html_copy_shows_the_outputs_of_the_pages_commands(lang):
+    """docs/tour_notebook*.html (scripts/make_notebooks.py --html): executed, and running the commands its page
+    shows now (a changed command needs a new execution; a changed sentence only a new rendering)."""
+    path = REPO / make_notebooks().BOOKS[lang][2]
+    html = path.read_text(encoding="utf-8")
+    assert html.count("data:image/png") >= 8, f"{path.name}: not an executed notebook"
+    shown = htmllib.unescape(re.sub(r"<[^>]+>", "", html))
+    for step in steps_of(page(lang)):
+        assert f"run({json.dumps(step.command, ensure_ascii=False)})" in shown, \
+            f"{path.name} does not run {step.command!r}: python scripts/make_notebooks.py --html"
 
 
 @pytest.mark.slow
