@@ -123,9 +123,10 @@ def run(command, after=None, lines=None):
     """Run a command as the page writes it, from the repository root, with this kernel's Python; what the page
     writes under outputs/tour/ goes under OUT. Prints its output (from the first line holding `after`, and
     then `lines` lines, when given)."""
-    words, env = shlex.split(command), dict(os.environ)
+    words, env, assigned = shlex.split(command), dict(os.environ), []
     while "=" in words[0] and not words[0].startswith("python"):  # VAR=value before the command
-        key, value = words.pop(0).split("=", 1)
+        assigned.append(words.pop(0))
+        key, value = assigned[-1].split("=", 1)
         env[key] = value
     assert words[0] in ("python", "python3"), command
     words = [sys.executable] + [w.replace("outputs/tour", str(OUT)) for w in words[1:]]
@@ -133,7 +134,7 @@ def run(command, after=None, lines=None):
         words = [fast(w) for w in words]
         if words[1] == "tools/claims.py" and "--quick" not in words:
             words.insert(2, "--quick")
-    print("$ python", shlex.join(words[1:]), flush=True)
+    print("$", *assigned, "python", shlex.join(words[1:]), flush=True)
     p = subprocess.Popen(words, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     shown = 0 if after is None else None
     for line in p.stdout:

@@ -350,6 +350,20 @@ def test_the_install_keeps_a_recent_enough_torch_and_installs_what_the_tour_need
     assert f["release"]("2.13.0+cu126") == (2, 13, 0) and f["release"]("2.9") < f["release"]("2.13.0")
 
 
+def test_fast_settings_shorten_only_the_training():
+    """The second cell's `fast`: what TOUR_FAST=1 (the notebook test's setting) does to a command's words."""
+    tree = ast.parse(sources(notebook(), "code")[1])
+    tree.body = [n for n in tree.body if (isinstance(n, ast.FunctionDef) and n.name == "fast")
+                 or (isinstance(n, ast.Assign) and n.targets[0].id == "FAST_ITERS")]
+    scope = {"re": re}
+    exec(compile(ast.unparse(tree), "settings cell", "exec"), scope)
+    fast, few = scope["fast"], scope["FAST_ITERS"]
+    assert fast("train.max_iters=1600") == f"train.max_iters={few}" and fast("train.max_iters=20") == "train.max_iters=20"
+    assert fast("seed=1,2,3") == "seed=1,2" and fast("seed=1,2") == "seed=1,2" and fast("seed=3") == "seed=3"
+    for word in ("train.lr_decay_iters=4000", "model.n_layer=2", "--only", "A2,A3,A4,A5", "outputs/tour/seeds"):
+        assert fast(word) == word
+
+
 @pytest.mark.parametrize("lang", NOTEBOOKS)
 def test_the_html_copy_shows_the_outputs_of_the_pages_commands(lang):
     """docs/tour_notebook*.html (scripts/make_notebooks.py --html): executed, and running the commands its page
