@@ -178,8 +178,16 @@ def render(executed, nb, path: Path):
     mine = [c for c in nb.cells if c.cell_type == "code"]
     assert [c.source for c in ran] == [c.source for c in mine], "the languages' code cells differ"
     for c, r in zip(mine, ran):
-        c.outputs, c.execution_count = r.outputs, r.execution_count
+        c.outputs, c.execution_count = [], r.execution_count
+        for out in r.outputs:  # a command's lines arrive one by one: one block of text per stream
+            last = c.outputs[-1] if c.outputs else None
+            if last and out.output_type == last.output_type == "stream" and out.name == last.name:
+                last.text += out.text
+            else:
+                c.outputs.append(copy.deepcopy(out))
     html, _ = HTMLExporter().from_notebook_node(nb, resources={"metadata": {"name": path.stem}})
+    # the commands print tables wider than the page: scroll them sideways rather than wrap their columns
+    html = html.replace("</head>", "<style>.jp-RenderedText pre { white-space: pre; overflow-x: auto; }</style>\n</head>", 1)
     path.write_text(html, encoding="utf-8")
     print(f"wrote {path.relative_to(REPO)} ({path.stat().st_size / 1e6:.1f} MB)", file=sys.stderr)
 
