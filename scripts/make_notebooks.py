@@ -167,6 +167,22 @@ def execute(nb, fast: bool):
     return nb
 
 
+def smaller_png(b64: str, width: int = 1000) -> str:
+    """A picture for the HTML copy: at most `width` pixels wide, 256 colours (a committed copy stays under
+    1 MiB; the figures are plots, which lose nothing visible)."""
+    import base64
+    import io
+
+    from PIL import Image
+
+    im = Image.open(io.BytesIO(base64.b64decode(b64)))
+    if im.width > width:
+        im = im.resize((width, round(im.height * width / im.width)), Image.LANCZOS)
+    out = io.BytesIO()
+    im.convert("RGB").quantize(colors=256).save(out, "PNG", optimize=True)
+    return base64.b64encode(out.getvalue()).decode("ascii")
+
+
 def render(executed, nb, path: Path):
     """nb (a language's notebook) with the outputs of `executed` (the same code cells), as HTML."""
     try:
@@ -185,6 +201,8 @@ def render(executed, nb, path: Path):
                 last.text += out.text
             else:
                 c.outputs.append(copy.deepcopy(out))
+                if "image/png" in c.outputs[-1].get("data", {}):
+                    c.outputs[-1].data["image/png"] = smaller_png(c.outputs[-1].data["image/png"])
     html, _ = HTMLExporter().from_notebook_node(nb, resources={"metadata": {"name": path.stem}})
     # the commands print tables wider than the page: scroll them sideways rather than wrap their columns
     html = html.replace("</head>", "<style>.jp-RenderedText pre { white-space: pre; overflow-x: auto; }</style>\n</head>", 1)

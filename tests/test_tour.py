@@ -371,6 +371,7 @@ def test_the_html_copy_shows_the_outputs_of_the_pages_commands(lang):
     path = REPO / make_notebooks().BOOKS[lang][2]
     html = path.read_text(encoding="utf-8")
     assert html.count("data:image/png") >= 8, f"{path.name}: not an executed notebook"
+    assert path.stat().st_size < 2 ** 20, f"{path.name} is over 1 MiB: its pictures should be made smaller"
     shown = htmllib.unescape(re.sub(r"<[^>]+>", "", html))
     for step in steps_of(page(lang)):
         assert f"run({json.dumps(step.command, ensure_ascii=False)})" in shown, \
