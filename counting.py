@@ -15,7 +15,7 @@ from fractions import Fraction
 
 from attention import CausalSelfAttention
 from kv_cache import INT8_SCALE_BYTES
-from variants import KINDS, SELECTS, layer_kind
+from variants import CACHE_LAYOUTS, KINDS, SELECTS, layer_kind
 
 ADAMW_BYTES_PER_PARAM = 8  # exp_avg + exp_avg_sq, fp32: train.py keeps fp32 weights and autocasts
 TRAIN_BYTES_PER_PARAM = 16  # fp32 weight, gradient and AdamW's two moments
@@ -320,17 +320,11 @@ def cache_table(c, lengths=(8192, 131072), batch: int = 1) -> list:
     grouped-query (the config's n_kv_head, or n_head/4 or n_head/2 if above 1), multi-query (1), MLA (latent d_c = 4·hs and a
     RoPE key of hs/2, DeepSeek-V2's proportions, or the config's own), each in fp32, bf16 and int8
     where it exists: bytes per token (all layers) and at each length."""
-    from dataclasses import replace
-
-    from variants import AttnConfig
-
     gqa = c.n_kv_head if c.n_kv_head not in (c.n_head, 1) else \
         next((g for g in (c.n_head // 4, c.n_head // 2) if g > 1 and c.n_head % g == 0), None)  # none: no GQA row
-    # the latent row: this shape with MLA's latent (the config's own ranks, if it set them) in every layer
-    mla = replace(c, n_kv_head=None, value_embed=False, attn=AttnConfig(kind="mla", kv_lora_rank=c.attn.kv_lora_rank,
-                                                                     rope_head_dim=c.attn.rope_head_dim))
     kinds = [(f"MHA ({c.n_head} K/V heads)", c, c.n_head), *([(f"GQA ({gqa} K/V heads)", c, gqa)] if gqa else []),
-             ("MQA (1 K/V head)", c, 1), ("MLA (latent + RoPE key)", mla, None)]
+             ("MQA (1 K/V head)", c, 1),
+             *((name, layout(c), None) for name, layout in CACHE_LAYOUTS.items())]  # e.g. MLA's latent (variants/)
     rows = []
     for name, cfg, heads in kinds:
         for dtype, nbytes, int8 in (("float32", 4, False), ("bfloat16", 2, False), ("int8", 1, True)):

@@ -80,6 +80,7 @@ POSITIONS = {"rope": None, "none": None, "alibi": None,  # model.pos: a table ad
              "learned": LearnedPositions, "sinusoidal": SinusoidalPositions}
 BIASES = {"alibi": ALiBi}  # model.pos: or a bias on the logits
 ROPE_SCALINGS = {"none": unscaled, "linear": linear, "ntk": ntk, "yarn": yarn}  # model.rope_scaling
+CACHE_LAYOUTS = {"MLA (latent + RoPE key)": LatentAttention.layout}  # counting.cache_table: other caches of a shape
 ACTIVATIONS = {"gelu": (F.gelu, 1), "relu2": (relu2, 1), "swiglu": (swiglu, 2),  # model.mlp: (act, c_fc's parts)
                "none": None}  # no MLP: a block is its attention alone
 

@@ -38,6 +38,16 @@ class LatentAttention(CausalSelfAttention):
         a = c.attn
         return a.kv_lora_rank or 4 * c.head_dim, LatentAttention.rope_width(c) if c.pos == "rope" else 0, a.q_lora_rank or 0
 
+    @staticmethod
+    def layout(c):
+        """c's shape with this latent cache in every layer (c's own ranks, if it set them; else d_c = 4·hs and
+        a RoPE key of hs/2, DeepSeek-V2's proportions): counting.cache_table's latent row."""
+        from dataclasses import replace
+
+        from variants import AttnConfig
+        return replace(c, n_kv_head=None, value_embed=False,
+                       attn=AttnConfig(kind="mla", kv_lora_rank=c.attn.kv_lora_rank, rope_head_dim=c.attn.rope_head_dim))
+
     @classmethod
     def rope_width(cls, c):
         return c.attn.rope_head_dim or c.head_dim // 2
