@@ -14,7 +14,6 @@ import math
 from fractions import Fraction
 
 from attention import CausalSelfAttention
-from kv_cache import INT8_SCALE_BYTES
 from variants import CACHE_LAYOUTS, KINDS, SELECTS, layer_kind
 
 ADAMW_BYTES_PER_PARAM = 8  # exp_avg + exp_avg_sq, fp32: train.py keeps fp32 weights and autocasts

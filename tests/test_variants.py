@@ -2,7 +2,6 @@
 value embeddings against their formulas written out (the pieces of variants/ have their own files in
 tests/variants/), and every variant and combination through the fast and reference paths, the KV
 cache and a short training run."""
-import itertools
 import math
 
 import pytest
