@@ -14,15 +14,18 @@ Each notebook opens with the page's title, an "Open in Colab" badge, the page's 
 running it, then the setup cells. Every step of the page (a `## ` section holding `<!-- tour:step -->`) becomes:
 a markdown cell with the section's text up to its command; the step's code cells (its command, run as the page
 writes it, and the cells of tour_cells.py whose pattern matches that command); a markdown cell with the rest of
-the section (its "Look at", its figures, its checks). A section without a step is one markdown cell. Links and
-pictures are rewritten relative to notebooks/. The badge names OWNER's GitHub repository: a fork sets OWNER
+the section (its "Look at", its figures, its checks). A section without a step is one markdown cell. Links are
+rewritten relative to notebooks/; pictures travel inside their cell (attachments, at most 800 pixels wide in 256
+colours), since Colab opens a notebook without the files beside it. The badge names OWNER's GitHub repository: a fork sets OWNER
 below (and REPO_URL in tour_cells.py's first cell) and runs this script again.
 
 --html executes the English notebook once with nbclient (its code is the Chinese one's too, so both HTML copies
 show the same outputs) and renders with nbconvert, which is not in requirements.txt: `pip install nbconvert`.
 """
 import argparse
+import base64
 import copy
+import hashlib
 import json
 import os
 import posixpath
@@ -44,6 +47,7 @@ EXECUTED = REPO / "outputs" / "tour-notebook" / "executed.ipynb"  # the last --h
 MARKER = "<!-- tour:step -->"
 COMMAND_BLOCK = re.compile(r"^```[\w-]*\n(.*?)^```[ \t]*\n?", re.M | re.S)
 TARGET = re.compile(r"(\]\()([^)\s]+)(\))")  # the target of a markdown link or picture
+PICTURE = re.compile(r"(!\[[^\]]*\]\()([^)\s]+)(\))")  # a markdown picture
 NOTE = {
     "en": "This notebook is made from [docs/tour.md]({page}) by `scripts/make_notebooks.py`: each step's text, "
           "then its command, run here as the page writes it, then what to look at. Run the cells in order. The "
@@ -93,6 +97,48 @@ def relink(markdown: str) -> str:
     return TARGET.sub(fix, markdown)
 
 
+def attach(cell):
+    """A markdown cell of a page in docs/ whose pictures travel inside it: each becomes an attachment (the PNG made
+    smaller), and its metadata says where it came from (the path from notebooks/, the source file's sha256)."""
+    pictures = {}
+
+    def fix(m):
+        target = m.group(2)
+        if re.match(r"[a-z]+:|#|/", target) or not (REPO / "docs" / target).is_file():
+            return m.group(0)
+        name = target.replace("/", "_")
+        pictures[name] = REPO / "docs" / target
+        return m.group(1) + "attachment:" + name + m.group(3)
+    cell.source = relink(PICTURE.sub(fix, cell.source))
+    if pictures:
+        raw = {name: path.read_bytes() for name, path in pictures.items()}
+        cell.attachments = {name: {"image/png": smaller_png(base64.b64encode(b).decode("ascii"), width=800)}
+                            for name, b in raw.items()}
+        cell.metadata["pictures"] = {name: {"path": posixpath.relpath(path.relative_to(REPO).as_posix(), "notebooks"),
+                                            "sha256": hashlib.sha256(raw[name]).hexdigest()}
+                                     for name, path in pictures.items()}
+    return cell
+
+
+def unattached(cell):
+    """The cell with its pictures as links again (to the files they came from): for the HTML copy in docs/."""
+    cell = copy.deepcopy(cell)
+    for name, origin in cell.metadata.pop("pictures", {}).items():
+        cell.source = cell.source.replace(f"](attachment:{name})", f"]({origin['path']})")
+    cell.pop("attachments", None)
+    return cell
+
+
+def comparable(text: str) -> str:
+    """A stored notebook's text without its pictures' bytes, which depend on Pillow's version: the pictures are
+    held by their names and their source files' hashes (cell metadata) instead."""
+    nb = json.loads(text)
+    for cell in nb["cells"]:
+        for data in cell.get("attachments", {}).values():
+            data["image/png"] = ""
+    return json.dumps(nb, ensure_ascii=False, indent=1)
+
+
 def badge(lang: str) -> str:
     url = f"https://colab.research.google.com/github/{OWNER}/attnlab/blob/main/{BOOKS[lang][1]}"
     return f"[![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)]({url})"
@@ -101,7 +147,10 @@ def badge(lang: str) -> str:
 # ----------------------------------------------------------------------------- building
 
 def build(lang: str, page: str, cells: list) -> nbformat.NotebookNode:
-    md = lambda text, own="": nbformat.v4.new_markdown_cell(own + relink(text.strip("\n")))
+    def md(text, own=""):  # a markdown cell of the page's text (`own`: the notebook's words before it, as they are)
+        cell = attach(nbformat.v4.new_markdown_cell(text.strip("\n")))
+        cell.source = own + cell.source
+        return cell
     code = lambda source: nbformat.v4.new_code_cell(source)
     intro, parts = sections(page)
     title, _, rest = intro.partition("\n")
@@ -168,9 +217,8 @@ def execute(nb, fast: bool):
 
 
 def smaller_png(b64: str, width: int = 1000) -> str:
-    """A picture for the HTML copy: at most `width` pixels wide, 256 colours (a committed copy stays under
-    1 MiB; the figures are plots, which lose nothing visible)."""
-    import base64
+    """A picture for the HTML copies and the notebooks' attachments: at most `width` pixels wide, 256 colours (a
+    committed copy stays under 1 MiB; the figures are plots, which lose nothing visible)."""
     import io
 
     from PIL import Image
@@ -190,6 +238,7 @@ def render(executed, nb, path: Path):
     except ImportError:
         raise SystemExit("--html needs nbconvert (not in requirements.txt): pip install nbconvert")
     nb = copy.deepcopy(nb)
+    nb.cells = [unattached(c) if c.cell_type == "markdown" else c for c in nb.cells]  # the HTML sits beside the pictures
     ran = [c for c in executed.cells if c.cell_type == "code"]
     mine = [c for c in nb.cells if c.cell_type == "code"]
     assert [c.source for c in ran] == [c.source for c in mine], "the languages' code cells differ"
@@ -222,7 +271,7 @@ def main():
     stale = []
     for lang, nb in books.items():
         path = REPO / BOOKS[lang][1]
-        if not path.is_file() or path.read_text(encoding="utf-8") != text_of(nb):
+        if not path.is_file() or comparable(path.read_text(encoding="utf-8")) != comparable(text_of(nb)):
             stale.append(BOOKS[lang][1])
             if not args.check:
                 path.write_text(text_of(nb), encoding="utf-8")

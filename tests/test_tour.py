@@ -14,6 +14,8 @@ How a page is read (the pages say it to their readers too):
   its range, the others as written.
 """
 import ast
+import base64
+import hashlib
 import html as htmllib
 import importlib.util
 import json
@@ -204,6 +206,21 @@ def test_both_pages_have_the_same_steps_commands_and_figures():
         assert a.figures == b.figures, (a.title, b.title, set(a.figures) ^ set(b.figures))
 
 
+NOW_CHANGE = {"en": re.compile(r"^Now change\b.*?(?=\n\n|\Z)", re.M | re.S),
+              "zh": re.compile(r"^现在(?:自己)?改一改.*?(?=\n\n|\Z)", re.M | re.S)}
+
+
+def test_every_step_has_one_now_change_paragraph_with_the_same_commands_in_both_languages():
+    """The learner changes something in every step; the Chinese page asks for the same change."""
+    changes = {}
+    for lang in PAGES:
+        for step in steps_of(page(lang)):
+            found = NOW_CHANGE[lang].findall(step.text)
+            assert len(found) == 1, f"{lang} {step.title}: {len(found)} 'now change' paragraphs"
+            changes.setdefault(lang, []).append(re.findall(r"`([^`]+)`", found[0]))
+    assert changes["en"] == changes["zh"]
+
+
 def test_the_pages_link_each_other_at_the_top_and_the_readme_links_both():
     assert "(tour.zh.md)" in "\n".join(page("en").splitlines()[:4])
     assert "(tour.md)" in "\n".join(page("zh").splitlines()[:4])
@@ -268,8 +285,9 @@ def setup_functions() -> dict:
 @pytest.mark.parametrize("lang", NOTEBOOKS)
 def test_the_notebooks_are_what_the_script_makes_from_the_pages(lang):
     """An edited page (or tour_cells.py) without `python scripts/make_notebooks.py` fails here."""
-    made = make_notebooks().notebooks()[lang]
-    assert NOTEBOOKS[lang].read_text(encoding="utf-8") == make_notebooks().text_of(made), \
+    script = make_notebooks()
+    made = script.comparable(script.text_of(script.notebooks()[lang]))
+    assert script.comparable(NOTEBOOKS[lang].read_text(encoding="utf-8")) == made, \
         f"{NOTEBOOKS[lang].name} is stale: run python scripts/make_notebooks.py"
 
 
@@ -296,10 +314,18 @@ def test_every_step_is_its_text_then_its_command_then_what_to_look_at(lang):
         assert MARKER not in cells[heading] and "```\n" + step.command not in markdown
         for span in step.figures:
             assert f"**`{span}`**" in markdown, (step.title, span)
+    pictures = {}  # attachment name -> (its PNG, where it came from), over every markdown cell
+    for c in nb["cells"]:
+        for name, origin in c.get("metadata", {}).get("pictures", {}).items():
+            assert f"](attachment:{name})" in "".join(c["source"]), name
+            pictures[name] = (base64.b64decode(c["attachments"][name]["image/png"]), origin)
     for target in IMAGE.findall(text):
         if "://" not in target:
             seen = posixpath.normpath(posixpath.join("../docs", target))
-            assert f"]({seen})" in markdown and (NOTEBOOKS[lang].parent / seen).is_file(), seen
+            png, origin = next(v for v in pictures.values() if v[1]["path"] == seen)
+            assert png.startswith(b"\x89PNG") and (NOTEBOOKS[lang].parent / seen).is_file(), seen
+            assert origin["sha256"] == hashlib.sha256((NOTEBOOKS[lang].parent / seen).read_bytes()).hexdigest(), \
+                f"{seen} changed since the notebook was made: python scripts/make_notebooks.py"
 
 
 def test_the_chinese_notebook_carries_the_chinese_page_and_the_same_code():
