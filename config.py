@@ -65,7 +65,8 @@ class DataConfig:
         "val_fraction": Needs(lambda d: d.name != "mqar" and d.val_split is None,
                               "the data is text and {p}val_split is unset (data=mqar: a tenth of data.examples)"),
         "tokenizer": Needs(lambda d: (d.name == "mqar") == (d.tokenizer == "mqar"),
-                           "data=mqar and {p}tokenizer=mqar go together (mqar's tokens are its own)"),
+                           "the data is text (data=mqar brings its own tokens, and {p}tokenizer=mqar "
+                           "goes only with it)"),
         "hub_config": Needs(lambda d: d.hub is not None, "{p}hub=NAME"),
         "streaming": Needs(lambda d: d.hub is not None, "{p}hub=NAME (a file or URL is read whole)"),
     }

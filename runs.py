@@ -5,6 +5,7 @@ runs here; intervals.py holds the statistics over an arm's runs."""
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 
 import yaml
 
@@ -155,6 +156,24 @@ def newer_keys(configs: list) -> set:
             and len({repr(c[k]) for c in configs if k in c}) == 1}
 
 
+def inert_keys(config: dict) -> set:
+    """The model keys of a run's config that could not act in that run (their schema's Needs fails there, e.g.
+    model.attn.select_block without select=moba): whatever their value, they say nothing of its arm."""
+    from model import GPTConfig  # the schemas, whose NEEDS say when a key acts
+    from variants import AttnConfig
+    inert = set()
+    for prefix, schema in (("model.", GPTConfig), ("model.attn.", AttnConfig)):
+        node = SimpleNamespace(**{k[len(prefix):]: v for k, v in config.items()
+                                  if k.startswith(prefix) and "." not in k[len(prefix):]})
+        for key, needs in schema.NEEDS.items():
+            try:
+                if not needs.test(node):
+                    inert.add(prefix + key)
+            except (AttributeError, TypeError):  # an older run without a key the rule reads: the key stays
+                pass
+    return inert
+
+
 def group_arms(runs: list) -> list:
     """Runs grouped into arms, in the order their first run appears; each arm labelled by the keys
     whose values differ between arms (`key=value, ...`); a lone arm by its run's dir name."""
@@ -166,7 +185,9 @@ def group_arms(runs: list) -> list:
     differing = sorted(k for k in every if len({c.get(k, "(unset)") for c in configs}) > 1)
     arms = []
     for c, members in zip(configs, keyed.values()):
-        label = ", ".join(f"{k}={c.get(k, '(unset)')}".replace("'", "") for k in differing if k != "run")
+        inert = inert_keys(members[0].config)
+        label = ", ".join(f"{k}={c.get(k, '(unset)')}".replace("'", "") for k in differing
+                          if k != "run" and k not in inert)
         if not label:
             label = members[0].dir.name if len(members) == 1 else "all runs"
         arms.append(Arm(label, sorted(members, key=lambda r: (str(r.replicate), str(r.dir)))))

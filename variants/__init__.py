@@ -210,7 +210,7 @@ def check(config) -> list:
         why = SELECTS[a.select].reads_everything(a, config.block_size)
         if why:
             ignored.append(f"model.attn.select={a.select} selects nothing away at model.block_size={config.block_size}: "
-                           f"{why} (it trains as dense attention)")
+                           f"{why} (the model computes dense attention)")
     if config.attn.impl == "gathered" and config.attn.select != "moba" and "softmax" in used:  # sdpa's mask then
         ignored.append(f"model.attn.impl='gathered' has no effect unless model.attn.select=moba (the blocks it reads; "
                        f"now {config.attn.select!r}): ignored (its default is 'sdpa')")

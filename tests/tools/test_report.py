@@ -235,3 +235,26 @@ def test_runs_started_from_each_seeds_own_parent_are_one_arm_apart_from_scratch_
     assert [len(a.runs) for a in arms] == [3, 3, 1]
     assert [sorted(r.seed for r in a.runs) for a in arms] == [[1, 2, 3], [1, 2, 3], [1]]
     assert "init_from=another run" in arms[1].label and "init_from=None" in arms[2].label
+
+
+def test_an_arms_label_leaves_out_keys_that_could_not_act_in_it():
+    """Two sweeps reported together: select_block and select_topk differ between their arms, but in an arm
+    without selection they do nothing, so its label must not read like a selecting arm (it did: recall.py
+    labelled a softmax arm `select_block=64, select_topk=4`)."""
+    from runs import RunSummary, group_arms
+
+    def run(seed, **changed):
+        config = {"seed": seed, "model.attn.kind": "softmax", "model.attn.layer_kinds": None,
+                  "model.attn.select": "none", "model.attn.select_block": 64, "model.attn.select_topk": 4,
+                  "model.pos": "rope", "model.rope_base": 10000.0, **changed}
+        return RunSummary(Path(f"/r/{sorted(changed.items())}/{seed}"), config, [], {}, (seed, seed))
+    moba = {"model.attn.select": "moba", "model.attn.select_block": 8, "model.attn.select_topk": 1}
+    hybrid = {"model.attn.layer_kinds": ["gdn", "softmax"], "model.attn.select_block": 8, "model.attn.select_topk": 1}
+    nope = {"model.pos": "none", "model.rope_base": 500.0}
+    arms = group_arms([run(1), run(2), run(1, **moba), run(1, **hybrid), run(1, **nope)])
+    labels = [a.label for a in arms]
+    assert [len(a.runs) for a in arms] == [2, 1, 1, 1]
+    assert "select_block" not in labels[0] and "select_topk" not in labels[0] and "rope_base" in labels[0]
+    assert "model.attn.select_block=8" in labels[1] and "model.attn.select_topk=1" in labels[1]
+    assert "select_block" not in labels[2] and "model.attn.kind" not in labels[2]  # layer_kinds names the kinds
+    assert "rope_base" not in labels[3] and "model.pos=none" in labels[3]  # no RoPE: its base does nothing
