@@ -470,3 +470,39 @@ def test_the_notebook_runs_from_top_to_bottom(tmp_path):
     assert f"attnlab at {REPO}" in printed, printed  # found the checkout, cloned nothing
     images = sum(1 for c in ran for o in c.outputs if "image/png" in o.get("data", {}))
     assert images >= 8, f"the notebook showed {images} pictures"
+
+
+COUNTED = re.compile(r"\d{1,3}(?:,\d{3})+|\d+\.\d+%|\d+ KiB")  # counted figures in prose: 7,488,640  53.4%  512 KiB
+
+
+def cost_changes(step) -> list:
+    """The tools/cost.py commands a step's 'now change' paragraph asks for: a command of its own (and, where the
+    paragraph compares it with the same command "without" its last setting, that one too), or settings added
+    one after another to the step's own cost.py command."""
+    para = NOW_CHANGE["en"].findall(step.text)[0]
+    spans = re.findall(r"`([^`]+)`", para)
+    if spans[0].startswith("python tools/cost.py"):
+        return [spans[0]] + ([spans[0].rsplit(" ", 1)[0]] if " without " in para else [])
+    if step.command.startswith("python tools/cost.py"):
+        return [step.command] + [" ".join([step.command, *spans[:i + 1]]) for i in range(len(spans))]
+    return []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("step", [s for s in STEPS if cost_changes(s)], ids=lambda s: s.title.split(".")[0])
+def test_the_counted_figures_of_a_now_change_paragraph_are_what_its_commands_print(step, tmp_path):
+    """'Now change ...' quotes what tools/cost.py prints after the change: every counted figure of the paragraph
+    (7,488,640, 53.4%, 512 KiB) is in the output of one of its commands."""
+    para = NOW_CHANGE["en"].findall(step.text)[0]
+    printed = ""
+    for command in cost_changes(step):
+        command = re.sub(r"plot=\S+", "", command) + " plot=null"
+        r = subprocess.run(runnable(command), shell=True, cwd=tmp_path, capture_output=True, text=True,
+                           timeout=300, env=cli_env())
+        assert r.returncode == 0, f"{command}: {r.stderr[-2000:]}"
+        printed += r.stdout
+    figures = COUNTED.findall(re.sub(r"`[^`]+`", "", para))
+    assert figures, para
+    for figure in figures:
+        pattern = re.escape(figure).replace(r"\ KiB", r"(?:\.0+)? KiB")
+        assert re.search(r"(?<![\d.,])" + pattern, printed), f"{step.title}: {figure} is not printed by {cost_changes(step)}"
