@@ -16,8 +16,8 @@ a markdown cell with the section's text up to its command; the step's code cells
 writes it, and the cells of tour_cells.py whose pattern matches that command); a markdown cell with the rest of
 the section (its "Look at", its figures, its checks). A section without a step is one markdown cell. Links are
 rewritten relative to notebooks/; pictures travel inside their cell (attachments, at most 800 pixels wide in 256
-colours), since Colab opens a notebook without the files beside it. The badge names OWNER's GitHub repository: a fork sets OWNER
-below (and REPO_URL in tour_cells.py's first cell) and runs this script again.
+colours), since Colab opens a notebook without the files beside it. The badge names OWNER's GitHub repository:
+a fork sets OWNER below (and REPO_URL in tour_cells.py's first cell) and runs this script again.
 
 --html executes the English notebook once with nbclient (its code is the Chinese one's too, so both HTML copies
 show the same outputs) and renders with nbconvert, which is not in requirements.txt: `pip install nbconvert`.
