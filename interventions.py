@@ -15,6 +15,7 @@ from rules import UserError
 
 # ----------------------------------------------------------------------------- ablation
 
+
 class Ablation:
     """Forward hooks on the layers' hook_z that replace the chosen heads' outputs: by zero, or by
     `means[layer]` (nh, hs), the head's mean output. Used as a context manager."""

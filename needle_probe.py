@@ -13,6 +13,7 @@ from variants import layer_kind
 
 # ----------------------------------------------------------------------------- the sequences
 
+
 def needle_sequences(n: int, length: int, pairs: int, vocab_size: int, distance: int, seed: int):
     """n sequences of `length` tokens in mqar's layout whose needle key is asked `distance` positions
     after its pair's key: (x (n, length), q (n,) the query positions, answer (n,) the needle's values).

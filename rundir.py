@@ -22,6 +22,7 @@ from rules import UserError
 
 log = logging.getLogger("attnlab")
 
+
 class RunDir:
     """A training run's directory. `given` is the one this command was told (None: unset); `path` the
     run's, once open() has chosen it."""

@@ -23,7 +23,6 @@ loss and gradient norm to Watch.step, and ends when Watch.stop is set.
 """
 import logging
 import math
-import statistics
 from collections import deque
 from typing import Optional
 

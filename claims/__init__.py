@@ -357,4 +357,5 @@ def markdown_table(rows) -> str:
                    f"**{r['verdict']}** | {checked} |")
     return "\n".join(out)
 
+
 from claims import a, b, c  # noqa: E402,F401  (each registers its checks in CLAIMS, text by text)

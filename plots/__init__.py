@@ -186,6 +186,7 @@ def plot_bands(lines, path, panels, reference=None, xlabel="step", xscale="linea
 LABEL_TOKENS = 40  # the PNG labels its axes with the tokens up to this prompt length
 VISIBLE = {" ": "␣", "\n": "↵", "\t": "⇥", "\r": "␍"}
 
+
 def token_pieces(tok, ids) -> list:
     """The text of each token on its own. A byte-level BPE token can be part of a UTF-8
     character: its stray bytes are shown as \\xNN rather than as one replacement character."""

@@ -58,6 +58,7 @@ def read(path: Path, default=""):
 def rows(out: Path, target: float):
     """[(row name, parent row, overrides line, {seed: summary})] in row order (the names sort as the ladder)."""
     found = []
+
     def order(p):  # 2_x < 10_y: the number before the first "_", then the rest (4 < 4a < 4b)
         number, _, rest = p.name.partition("_")
         digits = number.rstrip("abcdefghijklmnopqrstuvwxyz")

@@ -21,7 +21,6 @@ def diff(a, b):
     return f"max diff {d.max().item():.3e}, mean diff {d.mean().item():.3e}"
 
 
-
 @pytest.mark.parametrize("Tq,Tk", [(7, 7), (1, 9), (3, 10)])
 def test_reference_path_equals_hand_written_softmax(Tq, Tk):
     torch.manual_seed(0)
@@ -30,7 +29,6 @@ def test_reference_path_equals_hand_written_softmax(Tq, Tk):
     got = attention(q.double(), k.double(), v.double(), scale, impl="reference")
     want = plain_attention(q, k, v, scale)
     assert torch.allclose(got, want, atol=1e-12), diff(got, want)
-
 
 
 @pytest.mark.parametrize("Tq,Tk", [(16, 16), (1, 16), (5, 16)])
@@ -43,7 +41,6 @@ def test_fast_path_equals_reference(Tq, Tk, scale):
     assert torch.allclose(fast, ref, atol=1e-5), diff(fast, ref)
 
 
-
 def test_scale_is_passed_explicitly_to_sdpa():
     # SDPA's hidden default is 1/sqrt(hs); a different explicit scale must change the result
     torch.manual_seed(2)
@@ -51,7 +48,6 @@ def test_scale_is_passed_explicitly_to_sdpa():
     unscaled = attention(q, k, v, 1.0, impl="sdpa")
     assert torch.allclose(unscaled, plain_attention(q, k, v, 1.0).float(), atol=1e-5)
     assert not torch.allclose(unscaled, attention(q, k, v, 1 / math.sqrt(8), impl="sdpa"), atol=1e-3)
-
 
 
 # ----------------------------------------------------------------------------- the logit scale
@@ -67,7 +63,6 @@ def test_raw_score_variance_is_dk_and_sqrt_dk_scaling_makes_it_one(d_k, std):
     assert scaled.var().item() == pytest.approx(1.0, rel=0.05)
 
 
-
 def test_softmax_peak_of_six_scores_unscaled_vs_scaled():
     # rows of 6 scores with std ~11.3 (d_k = 128): peak ~0.92 unscaled, ~0.42 after / sqrt(128)
     g = torch.Generator().manual_seed(0)
@@ -79,11 +74,9 @@ def test_softmax_peak_of_six_scores_unscaled_vs_scaled():
         assert weights.amax(-1).mean().item() == pytest.approx(peak, abs=0.02), scale
 
 
-
 @pytest.mark.parametrize("value,expected", [("sqrt_dk", 1 / 8), ("none", 1.0), ("dk", 1 / 64), ("0.25", 0.25), (2, 2.0)])
 def test_scale_values(value, expected):
     assert resolve_scale(value, 64) == pytest.approx(expected)
-
 
 
 # ----------------------------------------------------------------------------- RoPE
@@ -100,7 +93,6 @@ def rotate_reference(x, pos, base=10000.0):
     return out
 
 
-
 @pytest.mark.parametrize("real", [False, True], ids=["complex (eager)", "real (compiled)"])
 def test_rope_matches_rotation_matrices_and_keeps_norms(real):
     torch.manual_seed(3)
@@ -111,7 +103,6 @@ def test_rope_matches_rotation_matrices_and_keeps_norms(real):
         want = rotate_reference(x[t], t)
         assert torch.allclose(rotated[t].double(), want, atol=1e-5), diff(rotated[t].double(), want)
     assert torch.allclose(rotated.norm(dim=-1), x.norm(dim=-1), atol=1e-5)
-
 
 
 def test_rope_dot_product_depends_only_on_offset():
@@ -129,7 +120,6 @@ def test_rope_dot_product_depends_only_on_offset():
     assert abs(score(5, 2) - score(5, 3)) > 1e-3  # and it does depend on the offset
 
 
-
 def test_rope_never_touches_v():
     # v is the third of c_attn's output, untouched: compare with a manual projection
     torch.manual_seed(5)
@@ -141,18 +131,14 @@ def test_rope_never_touches_v():
     assert torch.allclose(v, v_manual, atol=1e-6)
 
 
-
 # ----------------------------------------------------------------------------- QK-Norm, with every scale
-
 SCALES = ["sqrt_dk", "none", "dk", "0.5"]
 NORMS = [dict(qk_norm=False)] + [dict(qk_norm=True, qk_norm_type=t, qk_norm_gain=g)
                                   for t in ("rms", "layer", "l2") for g in ("none", "head", "channel")]
 
 
-
 def label(d):
     return ",".join(f"{k}={v}" for k, v in d.items())
-
 
 
 @pytest.mark.parametrize("norm", NORMS, ids=label)
@@ -171,7 +157,6 @@ def test_every_combination_reference_equals_sdpa(scale, norm):
     a, b = fast(idx), ref(idx)
     d = (a - b).abs()
     assert d.max() < 1e-4, f"max diff {d.max():.2e}, mean diff {d.mean():.2e}"
-
 
 
 @pytest.mark.parametrize("norm", NORMS[1:], ids=label)
@@ -193,7 +178,6 @@ def test_qk_norm_bounds_logits_for_any_input_magnitude(norm):
     assert logits.abs().max().item() > 0.2 * bound  # the bound is not vacuous
 
 
-
 def test_without_qk_norm_logits_grow_with_the_input():
     torch.manual_seed(2)
     model = GPT(GPTConfig(vocab_size=30, block_size=16, n_layer=1, n_head=2, n_embd=32)).eval()
@@ -207,7 +191,6 @@ def test_without_qk_norm_logits_grow_with_the_input():
         peaks.append(seen["m"].item())
     assert logit_bound(model.blocks[0].attn) is None
     assert peaks[1] > 1e5 * peaks[0]
-
 
 
 def test_qk_norm_comes_before_rope():
@@ -230,14 +213,12 @@ def test_qk_norm_comes_before_rope():
     assert not torch.allclose(q, rope_then_norm, atol=1e-2)
 
 
-
 def test_normalised_vectors_have_the_documented_norms():
     x = torch.randn(5, 64) * 50 + 3
     assert torch.allclose(qk_normalize(x, "rms").norm(dim=-1), torch.full((5,), 8.0), atol=1e-3)
     assert torch.allclose(qk_normalize(x, "layer").norm(dim=-1), torch.full((5,), 8.0), atol=1e-3)
     assert torch.allclose(qk_normalize(x, "layer").mean(-1), torch.zeros(5), atol=1e-5)
     assert torch.allclose(qk_normalize(x, "l2").norm(dim=-1), torch.ones(5), atol=1e-6)
-
 
 
 # ----------------------------------------------------------------------------- errors

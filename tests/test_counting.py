@@ -52,7 +52,6 @@ def test_mha_gelu_by_hand():
         "attn_weights_all_layers": 65536, "kv_cache_per_token": 1024, "kv_cache": 65536, "kv_cache_mha": 65536}
 
 
-
 def test_gqa_swiglu_by_hand():
     c = GPTConfig(**GQA_SWIGLU)
     assert c.d_ff == 256  # the default SwiGLU width, rounded up to a multiple of 64
@@ -84,7 +83,6 @@ def test_gqa_swiglu_by_hand():
     assert memory_breakdown(c, 32, 2, 2) == {
         "weights": 355360, "adamw_state": 1421440, "attn_weights_per_layer": 16384,
         "attn_weights_all_layers": 32768, "kv_cache_per_token": 320, "kv_cache": 20480, "kv_cache_mha": 40960}
-
 
 
 def test_memory_per_gpu_by_hand():
@@ -121,9 +119,7 @@ def test_memory_per_gpu_by_hand():
     assert per_gpu_bytes(c, 2, 32, 3, "fsdp", 4)["weights"] == 35008 * 4
 
 
-
 # ----------------------------------------------------------------------------- against real models
-
 VARIANTS = [  # each a small change from MHA_GELU (every option that changes a parameter count)
     {}, {"bias": True}, {"n_kv_head": 2}, {"n_kv_head": 1, "bias": True}, {"mlp": "swiglu"}, {"mlp": "relu2"},
     {"mlp": "swiglu", "d_ff": 100, "bias": True}, {"d_ff": 96}, {"norm": "rmsnorm", "bias": True},
@@ -135,7 +131,6 @@ VARIANTS = [  # each a small change from MHA_GELU (every option that changes a p
 ]
 
 
-
 def by_kind(model) -> dict:
     """The model's own parameters grouped by name, as counting.count_params groups them."""
     kinds = dict.fromkeys(("embedding", "lm_head", "attention", "mlp", "norms"), 0)
@@ -145,7 +140,6 @@ def by_kind(model) -> dict:
         assert kind != "norms" or "ln_" in name, name
         kinds[kind] += p.numel()
     return kinds
-
 
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: ",".join(f"{k}={v[k]}" for k in v) or "base")
@@ -171,9 +165,7 @@ def test_counts_equal_a_real_model(variant):
     assert flops["Global"] == 2 * B * N * (m["forward"] - c.n_layer * m["other"] - m["other_final"])
 
 
-
 MODEL_PRESETS = sorted(p.stem for p in (REPO / "configs" / "model").glob("*.yaml"))
-
 
 
 @pytest.mark.parametrize("preset", MODEL_PRESETS)
@@ -189,7 +181,6 @@ def test_every_model_preset_counts_like_its_model(preset):
         assert_crossover(all_attention(c), key, n)  # softmax layers', which have the N^2 part)
 
 
-
 def test_llama3_8b_shape_is_llama_3_8b():
     c = model_config(model_cfg("llama3_8b_shape"))
     assert count_params(c)["total"] == 8_030_261_248  # Meta's published count for Llama 3 8B
@@ -200,7 +191,6 @@ def test_llama3_8b_shape_is_llama_3_8b():
     # KV per token: 2 * 32 layers * 8 heads * 128 * 2 B = 128 KiB; MHA 4x that
     mem = memory_breakdown(c, 8192, 1, 2)
     assert mem["kv_cache_per_token"] == 2**17 and mem["kv_cache"] == 2**30 and mem["kv_cache_mha"] == 2**32
-
 
 
 @pytest.mark.parametrize("fields", [MHA_GELU, GQA_SWIGLU, {**GQA_SWIGLU, "n_kv_head": 1}])
@@ -221,7 +211,6 @@ def test_kv_bytes_equal_a_real_cache_after_prefill(fields, dtype):
     assert per_token * N * B == memory_breakdown(c, N, B, dtype.itemsize)["kv_cache"]
 
 
-
 def test_cache_table_gqa_row_is_between_mha_and_mqa():
     """The GQA row of an MHA config groups its heads (n_head/4, else n_head/2), never one K/V head
     (that is the MQA row); with 2 heads there is no grouping in between, so no GQA row."""
@@ -230,7 +219,6 @@ def test_cache_table_gqa_row_is_between_mha_and_mqa():
         kinds = {r["kind"] for r in cache_table(GPTConfig(vocab_size=10, n_head=n_head, n_embd=8 * n_head))}
         gqa = [k for k in kinds if k.startswith("GQA")]
         assert gqa == ([want] if want else []), (n_head, kinds)
-
 
 
 # ----------------------------------------------------------------------------- crossovers
@@ -245,7 +233,6 @@ def assert_crossover(c, key, n):
     assert below["attn"] < other < above["attn"]
 
 
-
 @pytest.mark.parametrize("fields", [MHA_GELU, GQA_SWIGLU, {**GQA_SWIGLU, "d_ff": 101}, {**MHA_GELU, "n_kv_head": 1},
                                     {**MHA_GELU, "mlp": "relu2", "d_ff": 50}])
 def test_crossovers_make_the_two_terms_equal(fields):
@@ -253,7 +240,6 @@ def test_crossovers_make_the_two_terms_equal(fields):
     for key, n in crossovers(c).items():
         assert_crossover(c, key, n)
         assert isinstance(n, Fraction)
-
 
 
 # ----------------------------------------------------------------------------- the N² wall: each attention kind's counts
@@ -280,7 +266,6 @@ def test_counts_of_each_kind_against_the_formulas_by_hand():
     assert macs_per_token(lin, 16)["attn"] == 2 * 4 * 32 * 33 + 2 * 16 * 128  # one chunk of 16 positions
 
 
-
 def test_flops_per_token_of_a_windowed_model_count_its_real_parameters():
     """6 x (the real model's matmul weights) + the attention term with each layer's own keys."""
     c = GPTConfig(vocab_size=64, block_size=256, n_layer=3, n_head=4, n_embd=64,
@@ -288,7 +273,6 @@ def test_flops_per_token_of_a_windowed_model_count_its_real_parameters():
     model = GPT(c)
     keys = [16, 16, 256]
     assert flops_per_token(c) == 6 * model.num_params() + sum(12 * k * 64 for k in keys)
-
 
 
 # ----------------------------------------------------------------------------- recurrent kinds and hybrid stacks
@@ -317,11 +301,9 @@ def test_recurrent_layers_count_like_the_built_layer(attn, bias):
     assert macs_per_token(c, 64)["attn"] == macs_per_token(c, 4096)["attn"] == macs_per_token(c, 2**18)["attn"]
 
 
-
 HYBRIDS = [{"layer_kinds": ["gdn", "gdn", "softmax"]}, {"layer_kinds": ["mamba2", "linear", "softmax"]},
            {"layer_kinds": ["gdn", "softmax"], "window": 6, "window_pattern": "LLG"},
            {"layer_kinds": ["mla", "gdn"]}, {"kind": "mamba2", "state_dim": 16}]
-
 
 
 @pytest.mark.parametrize("attn", HYBRIDS, ids=["gdn3-softmax", "mamba2-linear-softmax", "window-hybrid",

@@ -441,6 +441,7 @@ def broken_checkpoints(tiny_run, tmp_path):
              "truncated": good[: len(good) // 2], "zip of junk": b"PK\x03\x04" + os.urandom(500)}
     files = {}
     import zipfile
+
     def with_pickle(payload: bytes) -> bytes:  # a real checkpoint archive, its pickle replaced (CRCs made anew)
         with zipfile.ZipFile(tiny_run / "best.pt") as src, zipfile.ZipFile(tmp_path / "bad_pickle.pt", "w") as dst:
             for item in src.infolist():

@@ -23,14 +23,12 @@ def test_wandb_offline_run_holds_entropy_and_loss_keys(train_cfg, tmp_path, monk
     assert summary["val/loss"] == pytest.approx(last_eval["val/loss"]) and summary["step"] == 10
 
 
-
 def test_unknown_wandb_mode_fails_before_writing_metrics(train_cfg, tmp_path):
     from rules import UserError
     with pytest.raises(UserError, match="logger.wandb.mode='banana'"):
         train(train_cfg("logger.wandb.mode=banana"))
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
     train(train_cfg("train.max_iters=2"))  # so the run dir is still free for a real run
-
 
 
 def test_wandb_disabled_writes_nothing(train_cfg, tmp_path):

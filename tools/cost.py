@@ -33,7 +33,6 @@ from config import model_config
 from model import GPTConfig
 
 
-
 @dataclass
 class CostConfig:
     model: GPTConfig = MISSING
@@ -47,7 +46,6 @@ class CostConfig:
     peak_flops: float = 989e12  # the GPU's peak FLOP/s for that estimate (H100 SXM, bf16 dense)
     mfu: float = 0.2  # the fraction of peak a run reaches (small models reach less than large ones)
     world_size: int = 8  # GPUs training together: the per-GPU memory of DDP and FSDP across them (batch_size per GPU)
-
 
     RULES: ClassVar[dict] = {"seq_len": POSITIVE, "batch_size": POSITIVE, "vocab_size": POSITIVE,
                              "dtype": OneOf(tuple(DTYPES)), "format": OneOf(("text", "json")),

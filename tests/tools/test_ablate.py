@@ -83,7 +83,6 @@ def test_the_mean_ablation_keeps_what_a_head_always_adds(run):
     """A head's mean over the windows is what mean ablation puts back: measured on those windows, a
     head whose output never changes costs nothing to mean-ablate and something to zero."""
     from interventions import Ablation, head_means, measure
-    from streams import windows
     ckpt, _ = run
     model = model_from_checkpoint(load_checkpoint(ckpt)).eval()
     x = torch.randint(model.config.vocab_size, (6, 17))
