@@ -307,14 +307,21 @@ class CausalSelfAttention(Mixer):
         return {"q": d * d, "k": d * kv, "v": d * kv, "o": d * d}
 
     @classmethod
-    def params(cls, c, sink: bool = True) -> dict:
-        """c_attn, c_proj and the gate's matrix; their biases, QK-Norm's gains, a learned sink's logits."""
+    def slot_params(cls, c) -> dict:
+        """The parameters the slots add: the gate's matrix, a learned sink's logits (softmax kinds only: the sink
+        is a key of the softmax)."""
+        nh, a = c.n_head, c.attn
+        return {"matrices": {"none": 0, "head": nh, "channel": nh * c.head_dim}[a.gate] * c.n_embd,
+                "other": nh if cls.softmax and a.sink == "learned" else 0}
+
+    @classmethod
+    def params(cls, c) -> dict:
+        """c_attn, c_proj and the slots' parameters; the biases and QK-Norm's gains."""
         nh, hs, kv, a = c.n_head, c.head_dim, c.n_kv_head * c.head_dim, c.attn
         gain = {"none": 0, "head": 1, "channel": hs}[a.qk_norm_gain] if a.qk_norm else 0
-        gate = {"none": 0, "head": nh, "channel": nh * hs}[a.gate] * c.n_embd
-        return {"matrices": sum(cls.projections(c).values()) + gate,
-                "other": int(c.bias) * (2 * c.n_embd + 2 * kv) + gain * (nh + c.n_kv_head)
-                + (nh if sink and a.sink == "learned" else 0)}
+        slots = cls.slot_params(c)
+        return {"matrices": sum(cls.projections(c).values()) + slots["matrices"],
+                "other": int(c.bias) * (2 * c.n_embd + 2 * kv) + gain * (nh + c.n_kv_head) + slots["other"]}
 
     @classmethod
     def mixing_macs(cls, c, seq_len, keys) -> tuple:  # q·k with each key a query sees, weights·V

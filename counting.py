@@ -293,12 +293,12 @@ def attention_variants(c, seq_len: int, batch: int = 1, dtype_bytes: int = 4) ->
       keeps each chunk's L x L table of φ(q)·φ(k) and the state each chunk starts from,
       B*(h*N*L + h_kv*ceil(N/L)*hs*hs): O(N), less compute than full attention for
       N > L + (h + h_kv)*hs*(hs + 1)/(2*d)."""
-    from variants.linear import LINEAR_CHUNK
+    from variants.linear import LINEAR_CHUNK, LinearAttention
 
     d, h, hkv, hs, N, B = c.n_embd, c.n_head, c.n_kv_head, c.head_dim, seq_len, batch
     W = c.attn.window or max(1, N // 8)
     L = min(N, LINEAR_CHUNK)
-    linear_macs = (h + hkv) * hs * (hs + 1) + 2 * d * L
+    linear_macs = sum(LinearAttention.mixing_macs(c, N, N))  # (h + h_kv)*hs*(hs + 1) + 2*d*L
     full = {"macs": 2 * N * d, "memory": B * h * N * N * dtype_bytes}
     rows = [
         {"name": "reference (full table)", **full, "beats_full_from": None, "memory_order": "N^2"},

@@ -324,3 +324,21 @@ def test_hybrid_stacks_count_like_the_built_model_and_their_caches(attn):
         states = sum(x.nbytes() for x in caches if type(x).__name__ in recurrent)
         assert (kv, states) == (kv_cache_bytes(c, length, 2), state_bytes(c, 2)), length
 
+
+
+@pytest.mark.parametrize("attn", [{"kind": "linear"}, {"kind": "mla"}, {"layer_kinds": ["linear", "softmax"]},
+                                  {"layer_kinds": ["gdn", "softmax"]}, {"layer_kinds": ["mamba2", "mla"], "pos": "none"}],
+                         ids=["linear", "mla", "linear+softmax", "gdn+softmax", "mamba2+mla"])
+def test_a_learned_sink_is_built_and_counted_only_in_softmax_layers(attn):
+    """A sink is a key of the softmax: a layer without one (linear, gdn, mamba2) holds no sink logit, and the
+    count (nh logits per softmax layer) equals the built model's parameters."""
+    attn = dict(attn)
+    pos = attn.pop("pos", "rope")
+    c = GPTConfig(vocab_size=64, block_size=32, n_layer=2, n_head=4, n_embd=64, pos=pos, attn={**attn, "sink": "learned"})
+    model = GPT(c)
+    softmax_layers = [i for i, b in enumerate(model.blocks) if type(b.attn).__name__ in ("CausalSelfAttention", "LatentAttention")]
+    assert sorted(n for n, _ in model.named_parameters() if "sink" in n) == \
+        [f"blocks.{i}.attn.sink_logit" for i in softmax_layers]
+    assert count_params(c)["total"] == model.num_params()
+    without = GPTConfig(vocab_size=64, block_size=32, n_layer=2, n_head=4, n_embd=64, pos=pos, attn=attn)
+    assert count_params(c)["total"] - count_params(without)["total"] == 4 * len(softmax_layers)

@@ -149,3 +149,21 @@ def test_a_hybrid_checkpoint_with_the_unused_sink_of_its_recurrent_layers_loads(
     assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), model.state_dict().values()))
     with pytest.raises(UserError, match="unexpected"):
         load_weights(fresh, {**old, "blocks.0.attn.sink_logit": torch.ones(2)})
+
+
+def test_a_softmax_kind_registered_from_a_test_takes_windows_sinks_and_selections(monkeypatch):
+    """The options ask the kinds' flags, not their names: a new subclass of the softmax layer is windowed, gets
+    its sink and its selection, and none of them is reported as ignored."""
+    from attention import CausalSelfAttention
+
+    class Mine(CausalSelfAttention):
+        pass
+    monkeypatch.setitem(variants.KINDS, "mine", Mine)
+    c = GPTConfig(vocab_size=40, block_size=32, n_layer=2, n_head=2, n_embd=16,
+                  attn={"kind": "mine", "window": 8, "sink": "learned"})
+    assert c.ignored == []
+    layer = GPT(c).blocks[0].attn
+    assert type(layer) is Mine and layer.window == 8 and isinstance(layer.sink_logit, nn.Parameter)
+    s = GPTConfig(vocab_size=40, block_size=64, n_layer=2, n_head=2, n_embd=16,
+                  attn={"kind": "mine", "select": "moba", "select_block": 8, "select_topk": 2})
+    assert s.ignored == [] and GPT(s).blocks[0].attn.select is not None

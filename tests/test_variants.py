@@ -324,3 +324,14 @@ def test_an_odd_head_size_is_refused_only_where_rope_rotates_heads():
         GPTConfig(n_layer=2, n_head=2, n_embd=30, block_size=32, vocab_size=40)
     for attn, pos in (({"kind": "gdn"}, "rope"), ({"kind": "gdn"}, "none"), ({}, "none"), ({"kind": "mamba2"}, "rope")):
         GPTConfig(n_layer=2, n_head=2, n_embd=30, block_size=32, vocab_size=40, attn=attn, pos=pos)  # builds
+
+
+def test_an_odd_rope_part_of_mla_is_refused_only_with_rope():
+    """MLA's decoupled RoPE part is head_dim/2 by default: 3 at head_dim 6. With RoPE that is refused in one line;
+    without positions there is no RoPE part to rotate, and the model (and the cost table, which builds MLA's
+    layout for every config) must build."""
+    with pytest.raises(UserError, match="MLA's RoPE part"):
+        GPTConfig(n_layer=2, n_head=4, n_embd=24, block_size=32, vocab_size=40, attn={"kind": "mla"})
+    GPT(GPTConfig(n_layer=2, n_head=4, n_embd=24, block_size=32, vocab_size=40, attn={"kind": "mla"}, pos="none"))
+    from counting import cache_table
+    assert cache_table(GPTConfig(n_layer=2, n_head=4, n_embd=24, block_size=32, vocab_size=40, pos="none"), (32,))

@@ -42,7 +42,7 @@ from typing import ClassVar, List, Optional
 import torch
 import torch.nn.functional as F
 
-from attention import CausalSelfAttention, Mask, reference_attention, sdpa_attention
+from attention import CausalSelfAttention, Mask, reference_attention
 from kv_cache import KVCache, StaticKVCache
 from rules import Needs, OneOf, Range, Rule, UserError, positive_number
 from variants.alibi import ALiBi
@@ -68,7 +68,7 @@ from variants.tiled import tiled_attention
 KINDS = {"softmax": CausalSelfAttention, "linear": LinearAttention, "mla": LatentAttention,  # model.attn.kind,
          "gdn": GatedDeltaNet, "mamba2": Mamba2}  # or each layer's: model.attn.layer_kinds
 PATHS = {  # model.attn.impl: the path, given the tile size (model.attn.block)
-    "sdpa": lambda block: sdpa_attention,
+    "sdpa": lambda block: sdpa_with_sink,  # attention.sdpa_attention, or with a sink its key added (variants/sinks.py)
     "reference": lambda block: reference_attention,
     "tiled": lambda block: partial(tiled_attention, block=block),
     "gathered": lambda block: gathered_attention,  # with select=moba: only the chosen blocks (variants/selected.py)
@@ -128,7 +128,7 @@ class AttnConfig:
         "indexer_dim": Rule(lambda v: Range(2).contains(v) and v % 2 == 0, "an even integer >= 2 (RoPE rotates pairs)"),
     }
     # each option must change what the model computes: set where no layer uses it, it is ignored and said
-    SOFTMAX: ClassVar[Needs] = Needs(lambda a: kinds(a) & {"softmax", "mla"}, "a layer is softmax or mla ({p}kind "
+    SOFTMAX: ClassVar[Needs] = Needs(lambda a: softmax_kinds(a), "a layer is softmax or mla ({p}kind "
                                      "or {p}layer_kinds: the others have no softmax, no logits, no N x N table)")
     QK_NORM: ClassVar[Needs] = Needs(lambda a: a.qk_norm, "{p}qk_norm=true")
     MLA: ClassVar[Needs] = Needs(lambda a: "mla" in kinds(a), "a layer is mla ({p}kind or {p}layer_kinds)")
@@ -143,7 +143,7 @@ class AttnConfig:
         "kind": Needs(lambda a: not a.layer_kinds, "{p}layer_kinds is unset (it names every layer's kind)"),
         "block": Needs(lambda a: a.impl == "tiled", "{p}impl=tiled"),
         "window_pattern": Needs(lambda a: a.window is not None, "{p}window=W"),
-        "select": Needs(lambda a: "softmax" in kinds(a), "a layer is softmax ({p}kind or {p}layer_kinds)"),
+        "select": Needs(lambda a: selecting_kinds(a), "a layer is softmax ({p}kind or {p}layer_kinds)"),
         "select_block": Needs(lambda a: a.select == "moba", "{p}select=moba"),
         "select_topk": Needs(lambda a: a.select != "none", "{p}select=moba, oracle or indexer"),
         **dict.fromkeys(("indexer_heads", "indexer_dim", "indexer_kl"), Needs(lambda a: a.select == "indexer",
@@ -156,21 +156,27 @@ def kinds(a) -> set:
     return set(a.layer_kinds) if a.layer_kinds else {a.kind}
 
 
+def softmax_kinds(a) -> set:
+    """The kinds the layers have whose weights are a softmax of logits (an N x N table: windows, sinks, soft-caps)."""
+    return {k for k in kinds(a) if KINDS[k].softmax}
+
+
+def selecting_kinds(a) -> set:
+    """The kinds the layers have that take a choice of keys by content (model.attn.select)."""
+    return {k for k in kinds(a) if KINDS[k].selects}
+
+
 def layer_kind(a, layer: int) -> str:
     """Layer `layer`'s kind: its entry of layer_kinds (repeated over the layers), else model.attn.kind."""
     return a.layer_kinds[layer % len(a.layer_kinds)] if a.layer_kinds else a.kind
 
 
-def path(impl: str, block: int, sink: bool):
-    """The attention function model.attn.impl names; a sink on the fused path adds its key (sinks.py)."""
-    return sdpa_with_sink if sink and impl == "sdpa" else PATHS[impl](block)
-
-
 def make_attention(config, layer: int):
     """Layer `layer`'s mixer: its kind, with its slots filled from the table."""
     a, kind = config.attn, KINDS[layer_kind(config.attn, layer)]
-    return kind(config, layer, path=path(a.impl, a.block, a.sink != "none"), bias=BIASES.get(config.pos),
-                sink=SINKS[a.sink], gate=GATES[a.gate], select=SELECTS[a.select] if kind.selects else None)
+    return kind(config, layer, path=PATHS[a.impl](a.block), bias=BIASES.get(config.pos),
+                sink=SINKS[a.sink] if kind.softmax else None, gate=GATES[a.gate],
+                select=SELECTS[a.select] if kind.selects else None)
 
 
 def check(config) -> list:
@@ -184,14 +190,14 @@ def check(config) -> list:
         raise UserError(f"model.attn.layer_kinds={list(config.attn.layer_kinds)} mixes mla with softmax or linear "
                         "layers, whose RoPE rotates a whole head while MLA's rotates its own small part: not "
                         "implemented; mix mla with gdn or mamba2, or use model.pos=none")
-    if config.attn.select != "none" and "softmax" in used:
+    if config.attn.select != "none" and selecting_kinds(config.attn):
         taken = {"a window": config.attn.window is not None, "ALiBi": config.pos == "alibi",
                  "the tiled path": config.attn.impl == "tiled"}
         clash = [name for name, on in taken.items() if on]
         if clash:
             raise UserError(f"model.attn.select={config.attn.select} chooses keys by content; with {clash[0]} it is "
                             "not implemented: use one or the other")
-    if config.attn.softcap and config.attn.impl in ("tiled", "gathered") and used & {"softmax", "mla"}:
+    if config.attn.softcap and config.attn.impl in ("tiled", "gathered") and softmax_kinds(config.attn):
         raise UserError(f"model.attn.softcap={config.attn.softcap} caps scores that model.attn.impl={config.attn.impl} "
                         "never writes out: use impl=sdpa or reference (a capped layer attends by the reference path)")
     a, n_layer = config.attn, config.n_layer
@@ -200,18 +206,18 @@ def check(config) -> list:
                         f"model.n_layer={n_layer}: the last {len(a.layer_kinds) - n_layer} would never be used; give "
                         f"at most {n_layer} (a shorter list repeats over the layers)")
     ignored = []
-    windowed = {"softmax", "mla"}  # the kinds with an N x N table to window (linear, gdn, mamba2: none)
+    windowed = softmax_kinds(a)  # the kinds with an N x N table to window (linear, gdn, mamba2: none)
     if a.window is not None and used & windowed and not any(layer_kind(a, i) in windowed and a.window_pattern[i % len(a.window_pattern)]
                                         == "L" and a.window < config.block_size for i in range(n_layer)):
         ignored.append(f"model.attn.window={a.window} with window_pattern={a.window_pattern!r} windows no layer here "
                        f"(a window acts on softmax or mla layers marked L, and only below model.block_size="
                        f"{config.block_size}): ignored")
-    if a.select != "none" and "softmax" in used:
+    if a.select != "none" and selecting_kinds(a):
         why = SELECTS[a.select].reads_everything(a, config.block_size)
         if why:
             ignored.append(f"model.attn.select={a.select} selects nothing away at model.block_size={config.block_size}: "
                            f"{why} (the model computes dense attention)")
-    if config.attn.impl == "gathered" and config.attn.select != "moba" and "softmax" in used:  # sdpa's mask then
+    if config.attn.impl == "gathered" and config.attn.select != "moba" and selecting_kinds(config.attn):  # sdpa's mask then
         ignored.append(f"model.attn.impl='gathered' has no effect unless model.attn.select=moba (the blocks it reads; "
                        f"now {config.attn.select!r}): ignored (its default is 'sdpa')")
     for name in sorted(used):
@@ -238,4 +244,4 @@ def attention(q, k, v, scale: float, *, impl: str = "sdpa", block: int = 128, ca
     hs) and k, v (B, n_kv, Tk, hs), M causal (the queries the last Tq positions; within `window` if
     given) or nothing (causal=False); keys: what else every path takes (bias, sink, dropout_p)."""
     mask = Mask(q.size(-2), k.size(-2), window) if causal else None
-    return path(impl, block, keys.get("sink") is not None)(q, k, v, scale=scale, mask=mask, **keys)
+    return PATHS[impl](block)(q, k, v, scale=scale, mask=mask, **keys)

@@ -60,10 +60,6 @@ class LinearAttention(CausalSelfAttention):
     chunk = LINEAR_CHUNK  # positions per chunk in the chunked (training) form
 
     @classmethod
-    def params(cls, c) -> dict:
-        return super().params(c, sink=False)  # the core's projections, gate and gains; no sink
-
-    @classmethod
     def mixing_macs(cls, c, seq_len, keys) -> tuple:
         """In its chunked training form: each token adds φ(k)vᵀ and φ(k) to its kv head's chunk state
         (n_kv·hs·(hs + 1)), each query head reads the state its chunk starts from (nh·hs·(hs + 1)), and

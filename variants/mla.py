@@ -66,15 +66,14 @@ class LatentAttention(CausalSelfAttention):
         return {"q": q, "k": d * (d_c + d_r) + d_c * nh * hs, "v": d_c * nh * hs, "o": nh * hs * d}
 
     @classmethod
-    def params(cls, c, sink: bool = True) -> dict:
-        """Its projections and the gate's matrix; q_down, q_up, kv_down and c_proj's biases, the latent's
-        norm (and the query latent's), a learned sink's logits."""
+    def params(cls, c) -> dict:
+        """Its projections and the slots' parameters (the gate, a learned sink); q_down, q_up, kv_down and
+        c_proj's biases, the latent's norm (and the query latent's)."""
         nh, hs, d = c.n_head, c.head_dim, c.n_embd
         d_c, d_r, rq = cls.dims(c)
-        gate = {"none": 0, "head": nh, "channel": nh * hs}[c.attn.gate] * d
-        return {"matrices": sum(cls.projections(c).values()) + gate,
-                "other": int(c.bias) * ((rq + nh * (hs + d_r)) + (d_c + d_r) + d) + d_c + rq
-                + (nh if c.attn.sink == "learned" else 0)}
+        slots = cls.slot_params(c)
+        return {"matrices": sum(cls.projections(c).values()) + slots["matrices"],
+                "other": int(c.bias) * ((rq + nh * (hs + d_r)) + (d_c + d_r) + d) + d_c + rq + slots["other"]}
 
     @classmethod
     def mixing_macs(cls, c, seq_len, keys) -> tuple:
@@ -95,7 +94,7 @@ class LatentAttention(CausalSelfAttention):
         if config.attn.qk_norm:
             raise UserError("model.attn.qk_norm=true with model.attn.kind=mla is not implemented: its keys are "
                             "up-projected from the latent; use kind=softmax for QK-Norm")
-        if config.rope_dim % 2:
+        if config.pos == "rope" and config.rope_dim % 2:
             raise UserError(f"MLA's RoPE part (model.attn.rope_head_dim, else head_dim/2) is {config.rope_dim}, odd, "
                             "but RoPE rotates pairs of channels: set model.attn.rope_head_dim to an even number")
         if config.n_kv_head != config.n_head:  # every head reads the one shared latent (kv_heads; GPTConfig sets it)
