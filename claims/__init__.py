@@ -181,7 +181,6 @@ TRAINING_RUNS = {
 @dataclass
 class Trained:
     name: str
-    overrides: list
     result: Optional[dict]  # train.train's summary (attn: the probes), None if it stopped with an error
     error: Optional[str] = None
     cfg: object = None
@@ -229,9 +228,9 @@ class Context:
         t0 = time.perf_counter()
         logging.getLogger("attnlab").setLevel(logging.WARNING)
         try:
-            run = Trained(name, overrides, train(cfg), cfg=cfg)
+            run = Trained(name, train(cfg), cfg=cfg)
         except UserError as e:  # a run that diverges (non-finite loss) is a result, not a crash
-            run = Trained(name, overrides, None, error=str(e), cfg=cfg)
+            run = Trained(name, None, error=str(e), cfg=cfg)
         self.log(f"  ... '{name}' done in {time.perf_counter() - t0:.0f} s")
         self.runs[name] = run
         return run
@@ -275,7 +274,7 @@ def run_claims(quick: bool = False, seed: int = 0, out=None, only=None, log=None
                          "command": f"python tools/claims.py --only {c.id}", "tests": list(c.tests)})
     if not quick and out is not None and {"scaled", "unscaled", "qk_norm"} & ctx.runs.keys():
         for path in write_figures(ctx.runs, Path(out)):
-            (log or (lambda m: print(m, file=sys.stderr)))(f"wrote {path}")
+            ctx.log(f"wrote {path}")
     return rows
 
 
@@ -358,4 +357,6 @@ def markdown_table(rows) -> str:
     return "\n".join(out)
 
 
-from claims import a, b, c  # noqa: E402,F401  (each registers its checks in CLAIMS, text by text)
+import claims.a  # noqa: E402,F401  (each registers its checks in CLAIMS, text by text)
+import claims.b  # noqa: E402,F401
+import claims.c  # noqa: E402,F401

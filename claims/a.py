@@ -180,6 +180,10 @@ def check_a5(ctx):
     _, normed_max = layer_max(normed)
     bound_trained = logit_bound(normed.model().blocks[0].attn)
     hot, hot_normed = ctx.trained("scaled_lr3e-2"), ctx.trained("qk_norm_lr3e-2")
+    stopped = [r for r in (plain, normed, hot, hot_normed) if r.result is None]
+    if stopped:  # a run that went non-finite has no probes to read: say which, and why
+        return Result("not_shown", measured + "; " + ", ".join(f"'{r.name}' stopped: {r.error}" for r in stopped),
+                      tolerance, figures=figures)
     run_max = {name: run.result["attn_logit_max_run"] for name, run in
                (("lr1e-3", plain), ("lr3e-2", hot), ("lr3e-2_qk_norm", hot_normed))}
     hot_entropy = hot.result["attn_entropy_min_run"]

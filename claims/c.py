@@ -171,8 +171,9 @@ def check_c7(ctx):
     tolerance = "Pre-LN's whole-val loss ≥ 0.05 nats below Post-LN's, or Post-LN diverging"
     said = (f"{m.n_layer} layers x {m.n_embd} wide, warmup {t.warmup_iters}, lr {t.lr:g}, {t.max_iters} steps: "
             "val loss (whole split) Pre-LN "
-            + ("diverged" if not runs["pre_ln"].result else f"{loss['pre_ln']:.3f}") + ", Post-LN "
-            + ("diverged" if not runs["post_ln"].result else f"{loss['post_ln']:.3f}"))
+            + (f"stopped ({runs['pre_ln'].error})" if not runs["pre_ln"].result else f"{loss['pre_ln']:.3f}")
+            + ", Post-LN "
+            + (f"stopped ({runs['post_ln'].error})" if not runs["post_ln"].result else f"{loss['post_ln']:.3f}"))
     if loss["pre_ln"] <= loss["post_ln"] - 0.05:
         return Result("holds", said, tolerance, figures={"val_loss_full": loss})
     gap = loss["pre_ln"] - loss["post_ln"]

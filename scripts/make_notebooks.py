@@ -25,6 +25,7 @@ show the same outputs) and renders with nbconvert, which is not in requirements.
 import argparse
 import base64
 import copy
+import functools
 import hashlib
 import json
 import os
@@ -188,6 +189,7 @@ def build(lang: str, page: str, cells: list) -> nbformat.NotebookNode:
     return nb
 
 
+@functools.cache
 def notebooks() -> dict:
     """{lang: the notebook its page and tour_cells.py make}."""
     cells = code_cells(CELLS.read_text(encoding="utf-8"))

@@ -496,3 +496,9 @@ def save_tiny_checkpoint(directory, chars=" .abcdefghijklmnopqrstuvwxyz", **kw):
     state = {"model": model.state_dict(), "model_config": dataclasses.asdict(model.config),
              "tokenizer": CharTokenizer("".join(sorted(chars))).to_dict(), "step": 1}
     return save_checkpoint(Path(directory) / "best.pt", state)
+
+
+def diff(a, b) -> str:
+    """How far two tensors are apart, for an assertion's message."""
+    d = (a - b).abs()
+    return f"max diff {d.max().item():.3e}, mean diff {d.mean().item():.3e}"

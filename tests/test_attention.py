@@ -9,17 +9,12 @@ import torch
 from rules import UserError
 from attention import apply_rope, attention_scores, qk_normalize, resolve_scale, rope_freqs
 from attnstats import logit_bound, reading_qk
-from helpers import plain_attention
+from helpers import diff, plain_attention
 from model import GPT, GPTConfig
 from variants import attention
 
 
 # ----------------------------------------------------------------------------- the paths: reference and sdpa
-
-def diff(a, b):
-    d = (a - b).abs()
-    return f"max diff {d.max().item():.3e}, mean diff {d.mean().item():.3e}"
-
 
 @pytest.mark.parametrize("Tq,Tk", [(7, 7), (1, 9), (3, 10)])
 def test_reference_path_equals_hand_written_softmax(Tq, Tk):

@@ -91,12 +91,25 @@ def test_a_kind_registered_from_a_test_is_built_and_counted(toy):
 
 
 def test_a_registered_kind_decodes_from_its_state_as_the_whole_sequence(toy):
+    """Step by step from its state, each position's logits are the whole sequence's (and they depend on the
+    mixer: zeroing its state's update moves them), and greedy generation gives the same tokens either way."""
     torch.manual_seed(1)
     model = GPT(toy(attn={"kind": "fastweights"})).eval()
-    idx = torch.randint(0, 40, (2, 3))
-    cached = generate(model, idx, 10, temperature=0.0, kv_cache=True)
-    recomputed = generate(model, idx, 10, temperature=0.0, kv_cache=False)
-    assert torch.equal(cached, recomputed)
+    idx = torch.randint(0, 40, (2, 12))
+    with torch.no_grad():
+        whole = model(idx)
+        cache = model.new_kv_cache(2, 12)
+        stepped = torch.cat([model(idx[:, :3], kv_cache=cache, pos=0)]
+                            + [model(idx[:, t:t + 1], kv_cache=cache, pos=t) for t in range(3, 12)], dim=1)
+        torch.testing.assert_close(stepped, whole, atol=1e-5, rtol=1e-5)
+        for block in model.blocks:  # the fastweights layers' output projections off: the logits must move
+            if isinstance(block.attn, FastWeights):
+                block.attn.c_proj.weight.zero_()
+        assert (model(idx) - whole).abs().max() > 1e-3
+    model = GPT(toy(attn={"kind": "fastweights"})).eval()
+    prompt = idx[:, :3]
+    assert torch.equal(generate(model, prompt, 10, temperature=0.0, kv_cache=True),
+                       generate(model, prompt, 10, temperature=0.0, kv_cache=False))
 
 
 def test_the_probe_draws_a_registered_kind_by_its_effective_attention(toy):

@@ -10,12 +10,8 @@ import torch.nn.functional as F
 from rules import UserError
 from counting import flops_per_token
 from model import GPT, GPTConfig
+from helpers import diff
 from optim import adamw
-
-
-def diff(a, b):
-    d = (a - b).abs()
-    return f"max diff {d.max().item():.3e}, mean diff {d.mean().item():.3e}"
 
 
 def tiny(**kw):

@@ -15,6 +15,7 @@ How a page is read (the pages say it to their readers too):
 """
 import ast
 import base64
+import functools
 import hashlib
 import html as htmllib
 import importlib.util
@@ -251,8 +252,9 @@ def test_ranged_figures_come_only_from_training_steps():
 
 # ----------------------------------------------------------------------------- the notebooks (fast)
 
+@functools.cache
 def make_notebooks():
-    """scripts/make_notebooks.py as a module (scripts/ is no package)."""
+    """scripts/make_notebooks.py as a module (scripts/ is no package), loaded once: it builds the notebooks once."""
     spec = importlib.util.spec_from_file_location("make_notebooks", REPO / "scripts" / "make_notebooks.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -373,6 +375,11 @@ def test_the_install_keeps_a_recent_enough_torch_and_installs_what_the_tour_need
     plan, _ = f["install_plan"](requirements, floor)
     assert set(plan) == {l for l in lines if f["requirement_name"](l) not in f["NOT_FOR_THE_TOUR"] | {"torch"}}
     assert f["release"]("2.13.0+cu126") == (2, 13, 0) and f["release"]("2.9") < f["release"]("2.13.0")
+    # written out: what pip gets besides torch (the packages the tour's commands import), and names as pip reads them
+    assert {f["requirement_name"](l) for l in plan} == {"hydra-core", "wandb", "datasets", "requests", "numpy",
+                                                        "matplotlib", "scipy", "tqdm"}
+    assert [f["requirement_name"](s) for s in ("torch==2.13.0", "Hydra_Core>=1.3", "pytest-xdist>=3.5", "numpy")] \
+        == ["torch", "hydra-core", "pytest-xdist", "numpy"]
 
 
 def test_fast_settings_shorten_only_the_training():

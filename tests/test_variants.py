@@ -334,4 +334,6 @@ def test_an_odd_rope_part_of_mla_is_refused_only_with_rope():
         GPTConfig(n_layer=2, n_head=4, n_embd=24, block_size=32, vocab_size=40, attn={"kind": "mla"})
     GPT(GPTConfig(n_layer=2, n_head=4, n_embd=24, block_size=32, vocab_size=40, attn={"kind": "mla"}, pos="none"))
     from counting import cache_table
-    assert cache_table(GPTConfig(n_layer=2, n_head=4, n_embd=24, block_size=32, vocab_size=40, pos="none"), (32,))
+    rows = cache_table(GPTConfig(n_layer=2, n_head=4, n_embd=24, block_size=32, vocab_size=40, pos="none"), (32,))
+    mla = next(r for r in rows if r["kind"].startswith("MLA") and r["dtype"] == "float32")
+    assert mla["per_token"] == 2 * (4 * 6 + 0) * 4  # 2 layers x (a latent of 4·hs, no RoPE key) x 4 B

@@ -121,8 +121,6 @@ def test_cli_llama3_8b_json(tmp_path, cli):
 # ----------------------------------------------------------------------------- the N² wall: each attention kind's report and benchmarks
 
 def test_cost_prints_the_four_ways(tmp_path, capsys):
-    from helpers import compose_cfg
-    from tools.cost import cost
     out = cost(compose_cfg("cost", ["model=cpu_small", "seq_len=4096", "plot=null"]))
     text = capsys.readouterr().out
     for name in ("reference (full table)", "tiled (FlashAttention)", "window W=512", "linear (elu + 1)"):
@@ -136,7 +134,6 @@ def test_bench_attention_measures_each_path_against_its_own_prediction(tmp_path)
     """tools/bench_attention.py at two lengths: what the reference keeps for its backward grows ~4x when N
     doubles (the table), the tiled paths' ~2x (no table); each row's predicted MACs are counting's for
     that path's own config (the window path's W, not a default), and the plot is written."""
-    from helpers import compose_cfg
     from tools.bench_attention import bench_attention
     cfg = compose_cfg("bench_attention", ["lengths=[512,1024]", "repeats=1", "window=32", "block=64",
                                           f"out={tmp_path / 'n2.png'}"])
@@ -159,7 +156,6 @@ def test_bench_attention_decodes_each_recurrent_path_from_a_state_that_does_not_
     mamba2's state the same bytes at every N; each ratio is the median of the rounds' ratios to sdpa
     timed beside it, and the crossover is the first N from which the path stays below sdpa."""
     import statistics
-    from helpers import compose_cfg
     from tools.bench_attention import bench_attention
     d = 64
     result = bench_attention(compose_cfg("bench_attention", ["lengths=[32,64]", "paths=[sdpa,gdn,mamba2]", "decode=true",
@@ -180,7 +176,6 @@ def test_bench_attention_decodes_each_recurrent_path_from_a_state_that_does_not_
 
 
 def test_bench_attention_decode_needs_sdpa_to_compare_with():
-    from helpers import compose_cfg
     from tools.bench_attention import bench_attention
     with pytest.raises(UserError, match="sdpa"):
         bench_attention(compose_cfg("bench_attention", ["lengths=[32]", "paths=[gdn]", "decode=true", "out=null"]))
@@ -189,7 +184,6 @@ def test_bench_attention_decode_needs_sdpa_to_compare_with():
 def test_bench_times_other_layer_kinds_of_the_same_model_side_by_side(capsys):
     """bench.kinds: each pattern is the configured model with those layer kinds (its parameters are that
     model's), timed in the same rounds; its ratio is its median step time over the configured one's."""
-    from helpers import compose_cfg
     from benchmarks import bench, print_result
     cfg = compose_cfg("bench", ["model=debug", "device=cpu", "bench.iters=1", "bench.warmup=0", "bench.rounds=2",
                                 "bench.kinds=[gdn,mamba2+softmax]", "train.batch_size=2"])
