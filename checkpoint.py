@@ -389,7 +389,10 @@ def with_defaults(saved: dict, defaults: dict) -> dict:
 def check_resumable(state: dict, cfg, data, extension=()):
     """A checkpoint resumes only into the same model (the context extension's keys apart), tokenizer,
     data and data seed (`data`: the prepared TokenData); name the first difference."""
-    saved = state.get("config") or {}
+    saved = state.get("config")
+    if not saved:  # nothing to hold this run against: comparing with the schema's defaults would name a wrong key
+        raise UserError("cannot resume: the checkpoint holds no run config (not written by train.py?); start a new "
+                        "run from its weights with init_from=CKPT")
     now = OmegaConf.to_container(cfg, resolve=True)
     for group, keys in (("model", None), ("data", ("name", "tokenizer", "val_fraction", "bos"))):
         a, b = saved.get(group, {}), now.get(group, {})

@@ -20,10 +20,11 @@ from rules import FRACTION, NON_NEGATIVE, POSITIVE, SEED, Needs, OneOf, Range, U
 from model import GPTConfig
 from variants import ROPE_SCALINGS, SELECTS
 from optim import LR_SCHEDULES, MUON_ADJUST_LR, MUON_NS_DTYPES, OPTIMIZERS, WEIGHT_DECAY_MODES, min_lr
+from device import DTYPES
 from parallel import PARALLEL
 from tracking import WANDB_MODES, check_wandb_mode
 
-DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")  # "auto" and device.DTYPES' keys (tests/test_device.py)
+DTYPE_NAMES = ("auto", *DTYPES)  # "auto": the device's own choice (device.pick_dtype)
 
 
 @dataclass

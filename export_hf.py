@@ -320,7 +320,7 @@ def repo_imports(source: str, module: str) -> set:
 
 def code_modules() -> dict:
     """{file name: source} of attnlab's model as importable files of one directory: model.py and,
-    transitively, every attnlab module it imports (attention.py, rules.py, counting.py, variants/),
+    transitively, every attnlab module it imports (attention.py, mixer.py, rules.py, variants/, ...),
     each copied whole, its imports of the others made relative (`from .attention import ...`), which
     is how transformers' remote-code loader finds and copies them."""
     sources, todo = {}, ["model"]

@@ -10,7 +10,7 @@ import os
 import platform
 import subprocess
 import sys
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 import torch
@@ -82,12 +82,19 @@ class RunDir:
     def write_record(self, cfg, info: dict, overrides=None):
         """What this run is, before it starts: the resolved config, code version and hardware (`info`),
         and for a new run Hydra's overrides and config."""
-        (self.path / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
-        (self.path / "run_info.json").write_text(json.dumps(info, indent=1))
-        if overrides is not None:
-            (self.path / ".hydra").mkdir(exist_ok=True)
-            (self.path / ".hydra" / "overrides.yaml").write_text(OmegaConf.to_yaml(list(overrides)))
-            (self.path / ".hydra" / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
+        try:
+            if overrides is not None:
+                (self.path / ".hydra").mkdir(exist_ok=True)  # first: a file in its way fails before anything is written
+            (self.path / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+            (self.path / "run_info.json").write_text(json.dumps(info, indent=1))
+            if overrides is not None:
+                (self.path / ".hydra" / "overrides.yaml").write_text(OmegaConf.to_yaml(list(overrides)))
+                (self.path / ".hydra" / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
+        except OSError as e:  # e.g. a file where the run's .hydra directory goes, a directory named config.yaml
+            with suppress(OSError):
+                (self.path / ".hydra").rmdir()  # if this made it, empty
+            raise UserError(f"cannot write the run's record in {self.path}: {e.strerror or e} ({e.filename}); "
+                            "move that away or choose another run dir") from None
 
     def open_log(self, earlier) -> logging.Handler:
         """train.log: every log line of the run, those logged before it was accepted (`earlier`) first.

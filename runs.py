@@ -19,6 +19,11 @@ IGNORED = ("out_dir", "resume", "device", "logger.", "data.cache_dir", "data.num
            "train.peak_flops", "train.keep_ckpts", "train.ckpt_interval")
 
 
+def default_out(paths, name: str) -> str:
+    """Where a tool reading runs writes by default: the one sweep directory it was given, else outputs/<name>."""
+    return paths[0] if len(paths) == 1 and not (Path(paths[0]) / "metrics.jsonl").is_file() else f"outputs/{name}"
+
+
 def find_runs(paths) -> list:
     """Run dirs (those holding metrics.jsonl) among the paths and their subdirectories."""
     runs = []
@@ -179,7 +184,7 @@ def group_arms(runs: list) -> list:
     whose values differ between arms (`key=value, ...`); a lone arm by its run's dir name."""
     keyed, newer = {}, newer_keys([r.config for r in runs])
     for r in runs:
-        keyed.setdefault(arm_key(r.config, r.dir, newer), []).append(r)
+        keyed.setdefault(arm_key(r.config, r.dir, newer | inert_keys(r.config)), []).append(r)  # an inert key parts no arms
     configs = [dict(k) for k in keyed]
     every = set().union(*configs)
     differing = sorted(k for k in every if len({c.get(k, "(unset)") for c in configs}) > 1)

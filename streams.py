@@ -26,7 +26,11 @@ def stream_tokens(state: dict, cfg, n=None) -> torch.Tensor:
         from data.loader import TokenData
         from data.mqar import MQARData
         from data.prepare import prepare
-        data_cfg = OmegaConf.merge(OmegaConf.structured(DataConfig), state["config"]["data"])  # the run's own data
+        saved = (state.get("config") or {}).get("data")
+        if saved is None:
+            raise UserError("the checkpoint holds no data config (its run's val split cannot be made again): give "
+                            "text=FILE, a held-out UTF-8 text")
+        data_cfg = OmegaConf.merge(OmegaConf.structured(DataConfig), saved)  # the run's own data
         try:
             if data_cfg.name == "mqar":  # generated again from its seed: the val examples one after another
                 ids = MQARData(data_cfg, state["model_config"]["block_size"]).examples["val"][0].reshape(-1)[:n].tolist()
@@ -55,11 +59,7 @@ def window_losses(model, ids, L: int, batch_size: int = 8, bos=None) -> torch.Te
     """The next-token loss at every position of every consecutive window of L tokens of ids:
     (windows, L); window w reads ids[w*L : (w+1)*L] and predicts ids[w*L+1 : (w+1)*L+1]. With bos
     (a data.bos=true model) it reads [bos, ids[w*L : (w+1)*L-1]] and predicts ids[w*L : (w+1)*L]."""
-    n = (ids.numel() - 1) // L
-    if n == 0:
-        raise UserError(f"the text has {ids.numel()} tokens: too few for one window of {L} (give a longer text=)")
-    x = ids[:n * L].view(n, L)
-    y = ids[1:n * L + 1].view(n, L)
+    x, y = windows(ids, L, ids.numel())  # every whole window
     if bos is not None:
         x, y = torch.cat([torch.full_like(x[:, :1], bos), x[:, :-1]], 1), x
     losses = []

@@ -24,9 +24,14 @@ from omegaconf import OmegaConf
 NAME_LIMIT = 200  # bytes of a job directory's name (file systems allow 255)
 
 
+def override_key(override: str) -> str:
+    """The key of a command-line override: `train.lr` of `train.lr=1e-3`, `+x=1` and `~x`."""
+    return override.split("=", 1)[0].lstrip("+~")
+
+
 def swept_keys(argv=None) -> set:
     """The keys a sweep's command line gives several values (key=a,b): what sets its jobs apart."""
-    return {a.split("=", 1)[0].lstrip("+~") for a in (sys.argv[1:] if argv is None else argv)
+    return {override_key(a) for a in (sys.argv[1:] if argv is None else argv)
             if "=" in a and "," in a.split("=", 1)[1] and not a.split("=", 1)[1].startswith("[")}
 
 
@@ -37,7 +42,7 @@ def short_name(name: str, limit: int = NAME_LIMIT) -> str:
         return name
     swept = swept_keys()
     parts = name.split(",")
-    name = ",".join(sorted(parts, key=lambda p: p.split("=", 1)[0] not in swept))
+    name = ",".join(sorted(parts, key=lambda p: override_key(p) not in swept))
     digest = hashlib.sha1(",".join(parts).encode()).hexdigest()[:10]
     head = name.encode()[:limit - len(digest) - 1].decode(errors="ignore")
     return f"{head}-{digest}"
@@ -60,7 +65,7 @@ def hydra_run_info():
     group = None
     if hc.mode == RunMode.MULTIRUN:
         skip = {*hc.job.config.override_dirname.exclude_keys, "seed", "train.data_seed"}
-        arm = ",".join(sorted(o for o in overrides if o.split("=", 1)[0].lstrip("+~") not in skip))
+        arm = ",".join(sorted(o for o in overrides if override_key(o) not in skip))
         group = f"{Path(hc.sweep.dir).name}/{arm or 'base'}"[:128]  # W&B's limit on a group name
     return name, group, overrides
 

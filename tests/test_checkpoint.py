@@ -96,3 +96,12 @@ def test_find_checkpoint_prefers_best_then_newest(tmp_path):
     assert ck.find_checkpoint(tmp_path / "b") == best and ck.find_checkpoint(new) == new
     ck.prune_checkpoints(tmp_path / "b", keep=1)
     assert sorted(p.name for p in (tmp_path / "b").iterdir()) == [ck.BEST_NAME, ck.step_name(20)]
+
+
+def test_resuming_a_checkpoint_without_its_run_config_is_one_line_naming_init_from():
+    """A checkpoint saved by hand (weights and model_config, no run config) has nothing to hold the run
+    against: one line, not a comparison with the schema's defaults that names a key the checkpoint never had."""
+    from checkpoint import check_resumable
+    with pytest.raises(UserError, match="holds no run config .* init_from=CKPT") as e:
+        check_resumable({"model_config": {"block_size": 32}, "model": {}}, cfg=None, data=None)
+    assert "\n" not in str(e.value)

@@ -43,3 +43,19 @@ def test_a_second_training_in_a_locked_dir_is_refused_in_one_line(tmp_path):
 def test_an_unset_dir_is_refused_before_anything_is_made(tmp_path):
     with pytest.raises(UserError, match="out_dir is unset"):
         RunDir(None).check()
+
+
+def test_a_record_that_cannot_be_written_is_one_line_and_the_refused_run_leaves_nothing(tmp_path):
+    """A file where the run's .hydra directory goes (or a directory named config.yaml) is refused in one line
+    naming the dir, not an OSError traceback; the refused run wrote nothing and let its lock go, and only what
+    was in the way is left (a dir is removed only when empty: nothing of the user's is deleted)."""
+    from omegaconf import OmegaConf
+    for blocker in (".hydra", "config.yaml"):
+        made = tmp_path / blocker.strip(".")
+        run_dir = RunDir(made)
+        with pytest.raises(UserError, match="cannot write the run's record in") as e, run_dir.removed_if_refused():
+            run_dir.check()
+            run_dir.open()
+            (made / blocker).mkdir() if blocker == "config.yaml" else (made / blocker).write_text("")
+            run_dir.write_record(OmegaConf.create({"a": 1}), {}, overrides=["a=1"])
+        assert "\n" not in str(e.value) and [p.name for p in made.iterdir()] == [blocker] and run_dir.lock.closed

@@ -24,7 +24,6 @@ agreement), and greedy generation: `greedy` tokens at temperature 0 from the tex
 block_size/2 tokens with each cache, and the step at which it first differs from the fp32 cache's
 (after that the two texts go their own ways, so only the first difference means anything).
 """
-import json
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,6 +42,7 @@ from device import pick_device  # noqa: E402
 from files import check_output_file  # noqa: E402
 from rules import POSITIVE, OneOf, Range, UserError, check_values  # noqa: E402
 from streams import stream_tokens  # noqa: E402
+from tracking import read_metrics  # noqa: E402
 from data.tokenizer import tokenizer_from_dict  # noqa: E402
 
 POLICIES = ("recompute", "ring", "sinks")
@@ -117,9 +117,11 @@ def compare_dtypes(model, ids, cfg, policy: str = "ring") -> dict:
 
 def sink_mass(run_dir: Path):
     """The mean weight heads put on the first token at the run's last probe (attn_first), or None."""
+    if not (run_dir / "metrics.jsonl").is_file():
+        return None
     try:
-        lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    except (OSError, ValueError):
+        lines = read_metrics(run_dir)
+    except UserError:  # a damaged log: the figure is an extra, the evaluation goes on
         return None
     probes = [m for m in lines if any(k.startswith("attn_first/L") for k in m)]
     if not probes:

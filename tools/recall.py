@@ -22,7 +22,7 @@ from files import check_output_dir  # noqa: E402
 from plots import plt, save_figure  # noqa: E402
 from rules import UserError  # noqa: E402
 from intervals import describe  # noqa: E402
-from runs import find_runs, group_arms, summarize  # noqa: E402
+from runs import default_out, find_runs, group_arms, summarize  # noqa: E402
 
 PAIRS = "data.pairs"
 
@@ -113,8 +113,7 @@ def plot(pairs, rows, path):
 
 def recall(dirs, out=None):
     """Read the runs under `dirs`, write recall.md and recall.png to `out` and print the table."""
-    out = out or (dirs[0] if len(dirs) == 1 and not (Path(dirs[0]) / "metrics.jsonl").is_file() else "outputs/recall")
-    out = check_output_dir(out, "--out")
+    out = check_output_dir(out or default_out(dirs, "recall"), "--out")
     pairs, rows = recall_table(recall_runs(dirs))
     table = markdown(pairs, rows)
     out.mkdir(parents=True, exist_ok=True)

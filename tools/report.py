@@ -37,7 +37,7 @@ from rules import UserError  # noqa: E402
 from plots import plot_bands, plot_head_roles_compare, series  # noqa: E402
 from intervals import describe, paired_interval, welch_interval  # noqa: E402
 from lr_sweep import lr_view  # noqa: E402
-from runs import Arm, arm_key, find_runs, group_arms, newer_keys, summarize  # noqa: E402
+from runs import Arm, arm_key, default_out, find_runs, group_arms, newer_keys, summarize  # noqa: E402
 
 METRICS = [  # (name, column title, format)
     ("val_loss", "val loss", ".4f"), ("val_bpc", "val bits/char", ".4f"), ("attn_entropy", "attn entropy (nats)", ".3f"),
@@ -183,9 +183,7 @@ def plot_arm_bands(arms: list, path, keys: list):
 
 
 def report(paths, out=None, baseline=None) -> dict:
-    if out is None:
-        out = paths[0] if len(paths) == 1 and not (Path(paths[0]) / "metrics.jsonl").is_file() else "outputs/report"
-    out = check_output_dir(out, "--out")
+    out = check_output_dir(out or default_out(paths, "report"), "--out")
     runs = [summarize(r) for r in find_runs(paths)]
     arms = group_arms(runs)
     if baseline is not None and baseline not in [a.label for a in arms]:

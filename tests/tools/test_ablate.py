@@ -100,6 +100,20 @@ def test_the_mean_ablation_keeps_what_a_head_always_adds(run):
         assert abs(measure(model, x, y, 3)["loss"] - base) > 1e-4
 
 
+def test_a_checkpoint_without_its_runs_data_config_asks_for_a_text(run, tmp_path):
+    """Without text=, the tools make the run's own val split again from the config the checkpoint saved: a
+    checkpoint without one (saved by hand) is one line naming text=, not a KeyError."""
+    from tools.ablate import ablate
+    ckpt, _ = run
+    state = torch.load(ckpt, weights_only=True)
+    state.pop("config", None)
+    bare = tmp_path / "bare.pt"
+    torch.save(state, bare)
+    with pytest.raises(UserError, match="no data config .* give text=FILE") as e:
+        ablate(compose_cfg("ablate", [f"ckpt={bare}", "out=null"]))
+    assert "\n" not in str(e.value)
+
+
 def test_a_head_the_model_does_not_have_is_one_line(run):
     from tools.ablate import ablate
     ckpt, text = run

@@ -251,9 +251,10 @@ def test_an_arms_label_leaves_out_keys_that_could_not_act_in_it():
     moba = {"model.attn.select": "moba", "model.attn.select_block": 8, "model.attn.select_topk": 1}
     hybrid = {"model.attn.layer_kinds": ["gdn", "softmax"], "model.attn.select_block": 8, "model.attn.select_topk": 1}
     nope = {"model.pos": "none", "model.rope_base": 500.0}
-    arms = group_arms([run(1), run(2), run(1, **moba), run(1, **hybrid), run(1, **nope)])
+    inert = {"model.attn.select_block": 32}  # set, but without selection it does nothing: the same arm
+    arms = group_arms([run(1), run(2), run(1, **moba), run(1, **hybrid), run(1, **nope), run(3, **inert)])
     labels = [a.label for a in arms]
-    assert [len(a.runs) for a in arms] == [2, 1, 1, 1]
+    assert [len(a.runs) for a in arms] == [3, 1, 1, 1]
     assert "select_block" not in labels[0] and "select_topk" not in labels[0] and "rope_base" in labels[0]
     assert "model.attn.select_block=8" in labels[1] and "model.attn.select_topk=1" in labels[1]
     assert "select_block" not in labels[2] and "model.attn.kind" not in labels[2]  # layer_kinds names the kinds
