@@ -201,7 +201,11 @@ GQA_SWIGLU = dict(vocab_size=100, block_size=32, n_layer=2, n_head=4, n_kv_head=
 
 # ----------------------------------------------------------------------------- models and training runs
 
-def sharp_model(seed=0, vocab=61, block_size=32, **over):
+# the characters of the tools' tests: a char vocabulary of 61 (sharp_model's default)
+VOCAB = "\n !',.:;?ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
+
+
+def sharp_model(seed=0, vocab=None, block_size=32, **over):
     """A two-layer, two-head GPT whose attention is sharp (q|k|v weights x6) and QK-Norm gains away from
     1, in eval mode: maps with structure to draw and read. over: GPTConfig fields."""
     import torch
@@ -209,7 +213,7 @@ def sharp_model(seed=0, vocab=61, block_size=32, **over):
     from model import GPT, GPTConfig
 
     torch.manual_seed(seed)
-    fields = {"vocab_size": vocab, "block_size": block_size, "n_layer": 2, "n_head": 2, "n_embd": 32, **over}
+    fields = {"vocab_size": vocab or len(VOCAB), "block_size": block_size, "n_layer": 2, "n_head": 2, "n_embd": 32, **over}
     model = GPT(GPTConfig(**fields))
     with torch.no_grad():
         for name, p in model.named_parameters():

@@ -21,9 +21,8 @@ from attention import repeat_kv
 from attnstats import attention_maps, effective_stats
 from checkpoint import save_checkpoint
 from data.tokenizer import CharTokenizer
-from helpers import compose_cfg, variant_model
+from helpers import VOCAB, compose_cfg, variant_model
 
-VOCAB = "\n !',.:;?ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
 
 
 def pass_through(conv):

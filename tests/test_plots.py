@@ -8,10 +8,9 @@ import pytest
 import torch
 
 from plots import format_top_keys, label, pack_weights, token_pieces, top_keys, write_views
-from helpers import needs_chromium, sharp_model
+from helpers import VOCAB, needs_chromium, sharp_model
 from data.tokenizer import CharTokenizer, TiktokenTokenizer
 
-VOCAB = "\n !',.:;?ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
 GQA = {"n_head": 4, "n_kv_head": 2}
 
 

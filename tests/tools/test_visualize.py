@@ -11,11 +11,10 @@ import torch
 
 from attnstats import attention_maps
 from checkpoint import save_checkpoint
-from helpers import compose_cfg, plain_weights, sharp_model
+from helpers import VOCAB, compose_cfg, plain_weights, sharp_model
 from data.tokenizer import CharTokenizer
 from tools.visualize import visualize
 
-VOCAB = "\n !',.:;?ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
 VARIANTS = {
     "mha": {},
     "gqa": {"n_head": 4, "n_kv_head": 2},
@@ -25,7 +24,7 @@ VARIANTS = {
 }
 
 
-def save_tiny_checkpoint(path, **over):
+def save_sharp_checkpoint(path, **over):
     model = sharp_model(**over)
     state = {"model": model.state_dict(), "model_config": dataclasses.asdict(model.config),
              "tokenizer": CharTokenizer(VOCAB).to_dict(), "step": 7}
@@ -66,7 +65,7 @@ def test_maps_equal_softmax_of_the_models_own_q_and_k(variant):
 
 
 def test_visualize_writes_the_grid_and_the_viewer_and_prints_top_keys(tmp_path):
-    ckpt = save_tiny_checkpoint(tmp_path / "run" / "best.pt")
+    ckpt = save_sharp_checkpoint(tmp_path / "run" / "best.pt")
     cfg = compose_cfg("visualize", [f"ckpt={tmp_path / 'run'}", "prompt=ROMEO: But soft", f"out={tmp_path / 'maps'}",
                                     "top_k=3", "device=cpu"])
     out = io.StringIO()
@@ -92,7 +91,7 @@ def test_visualize_writes_the_grid_and_the_viewer_and_prints_top_keys(tmp_path):
 
 
 def test_end_of_prompt_query_and_negative_query(tmp_path):
-    save_tiny_checkpoint(tmp_path / "run" / "best.pt")
+    save_sharp_checkpoint(tmp_path / "run" / "best.pt")
     base = [f"ckpt={tmp_path / 'run'}", "prompt=abcdef", f"out={tmp_path / 'maps'}", "device=cpu"]
     assert visualize(compose_cfg("visualize", base + ["query=-2"]), out=io.StringIO())["query"] == 4
     out = io.StringIO()
@@ -110,7 +109,7 @@ def test_end_of_prompt_query_and_negative_query(tmp_path):
     (["bogus_key=1"], "bogus_key"),
 ], ids=["unknown-ckpt", "too-long", "outside-vocab", "query-range", "top-k", "no-prompt", "unknown-key"])
 def test_bad_input_is_a_one_line_error(tmp_path, args, message, cli):
-    save_tiny_checkpoint(tmp_path / "run" / "best.pt")
+    save_sharp_checkpoint(tmp_path / "run" / "best.pt")
     (tmp_path / "euro.txt").write_text("ROMEO: 5 €", encoding="utf-8")
     defaults = {"ckpt": f"ckpt={tmp_path / 'run'}", "prompt": "prompt=ROMEO: But soft", "out": f"out={tmp_path / 'maps'}"}
     given = [a.replace("{tmp}", str(tmp_path)) for a in args]
