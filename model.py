@@ -202,12 +202,12 @@ class GPT(nn.Module):
         for name, p in self.named_parameters():
             if name.endswith("c_proj.weight"):
                 nn.init.zeros_(p) if self.config.zero_init_proj else nn.init.normal_(p, mean=0.0, std=std_resid)
-            elif p.dim() == 2:
-                nn.init.normal_(p, mean=0.0, std=0.02)
             elif name.endswith(("bias", "sink_logit")):
                 nn.init.zeros_(p)
-            else:
+            elif p.dim() < 2 or name.endswith("_gain"):  # QK-Norm's gains are (heads, 1 or hs): 1, not N(0, 0.02)
                 nn.init.ones_(p)
+            else:
+                nn.init.normal_(p, mean=0.0, std=0.02)
         for m in self.modules():  # a kind's own parameters (a recurrent layer's decay, its convolution)
             if m is not self and hasattr(m, "init_weights"):
                 m.init_weights()

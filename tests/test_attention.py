@@ -231,3 +231,16 @@ def test_invalid_attention_options_are_one_line_errors(train_cfg, override, need
         train(train_cfg(override))
     assert "\n" not in str(e.value)
 
+
+
+@pytest.mark.parametrize("norm", [n for n in NORMS if n.get("qk_norm_gain", "none") != "none"], ids=label)
+def test_a_fresh_models_qk_gains_are_one_so_its_logit_bound_is_the_gainless_one(norm):
+    """A gain drawn like a weight (N(0, 0.02)) would start every gained run with uniform attention."""
+    kw = dict(vocab_size=30, block_size=16, n_layer=2, n_head=2, n_embd=32)
+    gained = GPT(GPTConfig(**kw, attn=dict(**norm)))
+    gainless = GPT(GPTConfig(**kw, attn=dict(norm, qk_norm_gain="none")))
+    for block, plain in zip(gained.blocks, gainless.blocks):
+        assert torch.equal(block.attn.q_gain, torch.ones_like(block.attn.q_gain))
+        assert torch.equal(block.attn.k_gain, torch.ones_like(block.attn.k_gain))
+        assert logit_bound(block.attn) == logit_bound(plain.attn) == pytest.approx(
+            block.attn.scale * (1.0 if norm["qk_norm_type"] == "l2" else 16))  # scale · hs (hs = 16)
