@@ -5,7 +5,9 @@ a reference file recorded from the code before the attention variants moved into
 
 The reference was made with that code by
     python tests/test_checkpoint_layout.py tests/data/checkpoint_layouts.json
-(it uses only what both versions have: GPT, GPTConfig, optim.build_optimizer, sample.generate)."""
+(it uses only what both versions have: GPT, GPTConfig, optim.build_optimizer, sample.generate). The two
+variants with QK-Norm gains were recorded again when the gains' init was fixed (1, not N(0, 0.02)): their
+names, shapes and order did not change, their init and so their tokens did."""
 import json
 import sys
 from pathlib import Path
@@ -43,7 +45,7 @@ def layout(fields: dict) -> dict:
     """What a checkpoint of this variant holds and what its model computes, from code of either version."""
     from model import GPT, GPTConfig
     from omegaconf import OmegaConf
-    from optim import build_optimizer
+    from lab.optim import build_optimizer
     from sample import generate
 
     torch.manual_seed(0)
@@ -72,7 +74,7 @@ def reference():
 @pytest.mark.parametrize("name", list(VARIANTS))
 def test_checkpoints_of_every_variant_load_resume_and_decode_as_before(name, reference):
     from model import GPT, GPTConfig
-    from parallel import load_weights
+    from lab.parallel import load_weights
 
     want, got = reference[name], layout(VARIANTS[name])
     assert got["state"] == want["state"]  # the same names and shapes: a checkpoint of then loads now
