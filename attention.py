@@ -295,7 +295,7 @@ class CausalSelfAttention(Mixer):
     def aux_metrics(self) -> dict:
         return {} if self.select is None else self.select.aux_metrics()
 
-    # --------------------------------------------------------------- its counts (mixer.py; counting.py totals them)
+    # --------------------------------------------------------------- its counts (mixer.py; lab/counting.py totals them)
 
     @classmethod
     def rope_width(cls, c):

@@ -12,7 +12,7 @@ siblings under Mixer, which holds the protocol the rest of attnlab relies on:
   state, no cache that grows with the context), `rotates_heads`, `selects` (takes the select slot);
 - `aux_loss`: a loss of its own that rides in the gradient (None by default), logged as aux/<name>;
 - its counts, from the config alone, as class methods: parameters, MACs per token, cache bytes per
-  token, state numbers, the channels RoPE rotates, the key/value heads it really has. counting.py
+  token, state numbers, the channels RoPE rotates, the key/value heads it really has. lab/counting.py
   totals them and tests hold them equal to a built layer.
 """
 import torch

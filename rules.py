@@ -4,7 +4,7 @@
 so) and `check_values`, which holds a config to its schemas' tables; `first_line` makes any exception
 one line of such a message.
 
-No torch and no process code here: the model files, config.py and every tool import these, and the
+No torch and no process code here: the model files, lab/config.py and every tool import these, and the
 export's custom-code route copies this file whole beside the model."""
 import dataclasses
 import logging

@@ -16,12 +16,12 @@ import sys
 import hydra
 import torch
 
-from checkpoint import find_checkpoint, load_checkpoint, model_from_checkpoint, with_rope_scaling, with_selection
-from cli import cli, interruption, run_app
-from device import check_memory, compile_wanted, is_oom, pick_dtype, setup_runtime
+from lab.checkpoint import find_checkpoint, load_checkpoint, model_from_checkpoint, with_rope_scaling, with_selection
+from lab.cli import cli, interruption, run_app
+from lab.device import check_memory, compile_wanted, is_oom, pick_dtype, setup_runtime
 from rules import UserError, check_value, check_values, first_line, warn_ignored
-from config import SampleConfig  # also registers the config schema with Hydra
-from counting import generation_bytes
+from lab.config import SampleConfig  # also registers the config schema with Hydra
+from lab.counting import generation_bytes
 from data.tokenizer import StreamDecoder, tokenizer_from_dict
 
 log = logging.getLogger("attnlab")

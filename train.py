@@ -9,8 +9,8 @@ needs top-down: the data, the model, the optimizer, the restored state when resu
 of what this run is. The loop, in train(), evaluates, probes the attention, checkpoints and takes
 optimizer steps; the step itself (micro-batches, gradient accumulation, clipping, the non-finite
 check) is optim.train_step. What a checkpoint of the run holds and how a run resumes from one are
-checkpoint.py; the run dir (chosen, locked, cleaned, removed when refused, and the run's record of
-code and hardware) is rundir.RunDir; signals and the error exit are cli.py. `train(cfg)` returns its
+lab/checkpoint.py; the run dir (chosen, locked, cleaned, removed when refused, and the run's record of
+code and hardware) is rundir.RunDir; signals and the error exit are lab/cli.py. `train(cfg)` returns its
 results, so tests call it with a composed config; `main` is the thin Hydra entry point.
 """
 import logging
@@ -27,25 +27,25 @@ import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
-from attnstats import AttentionProbe, without_softmax
-from checkpoint import (BEST_NAME, checkpoint_contents, initial_weights, last_good_checkpoint, prune_checkpoints,
+from lab.attnstats import AttentionProbe, without_softmax
+from lab.checkpoint import (BEST_NAME, checkpoint_contents, initial_weights, last_good_checkpoint, prune_checkpoints,
                         restore, resume_point, save_checkpoint, step_name)
-from cli import StopRequest, cli, forget_hydra_run_dir, run_app
-from device import Runtime, Throughput, check_memory, compile_wanted, is_oom, peak_flops, setup_runtime
+from lab.cli import StopRequest, cli, forget_hydra_run_dir, run_app
+from lab.device import Runtime, Throughput, check_memory, compile_wanted, is_oom, peak_flops, setup_runtime
 from rules import UserError, first_line
-from rundir import RunDir, run_info, write_plots
-from stability import Watch, diverged_line
-from config import check_train_config, data_seed, model_config
-from counting import flops_per_token, training_bytes
+from lab.rundir import RunDir, run_info, write_plots
+from lab.stability import Watch, diverged_line
+from lab.config import check_train_config, data_seed, model_config
+from lab.counting import flops_per_token, training_bytes
 from data.loader import TokenData
 from data.mqar import MQARData
 from data.prepare import prepare
-from evaluation import estimate_loss, full_val_loss
+from lab.evaluation import estimate_loss, full_val_loss
 from model import GPT, GPTConfig
-from optim import build_optimizer, lr_at, set_lr, train_step
-from parallel import Dist, all_ranks_agree, checkpoint_blocks, init_distributed, parallelism
-from sweep import hydra_run_info
-from tracking import Tracker, truncate_metrics
+from lab.optim import build_optimizer, lr_at, set_lr, train_step
+from lab.parallel import Dist, all_ranks_agree, checkpoint_blocks, init_distributed, parallelism
+from lab.sweep import hydra_run_info
+from lab.tracking import Tracker, truncate_metrics
 from mixer import aux_metrics
 
 log = logging.getLogger("attnlab")
@@ -88,7 +88,7 @@ class Run:
     parallel: object = None  # parallel.Replicated (one process, DDP) or FullyShard (FSDP), chosen once in build()
     log_file: Optional[logging.Handler] = None  # train.log in the run dir (rank 0), from record() on
     ignored: list = field(default_factory=list)  # settings without effect in this config (warned, in run_info.json)
-    watch: Watch = field(default_factory=Watch)  # divergence, attention collapse, spikes (stability.py)
+    watch: Watch = field(default_factory=Watch)  # divergence, attention collapse, spikes (lab/stability.py)
 
     @property
     def out_dir(self) -> Path:
@@ -389,7 +389,7 @@ def log_metrics(run: Run, line: dict):
 def optimizer_step(run: Run):
     """One training step on this process's share of a freshly drawn global batch. A step whose loss
     or gradients are not finite is skipped; more of them than train.skip_nonfinite allows is a
-    divergence (stability.py), unless the fresh model already gives one (then its config is at fault)."""
+    divergence (lab/stability.py), unless the fresh model already gives one (then its config is at fault)."""
     tcfg, T = run.cfg.train, run.mcfg.block_size
     lr = lr_at(run.step, tcfg)
     set_lr(run.optimizer, lr)
@@ -500,7 +500,7 @@ def main(cfg):
         cfg.out_dir = HydraConfig.get().runtime.output_dir
     name, group, overrides = hydra_run_info()
     result = train(cfg, run_name=name, run_group=group, overrides=overrides)
-    if result["diverged"]:  # a result: a sweep goes on with its next job (sweep.py counts them)
+    if result["diverged"]:  # a result: a sweep goes on with its next job (lab/sweep.py counts them)
         if group is None:
             raise UserError(f"{diverged_line(result)}; run dir {result['out_dir']}")
         print(f"{diverged_line(result)}; run dir {result['out_dir']}", file=sys.stderr)

@@ -8,11 +8,11 @@ from torch.utils.checkpoint import checkpoint
 
 import attention as attn_lib
 import variants
-from attnstats import logit_bound
-from benchmarks import saved_bytes
-from counting import attention_variants, crossovers, macs_per_token, memory_breakdown, selected_keys
+from lab.attnstats import logit_bound
+from lab.counting import saved_bytes
+from lab.counting import attention_variants, crossovers, macs_per_token, memory_breakdown, selected_keys
 from model import GPTConfig
-from claims import (IMPLS, LargestTensor, Result, claim, flops, fmt, layer_max, max_diff, max_logit, preset, rand,
+from claims.common import (IMPLS, LargestTensor, Result, claim, flops, fmt, layer_max, max_diff, max_logit, preset, rand,
                     slash, small_model, verdict)
 
 

@@ -4,10 +4,10 @@ what checks share."""
 import torch
 
 import variants
-from attnstats import attention_maps
-from counting import macs_per_token
+from lab.attnstats import attention_maps
+from lab.counting import macs_per_token
 from model import GPTConfig
-from claims import Result, claim, flops, max_diff, power10, rand, slash, small_model, verdict
+from claims.common import Result, claim, flops, max_diff, power10, rand, slash, small_model, verdict
 
 
 @claim("B1", "Raw scores 0.5, 0.2, 2.5, 3.0 → softmax ≈ 0.05, 0.03, 0.35, 0.57: the two strong ones take ≈ 92%.",

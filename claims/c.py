@@ -10,9 +10,9 @@ import torch.nn.functional as F
 
 import attention as attn_lib
 import variants
-from counting import count_params, kv_cache_bytes, macs_per_token
+from lab.counting import count_params, kv_cache_bytes, macs_per_token
 from model import GPT, GPTConfig
-from claims import IMPLS, Result, claim, flops, max_diff, preset, rand, skipped, slash, small_model, verdict
+from claims.common import IMPLS, Result, claim, flops, max_diff, preset, rand, skipped, slash, small_model, verdict
 
 
 @claim("C1", "An RNN's error signal decays like γᵏ: with γ = 0.9, after 50 steps ≈ 0.5% is left; its steps cannot run "
@@ -265,7 +265,7 @@ def check_c10(ctx):
 def check_c11(ctx):
     if ctx.quick:
         return skipped("a trained model")
-    from streams import window_losses
+    from lab.heldout import window_losses
 
     def late_loss(model, L):  # the mean loss of positions 4x..8x the trained length, every window of L
         n = window_losses(model, val, L)

@@ -1,7 +1,7 @@
 """Text -> token ids on disk, once (data/loader.py then reads random windows of them).
 
-    python data/prepare.py data=shakespeare_char data.path=input.txt   # ahead of training
-    python data/prepare.py data=tinystories data.num_proc=8            # a Hub dataset (needs the network)
+    python tools/prepare.py data=shakespeare_char data.path=input.txt   # ahead of training
+    python tools/prepare.py data=tinystories data.num_proc=8            # a Hub dataset (needs the network)
 
 Every source goes through `datasets.load_dataset`: local files and globs and URLs with the
 `text` loader, Hub datasets by name (optionally streamed, with a token budget). Documents are
@@ -28,10 +28,6 @@ from pathlib import Path
 
 import numpy as np
 
-if __name__ == "__main__":  # run as a script: make the repo's modules importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from cli import cli, run_app
 from files import check_output_dir, dir_mode, file_digest, private_mode, remove_stale_temps, temp_suffix
 from rules import UserError, check_values
 from data.loader import SPLITS, token_files_damage
@@ -476,21 +472,3 @@ def prepare(data_cfg) -> Path:
         shutil.rmtree(hf_cache, ignore_errors=True)
     log.info("prepared %s: %s tokens (vocab %d) in %.1f s", final, meta["tokens"], tok.vocab_size, meta["seconds"])
     return final
-
-
-def main():
-    import hydra
-
-    import config  # noqa: F401  (registers the schema)
-
-    @hydra.main(version_base="1.3", config_path=str(REPO / "configs"), config_name="prepare")
-    @cli
-    def _main(cfg):
-        check_values(cfg)
-        print(prepare(cfg.data))
-
-    run_app(_main)
-
-
-if __name__ == "__main__":
-    main()

@@ -1,7 +1,7 @@
 """Runs on disk and their arms: finding the run dirs (those with metrics.jsonl) under some paths, a
 run's resolved config, final figures and replicate (seed, data seed), and runs grouped into arms by
 config, labelled by what differs. tools/report.py, recall.py, needle.py and eval_lengths.py group
-runs here; intervals.py holds the statistics over an arm's runs."""
+runs here; lab/intervals.py holds the statistics over an arm's runs."""
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import yaml
 
 from rules import UserError
-from tracking import read_metrics
+from lab.tracking import read_metrics
 
 
 REPLICATES = ("seed", "train.data_seed")  # what sets runs of one arm apart

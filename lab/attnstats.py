@@ -27,7 +27,7 @@ softmax weights (linear attention) has no statistics; the probe says which layer
 attention_maps returns the whole weights of one prompt (at most block_size tokens); layer_maps adds,
 for a layer without softmax, its effective attention: the matrix A with y = A v that the layer's
 linear recurrence amounts to (linear attention, Gated DeltaNet, Mamba-2: their effective_attention),
-for the maps that tools/visualize.py and the end of a run draw (plots/). Entropy needs a
+for the maps that tools/visualize.py and the end of a run draw (lab/plots/). Entropy needs a
 distribution: A's rows are one only for linear attention without RoPE (positive features, divided by
 their sum); elsewhere a head's entropy is NaN and a note says why.
 """

@@ -26,9 +26,9 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from rules import UserError, first_line, warn_ignored
-from config import DataConfig, data_seed
+from lab.config import DataConfig, data_seed
 from model import GPT, GPTConfig
-from parallel import load_weights
+from lab.parallel import load_weights
 
 log = logging.getLogger("attnlab")
 

@@ -10,12 +10,16 @@ import sys
 import threading
 from pathlib import Path
 
-from device import is_oom
+from lab.device import is_oom
 from files import new_run_dir, remove_new_run_dir
-from parallel import all_ranks_agree
+from lab.parallel import all_ranks_agree
 from rules import UserError, first_line
 
 log = logging.getLogger("attnlab")
+
+
+class JobFailed(Exception):
+    """A sweep job's refusal (a UserError's line, already printed): a failed job, not the sweep's end."""
 
 
 class Terminated(KeyboardInterrupt):
@@ -66,8 +70,7 @@ def cli(main):
         except UserError as e:
             forget_hydra_run_dir()
             print(f"error: {e}", file=sys.stderr)
-            if in_sweep():  # one job of a sweep failed: the sweep records it and goes on (sweep.py)
-                from sweep import JobFailed
+            if in_sweep():  # one job of a sweep failed: the sweep records it and goes on (lab/sweep.py)
                 raise JobFailed(str(e)) from None
             sys.exit(1)
         except KeyboardInterrupt as e:
@@ -84,7 +87,6 @@ def cli(main):
             print(f"error: out of memory ({first_line(e)}): lower the batch size, sequence length or model "
                   "size", file=sys.stderr)
             if in_sweep():
-                from sweep import JobFailed
                 raise JobFailed(f"out of memory ({first_line(e)})") from None
             sys.exit(1)
         finally:

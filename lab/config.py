@@ -9,22 +9,56 @@ key, allowed values, why), and rules.check_values checks any config against its 
 every entry point calls it before doing anything (check_train_config for training). A numeric key
 without a rule fails a test by name.
 """
+import hashlib
+import sys
 from dataclasses import dataclass, field
 from typing import ClassVar, List, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
 
-import sweep  # noqa: F401  (registers ${short:...}, which names a sweep's job directories)
 from rules import FRACTION, NON_NEGATIVE, POSITIVE, SEED, Needs, OneOf, Range, UserError, check_values, warn_ignored
 from model import GPTConfig
 from variants import ROPE_SCALINGS, SELECTS
-from optim import LR_SCHEDULES, MUON_ADJUST_LR, MUON_NS_DTYPES, OPTIMIZERS, WEIGHT_DECAY_MODES, min_lr
-from device import DTYPES
-from parallel import PARALLEL
-from tracking import WANDB_MODES, check_wandb_mode
+from lab.optim import LR_SCHEDULES, MUON_ADJUST_LR, MUON_NS_DTYPES, OPTIMIZERS, WEIGHT_DECAY_MODES, min_lr
+from lab.device import DTYPES
+from lab.parallel import PARALLEL
+from lab.tracking import WANDB_MODES, check_wandb_mode
 
 DTYPE_NAMES = ("auto", *DTYPES)  # "auto": the device's own choice (device.pick_dtype)
+
+# ----------------------------------------------------------------------------- a sweep job's directory name
+
+NAME_LIMIT = 200  # bytes of a job directory's name (file systems allow 255)
+
+
+def override_key(override: str) -> str:
+    """The key of a command-line override: `train.lr` of `train.lr=1e-3`, `+x=1` and `~x`."""
+    return override.split("=", 1)[0].lstrip("+~")
+
+
+def swept_keys(argv=None) -> set:
+    """The keys a sweep's command line gives several values (key=a,b): what sets its jobs apart."""
+    return {override_key(a) for a in (sys.argv[1:] if argv is None else argv)
+            if "=" in a and "," in a.split("=", 1)[1] and not a.split("=", 1)[1].startswith("[")}
+
+
+def short_name(name: str, limit: int = NAME_LIMIT) -> str:
+    """`name` (a job's overrides joined) as is when short, else the swept keys' settings first, cut, and a
+    hash of the whole: two jobs' names stay apart, and a person still reads what sets them apart."""
+    if len(name.encode()) <= limit:
+        return name
+    swept = swept_keys()
+    parts = name.split(",")
+    name = ",".join(sorted(parts, key=lambda p: override_key(p) not in swept))
+    digest = hashlib.sha1(",".join(parts).encode()).hexdigest()[:10]
+    head = name.encode()[:limit - len(digest) - 1].decode(errors="ignore")
+    return f"{head}-{digest}"
+
+
+if not OmegaConf.has_resolver("short"):
+    OmegaConf.register_new_resolver("short", short_name)
+
 
 
 @dataclass
@@ -91,7 +125,7 @@ class TrainConfig:
     weight_decay_mode: str = "coupled"  # coupled (AdamW's: a step shrinks by lr_t * wd) | independent (by lr_t / lr * wd: not by the peak lr)
     z_loss: float = 0.0  # > 0: add z_loss * (log Z)^2 of the output softmax to the loss (PaLM: 1e-4); train/log_z logged
     # optimizer: adamw, or muon = torch.optim.Muon on the blocks' Linear weights + AdamW (lr, betas, weight_decay
-    # above) on everything else; the lr schedule scales both (optim.py)
+    # above) on everything else; the lr schedule scales both (lab/optim.py)
     optimizer: str = "adamw"  # adamw | muon
     muon_lr: Optional[float] = None  # Muon's peak lr; unset: train.lr (match_rms_adamw makes AdamW's lr fit)
     muon_weight_decay: Optional[float] = None  # decoupled, times lr; unset: train.weight_decay
@@ -115,7 +149,7 @@ class TrainConfig:
     peak_flops: Optional[float] = None  # FLOP/s that MFU is measured against; default: the GPU's table entry
     data_seed: Optional[int] = None  # seed of the batch order, the eval windows and the probe batch; unset: seed
     final_eval_tokens: int = 1000000  # at the last step, val loss over the whole val split up to this many tokens; 0 = off
-    parallel: str = "ddp"  # ddp | fsdp: how torchrun's processes share the model (parallel.py); one process: neither
+    parallel: str = "ddp"  # ddp | fsdp: how torchrun's processes share the model (lab/parallel.py); one process: neither
     activation_checkpointing: bool = False  # recompute each block's forward in the backward: less memory, more compute
 
     RULES: ClassVar[dict] = {

@@ -13,6 +13,8 @@ plus 12*n_layer*N*d.
 import math
 from fractions import Fraction
 
+import torch
+
 from attention import CausalSelfAttention
 from variants import CACHE_LAYOUTS, KINDS, SELECTS, layer_kind
 
@@ -381,7 +383,7 @@ def activation_bytes(c, batch: int, seq_len: int, dtype_bytes: int = 4, checkpoi
 
 def per_gpu_bytes(c, batch: int, seq_len: int, world: int = 1, parallel: str = "ddp", dtype_bytes: int = 2,
                   checkpointing: bool = False) -> dict:
-    """Training memory on each of `world` GPUs (parallel.py says what each way holds), `batch`
+    """Training memory on each of `world` GPUs (lab/parallel.py says what each way holds), `batch`
     sequences of seq_len tokens per GPU, fp32 weights, gradients and AdamW moments with activations
     in dtype_bytes:
     - weights, gradients, adamw_state: the whole under DDP; under FSDP each GPU's 1/world of them
@@ -410,3 +412,18 @@ def per_gpu_bytes(c, batch: int, seq_len: int, world: int = 1, parallel: str = "
     out["activations"] = activation_bytes(c, batch, seq_len, dtype_bytes, checkpointing)["peak"]
     out["total"] = sum(out.values())
     return out
+
+
+# ----------------------------------------------------------------------------- measured: what autograd saves
+
+def saved_bytes(fn) -> int:
+    """Bytes of the tensors autograd saves while fn() runs its forward, each storage counted once."""
+    seen = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        seen[(st.device, st.data_ptr())] = st.nbytes()
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return sum(seen.values())

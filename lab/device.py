@@ -91,7 +91,7 @@ def device_memory_bytes(device: torch.device):
 def check_memory(need: int, device, what: str, keys: str):
     """Refuse, before allocating anything, what cannot fit the device: a huge model.n_layer would
     otherwise build layers until the machine runs out of memory (a hang, then the OOM killer), not
-    fail. `need` is a lower bound from counting.py; `keys` names the values to lower."""
+    fail. `need` is a lower bound from lab/counting.py; `keys` names the values to lower."""
     available = device_memory_bytes(device)
     if available is not None and need > available:
         raise UserError(f"{what} need at least {need / 2**30:.3g} GiB but {device} has {available / 2**30:.3g} GiB "

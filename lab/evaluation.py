@@ -7,7 +7,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from config import data_seed
+from lab.config import data_seed
 
 
 @torch.no_grad()

@@ -287,7 +287,7 @@ def hf_model(c: GPTConfig, model: GPT, target: str, bos, eos):
 
 # ----------------------------------------------------------------------------- custom code
 
-REPO = Path(__file__).resolve().parent
+REPO = Path(__file__).resolve().parents[1]
 WRAPPER = REPO / "tools" / "export_code"  # configuration_attnlab.py, modeling_attnlab.py
 CODE_CLASSES = {"AutoConfig": "configuration_attnlab.AttnlabConfig",
                 "AutoModelForCausalLM": "modeling_attnlab.AttnlabForCausalLM"}

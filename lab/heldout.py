@@ -22,7 +22,7 @@ def stream_tokens(state: dict, cfg, n=None) -> torch.Tensor:
     else:
         from omegaconf import OmegaConf
 
-        from config import DataConfig
+        from lab.config import DataConfig
         from data.loader import TokenData
         from data.mqar import MQARData
         from data.prepare import prepare

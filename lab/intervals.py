@@ -1,6 +1,6 @@
 """Intervals for comparing runs: the mean of a few seeds with its Student-t interval, and the difference
 of two arms, paired by seed (a paired t-test) or not (Welch's). tools/report.py, recall.py, needle.py,
-eval_lengths.py and lr_sweep.py use them."""
+eval_lengths.py and lab/lr_view.py use them."""
 import math
 import statistics
 

@@ -1,7 +1,7 @@
 """Interventions on a trained model, read and written at its hook points: ablating heads (zero or
 mean), the logit lens, direct logit attribution of a logit to the parts of the residual stream, and
 activation patching of a clean run into a corrupted one. tools/ablate.py, lens.py and patch.py are
-their commands; attnstats.py holds the probe's statistics."""
+their commands; lab/attnstats.py holds the probe's statistics."""
 import math
 from dataclasses import dataclass
 from typing import Optional
@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from attnstats import copy_losses, layer_kinds, repeated_batch
+from lab.attnstats import copy_losses, layer_kinds, repeated_batch
 from rules import UserError
 
 # ----------------------------------------------------------------------------- ablation

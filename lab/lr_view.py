@@ -19,7 +19,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Optional
 
-from intervals import describe, paired_interval, welch_interval
+from lab.intervals import describe, paired_interval, welch_interval
 
 BASIN_NATS = 0.1
 LR_KEY = "train.lr"
@@ -197,7 +197,7 @@ def plot(arms: list, out) -> list:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from plots import save_figure
+    from lab.plots import save_figure
 
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(15, 5))
     for i, a in enumerate(arms):

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from data.mqar import MQARTokenizer
-from intervals import wilson
+from lab.intervals import wilson
 from variants import layer_kind
 
 # ----------------------------------------------------------------------------- the sequences

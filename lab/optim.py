@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from device import has_native_bf16
+from lab.device import has_native_bf16
 from rules import UserError
 
 OPTIMIZERS = ("adamw", "muon")

@@ -2,7 +2,7 @@
 work, chosen (this command's, or the run's own when resuming), locked while the run lasts, cleaned of
 what killed writes left, and removed again when the run is refused and this command made it; then the
 record of what the run is (train.log, config.yaml, run_info.json, Hydra's overrides), and at its end
-its figures. Only rank 0 writes here. The checkpoints in it are checkpoint.py's."""
+its figures. Only rank 0 writes here. The checkpoints in it are lab/checkpoint.py's."""
 import fcntl
 import json
 import logging
@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-from checkpoint import latest_checkpoint
+from lab.checkpoint import latest_checkpoint
 from files import check_output_dir, dir_mode, new_run_dir, remove_new_run_dir, remove_stale_temps
 from rules import UserError
 
@@ -130,7 +130,7 @@ def lock_run_dir(out_dir: Path):
 
 def run_info(device, world: int) -> dict:
     """Code version and hardware, recorded at the start of every run."""
-    repo = Path(__file__).resolve().parent
+    repo = Path(__file__).resolve().parents[1]
     try:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True,
                                 timeout=5).stdout.strip() or None
@@ -155,7 +155,7 @@ def write_plots(run):
         return
     if run.dist.master:
         try:
-            from plots import plot_run
+            from lab.plots import plot_run
             for png in plot_run(run.out_dir):
                 run.tracker.log_image(f"plots/{png.stem}", png, run.step)
         except Exception as e:  # a plot must never cost the run
@@ -163,8 +163,8 @@ def write_plots(run):
     if run.probe is None:  # the attention probe is off (train.log_attn_interval=0), or a DDP rank > 0
         return
     try:  # the maps of the probe text (its first row, at most 256 tokens: the HTML stays a few MB)
-        from attnstats import attention_maps
-        from plots import write_views
+        from lab.attnstats import attention_maps
+        from lab.plots import write_views
         m = run.mcfg
         with run.rt.autocast():  # as the probe: the flash kernel has no fp32
             if not run.dist.master:  # FSDP: this rank's part of rank 0's forward

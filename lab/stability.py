@@ -7,7 +7,7 @@ none of these ends a run with an error:
   evaluations in a row gave a val loss at or above the step-0 one (the run learned nothing, or
   unlearned it). The run stops early and records `diverged` (the step, why, the last finite loss)
   in results.json, metrics.jsonl and the W&B summary; a lone run then exits non-zero with one line,
-  a sweep goes on with its next job (sweep.py counts them).
+  a sweep goes on with its next job (lab/sweep.py counts them).
 - Attention collapse (Zhai et al. 2023, arXiv 2303.06296): a layer's mean attention entropy on the
   probe batch falls below train.collapse_entropy nats (default 0.1: about one key per query).
   Warned once per layer with the step and what usually prevents it; recorded, not an error. Without

@@ -4,7 +4,7 @@ hydra.callbacks.sweep) and the short name of each job's directory.
 - Before the first job starts, every job's config is composed and checked (config.check_train_config):
   an arm that would be refused (say one lr times weight_decay >= 1) fails the sweep in seconds, with one
   line per refused job, instead of after the jobs before it trained for hours.
-- A job that diverges (stability.py) is a result: it records it and the sweep goes on. A job that fails
+- A job that diverges (lab/stability.py) is a result: it records it and the sweep goes on. A job that fails
   (one line `error: ...`) is reported and the sweep goes on too.
 - The sweep's last line counts its jobs: how many finished, diverged and failed. It exits 1 if any
   failed, 0 otherwise (divergence is an outcome of the experiment, not a fault of the command).
@@ -12,45 +12,16 @@ hydra.callbacks.sweep) and the short name of each job's directory.
   (a sweep with many overrides otherwise fails with "File name too long").
 - A job's W&B name and group: its overrides, and the sweep dir and arm (hydra_run_info).
 """
-import hashlib
 import json
 import logging
 import sys
 from pathlib import Path
 
 from hydra.experimental.callback import Callback
-from omegaconf import OmegaConf
 
-NAME_LIMIT = 200  # bytes of a job directory's name (file systems allow 255)
-
-
-def override_key(override: str) -> str:
-    """The key of a command-line override: `train.lr` of `train.lr=1e-3`, `+x=1` and `~x`."""
-    return override.split("=", 1)[0].lstrip("+~")
-
-
-def swept_keys(argv=None) -> set:
-    """The keys a sweep's command line gives several values (key=a,b): what sets its jobs apart."""
-    return {override_key(a) for a in (sys.argv[1:] if argv is None else argv)
-            if "=" in a and "," in a.split("=", 1)[1] and not a.split("=", 1)[1].startswith("[")}
-
-
-def short_name(name: str, limit: int = NAME_LIMIT) -> str:
-    """`name` (a job's overrides joined) as is when short, else the swept keys' settings first, cut, and a
-    hash of the whole: two jobs' names stay apart, and a person still reads what sets them apart."""
-    if len(name.encode()) <= limit:
-        return name
-    swept = swept_keys()
-    parts = name.split(",")
-    name = ",".join(sorted(parts, key=lambda p: override_key(p) not in swept))
-    digest = hashlib.sha1(",".join(parts).encode()).hexdigest()[:10]
-    head = name.encode()[:limit - len(digest) - 1].decode(errors="ignore")
-    return f"{head}-{digest}"
-
-
-if not OmegaConf.has_resolver("short"):
-    OmegaConf.register_new_resolver("short", short_name)
-
+from lab.cli import JobFailed
+from lab.config import check_train_config, override_key
+from rules import UserError
 
 def hydra_run_info():
     """(name, group, overrides) for W&B and the run dir, from Hydra: the job's overrides; in a
@@ -70,10 +41,6 @@ def hydra_run_info():
     return name, group, overrides
 
 
-class JobFailed(Exception):
-    """A sweep job's refusal (a UserError's line, already printed): a failed job, not the sweep's end."""
-
-
 def sweep_jobs(config) -> list:
     """Every job's overrides, as Hydra's basic sweeper will run them: hydra.sweeper.params (an
     experiment's grid) then the command line's overrides, crossed."""
@@ -89,9 +56,6 @@ def refused_jobs(config) -> list:
     """[(job number, its overrides, the one line that refuses it)] for every job whose config
     check_train_config refuses; the settings a job ignores are not warned here (each job warns them)."""
     from hydra import compose
-
-    from config import check_train_config
-    from rules import UserError
 
     refused = []
     quiet = logging.getLogger("attnlab")

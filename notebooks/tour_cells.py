@@ -109,7 +109,7 @@ OUT = Path(os.environ.get("TOUR_OUT") or f"outputs/tour-notebook/{time.strftime(
 OUT.mkdir(parents=True, exist_ok=True)
 torch.set_num_threads(1)  # the models here are too small for a second thread to help (docs/tour.md)
 
-from plots import plt  # noqa: E402  (matplotlib, files only: figures are shown as PNGs below)
+from lab.plots import plt  # noqa: E402  (matplotlib, files only: figures are shown as PNGs below)
 
 
 def fast(word):

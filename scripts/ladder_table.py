@@ -17,8 +17,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from plots import save_figure  # noqa: E402
-from tracking import read_metrics  # noqa: E402
+from lab.plots import save_figure  # noqa: E402
+from lab.tracking import read_metrics  # noqa: E402
 
 STEPS = (500, 1000, 2000)
 NOISE = 0.02  # a paired gain smaller than this at step 2000 is not counted as paying (a judgement: two seeds, no interval)

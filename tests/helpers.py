@@ -28,7 +28,7 @@ TIKTOKEN_CACHE = SHARED_DATA / "tiktoken"
 
 
 def compose_cfg(config_name="config", overrides=()):
-    import config  # noqa: F401  (registers the schema)
+    from lab import config  # noqa: F401  (registers the schema)
 
     with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.3"):
         return compose(config_name=config_name, overrides=list(overrides))
@@ -312,7 +312,7 @@ def write_checkpoint(path, model, tokenizer=None, **extra):
     """A checkpoint of `model` as train.py writes one (tokenizer: export_chars() unless given)."""
     import dataclasses
 
-    from checkpoint import save_checkpoint
+    from lab.checkpoint import save_checkpoint
 
     tokenizer = tokenizer or export_chars()
     state = {"model": model.state_dict(), "model_config": dataclasses.asdict(model.config),
@@ -392,8 +392,8 @@ def poison_training_loss(monkeypatch, at: dict):
 def assert_same_training(single, multi, step: int, tol: float):
     """The two runs' weights at `step`, their val losses and the train loss they logged at every
     logged step (the mean over the step's whole global batch) agree within tol, the update norms within 0.1%."""
-    from checkpoint import load_checkpoint, step_name
-    from tracking import read_metrics
+    from lab.checkpoint import load_checkpoint, step_name
+    from lab.tracking import read_metrics
 
     a, b = load_checkpoint(single / step_name(step)), load_checkpoint(multi / step_name(step))
     for name, t in a["model"].items():
@@ -493,7 +493,7 @@ def save_tiny_checkpoint(directory, chars=" .abcdefghijklmnopqrstuvwxyz", **kw):
     for tools that read checkpoints; kw: variant_model's."""
     import dataclasses
 
-    from checkpoint import save_checkpoint
+    from lab.checkpoint import save_checkpoint
     from data.tokenizer import CharTokenizer
 
     model = variant_model(vocab=len(chars), **kw)

@@ -8,7 +8,7 @@ import torch
 
 from rules import UserError
 from attention import apply_rope, attention_scores, qk_normalize, resolve_scale, rope_freqs
-from attnstats import logit_bound, reading_qk
+from lab.attnstats import logit_bound, reading_qk
 from helpers import diff, plain_attention
 from model import GPT, GPTConfig
 from variants import attention

@@ -6,12 +6,12 @@ import torch
 
 import attention as attention_module
 from attention import repeat_kv
-from attnstats import (AttentionProbe, attention_stats, causal_scores, copy_losses, reading_qk, repeated_batch,
+from lab.attnstats import (AttentionProbe, attention_stats, causal_scores, copy_losses, reading_qk, repeated_batch,
                        role_rows)
 from helpers import compose_cfg, wandb_summary
 from model import GPT, GPTConfig
 from tools.report import report
-from tracking import read_metrics
+from lab.tracking import read_metrics
 from train import train
 from variants import attention
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from checkpoint import find_checkpoint, load_checkpoint, model_from_checkpoint
+from lab.checkpoint import find_checkpoint, load_checkpoint, model_from_checkpoint
 from rules import UserError
 from data.loader import TokenData
 from data.prepare import prepare
@@ -103,7 +103,7 @@ def test_eval_lengths_starts_every_window_of_a_bos_model_at_bos(train_cfg, tmp_p
     """tools/eval_lengths.py on a bos model: each window of L reads [bos, L-1 tokens] and predicts
     the L tokens, its loss equal to the model run on that window by hand; the retrieval probe reads
     [bos, r, r]."""
-    from attnstats import copy_losses
+    from lab.attnstats import copy_losses
     from tools.eval_lengths import eval_lengths
     from train import train
     train(train_cfg("data.bos=true", "train.max_iters=2", "train.eval_interval=2"))

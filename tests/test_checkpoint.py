@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-import checkpoint as ck
+from lab import checkpoint as ck
 from rules import UserError
 from model import GPT, GPTConfig
 
@@ -101,7 +101,7 @@ def test_find_checkpoint_prefers_best_then_newest(tmp_path):
 def test_resuming_a_checkpoint_without_its_run_config_is_one_line_naming_init_from():
     """A checkpoint saved by hand (weights and model_config, no run config) has nothing to hold the run
     against: one line, not a comparison with the schema's defaults that names a key the checkpoint never had."""
-    from checkpoint import check_resumable
+    from lab.checkpoint import check_resumable
     with pytest.raises(UserError, match="holds no run config .* init_from=CKPT") as e:
         check_resumable({"model_config": {"block_size": 32}, "model": {}}, cfg=None, data=None)
     assert "\n" not in str(e.value)

@@ -1,9 +1,9 @@
-"""config.py's check of a training config: a bad value of a key is one line naming the key and what it
+"""lab/config.py's check of a training config: a bad value of a key is one line naming the key and what it
 must be. (Every key of every schema against its rules table, and the settings that have no effect, are
 tested in test_reliability.py.)"""
 import pytest
 
-from config import check_train_config
+from lab.config import check_train_config
 from helpers import compose_cfg
 from rules import UserError
 

@@ -1,4 +1,4 @@
-"""counting.py: counts derived by hand for two small configs, the same counts from real models
+"""lab/counting.py: counts derived by hand for two small configs, the same counts from real models
 (num_params, torch's FlopCounterMode, a real KV cache, the built recurrent states), every model preset,
 and the crossovers plugged back in."""
 from fractions import Fraction
@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from config import model_config
-from counting import (activation_bytes, all_attention, attention_variants, count_params, crossovers, flops_per_token,
+from lab.config import model_config
+from lab.counting import (activation_bytes, all_attention, attention_variants, count_params, crossovers, flops_per_token,
                       macs_per_token, memory_breakdown, per_gpu_bytes)
 from helpers import GQA_SWIGLU, MHA_GELU, REPO, compose_cfg
 from model import GPT, GPTConfig
@@ -214,7 +214,7 @@ def test_kv_bytes_equal_a_real_cache_after_prefill(fields, dtype):
 def test_cache_table_gqa_row_is_between_mha_and_mqa():
     """The GQA row of an MHA config groups its heads (n_head/4, else n_head/2), never one K/V head
     (that is the MQA row); with 2 heads there is no grouping in between, so no GQA row."""
-    from counting import cache_table
+    from lab.counting import cache_table
     for n_head, want in ((16, "GQA (4 K/V heads)"), (4, "GQA (2 K/V heads)"), (6, "GQA (3 K/V heads)"), (2, None)):
         kinds = {r["kind"] for r in cache_table(GPTConfig(vocab_size=10, n_head=n_head, n_embd=8 * n_head))}
         gqa = [k for k in kinds if k.startswith("GQA")]
@@ -312,7 +312,7 @@ def test_hybrid_stacks_count_like_the_built_model_and_their_caches(attn):
     """Every layer counted as its own kind: parameters equal the built model's; the
     KV-cache bytes and the recurrent layers' state bytes equal what the built caches hold, at lengths
     below and above the window and the block."""
-    from counting import kv_cache_bytes, state_bytes
+    from lab.counting import kv_cache_bytes, state_bytes
     c = GPTConfig(vocab_size=50, block_size=32, n_layer=5, n_head=4, n_embd=32, attn=attn)
     model = GPT(c)
     assert count_params(c)["total"] == model.num_params()

@@ -4,7 +4,7 @@ import json
 import pytest
 
 from helpers import assert_same_training
-from tracking import read_metrics
+from lab.tracking import read_metrics
 from train import train
 
 COMMON = ["model=debug", "model.dropout=0.0", "train.max_iters=10", "train.eval_interval=5", "train.eval_iters=2",
@@ -37,7 +37,7 @@ def test_torchrun_two_processes_equal_one_process_with_the_same_global_batch(tmp
 def test_grad_accum_must_split_evenly_across_processes(train_cfg, monkeypatch):
     from rules import UserError
     import train as train_module
-    from parallel import Dist
+    from lab.parallel import Dist
     monkeypatch.setattr(train_module, "init_distributed", lambda device: Dist(0, 2, None))
     with pytest.raises(UserError, match="grad_accum=3 must be a multiple of the 2 processes"):
         train(train_cfg("train.grad_accum=3"))

@@ -95,8 +95,8 @@ def test_stop_string_stops_every_sample_of_a_batch(run_dir, sample_cfg):
 
 def test_bench_sample_prints_ratios_and_the_bandwidth_bound(capsys):
     from helpers import compose_cfg
-    from benchmarks import bench_sample
-    from counting import decode_bytes
+    from tools.bench_sample import bench_sample
+    from lab.counting import decode_bytes
     cfg = compose_cfg("bench_sample", ["model=debug", "tokens=40", "batch_sizes=[1,2]", "compile=[false]",
                                        "layouts=[row,column]", "kv_dtypes=[float32]", "repeats=2"])
     result = bench_sample(cfg)
@@ -126,7 +126,7 @@ def test_bench_sample_with_nothing_to_time_says_what_to_change_before_any_work(o
     exit 0 after only its header line)."""
     from helpers import compose_cfg
     from rules import UserError
-    from benchmarks import bench_sample
+    from tools.bench_sample import bench_sample
     with pytest.raises(UserError, match=re.escape(needle)) as e:
         bench_sample(compose_cfg("bench_sample", ["model=debug", "tokens=5", *overrides]))
     assert "\n" not in str(e.value) and capsys.readouterr().out == ""  # refused before printing anything
@@ -157,7 +157,7 @@ def test_bf16_kv_cache_follows_the_reference_to_bf16_rounding(static):
 
 
 def test_kv_dtype_auto_is_the_autocast_dtype_else_fp32():
-    from device import Runtime
+    from lab.device import Runtime
     from sample import kv_cache_dtype
     cpu, cuda, mps = torch.device("cpu"), torch.device("cuda"), torch.device("mps")
     f32, bf16, f16 = torch.float32, torch.bfloat16, torch.float16

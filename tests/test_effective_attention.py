@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 
 from attention import repeat_kv
-from attnstats import attention_maps, effective_stats
-from checkpoint import save_checkpoint
+from lab.attnstats import attention_maps, effective_stats
+from lab.checkpoint import save_checkpoint
 from data.tokenizer import CharTokenizer
 from helpers import VOCAB, compose_cfg, variant_model
 
@@ -349,7 +349,7 @@ def test_viewer_shows_effective_attention_in_headless_chromium(tmp_path, chromiu
     """The viewer of a [gdn, softmax] stack in a real browser: the layer menu names every layer's kind, the
     gdn layer's panel says it shows effective attention, its numbers are A's row of the query (nearest key
     first), its entropy is n/a with the reason, its map is drawn, and its top key is the largest |A|."""
-    from plots import write_views
+    from lab.plots import write_views
     model = variant_model(vocab=len(VOCAB), block_size=64, n_layer=2, n_head=2, n_embd=32,
                           attn={"layer_kinds": ["gdn", "softmax"]})
     tok = CharTokenizer(VOCAB)

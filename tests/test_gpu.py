@@ -5,9 +5,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from checkpoint import load_checkpoint, step_name
-from device import has_native_bf16, pick_dtype
-from tracking import read_metrics
+from lab.checkpoint import load_checkpoint, step_name
+from lab.device import has_native_bf16, pick_dtype
+from lab.tracking import read_metrics
 from train import train
 
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(

@@ -10,15 +10,15 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import device
-import parallel
+from lab import device
+from lab import parallel
 import train as train_module
-from checkpoint import load_checkpoint, rng_state, set_rng_state, step_name
-from device import Runtime, peak_flops_for, pick_dtype
-from parallel import Dist
+from lab.checkpoint import load_checkpoint, rng_state, set_rng_state, step_name
+from lab.device import Runtime, peak_flops_for, pick_dtype
+from lab.parallel import Dist
 from helpers import compose_cfg, poison_training_loss
 from model import GPT, GPTConfig
-from optim import train_step
+from lab.optim import train_step
 from train import train
 
 CUDA = torch.device("cuda")  # only named, never used: no test here touches a GPU
@@ -323,7 +323,7 @@ def test_bench_sample_times_what_sample_py_runs(monkeypatch):
     device (column-major on a CPU), and kv_dtype=auto as sample.py resolves it per batch size."""
     import sample as sample_module
     from helpers import compose_cfg
-    import benchmarks as bs
+    import tools.bench_sample as bs
     seen = []
     real = sample_module.generate
 

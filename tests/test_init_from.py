@@ -4,7 +4,7 @@ fresh from the seed); the run it starts from is left byte for byte."""
 import pytest
 import torch
 
-from checkpoint import BEST_NAME, load_checkpoint, save_checkpoint
+from lab.checkpoint import BEST_NAME, load_checkpoint, save_checkpoint
 from helpers import TINY, compose_cfg
 from model import GPT
 from rules import UserError

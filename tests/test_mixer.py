@@ -9,8 +9,8 @@ import torch.nn as nn
 from torch.utils.flop_counter import FlopCounterMode
 
 import variants
-from attnstats import layer_maps
-from counting import count_params, kv_cache_bytes, macs_per_token, state_bytes
+from lab.attnstats import layer_maps
+from lab.counting import count_params, kv_cache_bytes, macs_per_token, state_bytes
 from mixer import Mixer, WithGradient, aux_metrics, with_aux_losses
 from model import GPT, GPTConfig
 from sample import generate
@@ -150,7 +150,7 @@ def test_the_auxiliary_loss_path_adds_a_gradient_not_a_value():
 def test_a_hybrid_checkpoint_with_the_unused_sink_of_its_recurrent_layers_loads():
     """A hybrid's checkpoint whose gdn layer, under a learned sink, holds a sink logit that layer never uses
     (zero) loads; a nonzero one is refused, never silently dropped."""
-    from parallel import load_weights
+    from lab.parallel import load_weights
     from rules import UserError
     c = GPTConfig(vocab_size=40, block_size=16, n_layer=2, n_head=2, n_embd=16, attn={"layer_kinds": ["gdn", "softmax"],
                                                                                       "sink": "learned"})

@@ -6,7 +6,7 @@ import shutil
 import pytest
 import torch
 
-from checkpoint import load_checkpoint, step_name
+from lab.checkpoint import load_checkpoint, step_name
 from helpers import assert_same_training, compose_cfg, metrics_without_timing
 from train import train
 

@@ -8,10 +8,10 @@ import torch
 import torch.nn.functional as F
 
 from rules import UserError
-from counting import flops_per_token
+from lab.counting import flops_per_token
 from model import GPT, GPTConfig
 from helpers import diff
-from optim import adamw
+from lab.optim import adamw
 
 
 def tiny(**kw):

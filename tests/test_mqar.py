@@ -164,7 +164,7 @@ def test_every_data_key_is_used_by_mqar_or_warned_as_ignored(caplog):
     mqar keys with text data."""
     import dataclasses
 
-    from config import DataConfig, check_train_config
+    from lab.config import DataConfig, check_train_config
     assert {f.name for f in dataclasses.fields(DataConfig)} == MQAR_USES | TEXT_ONLY.keys()
     for key, value in TEXT_ONLY.items():
         cfg = compose_cfg("config", ["data=mqar", "model=debug", f"data.{key}={value}"])
@@ -183,7 +183,7 @@ def test_mqar_sizes_that_cannot_fit_are_refused_before_anything_is_drawn(monkeyp
     """No pairs, and examples x window past half the available memory, are one line from the config
     check (before a sweep's first job); a huge vocabulary draws its keys without a vocab-sized matrix."""
     import data.mqar as mqar
-    from config import check_train_config
+    from lab.config import check_train_config
     with pytest.raises(UserError, match=r"data.pairs=\[\] names no number"):
         check_train_config(compose_cfg("config", ["data=mqar", "model=debug", "data.pairs=[]"]))
     monkeypatch.setattr(mqar, "available_memory", lambda: 2**30)  # a machine with 1 GiB free

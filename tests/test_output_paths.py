@@ -51,7 +51,7 @@ def run_gpu_figures(tmp, key, path):
 WRITERS = [
     ("train.py", "hydra.run.dir", "dir", run_train),
     ("train.py", "data.cache_dir", "dir", run_train),
-    ("data/prepare.py", "data.cache_dir", "dir", run_prepare),
+    ("tools/prepare.py", "data.cache_dir", "dir", run_prepare),
     ("tools/export.py", "out", "dir", run_tool("export", "tools.export", "export", ["ckpt=no-such.pt"])),
     ("tools/visualize.py", "out", "dir", run_tool("visualize", "tools.visualize", "visualize",
                                                   ["ckpt=no-such.pt", "prompt=hi"])),
@@ -121,7 +121,7 @@ def test_read_only_places_are_one_line_through_the_cli(tmp_path, cli):
     train = ["model=debug", "device=cpu", "logger.wandb.mode=disabled"]
     cases = [("train.py", [*train, f"hydra.run.dir={where}"], "hydra.run.dir"),
              ("train.py", [*train, f"data.cache_dir={where}", f"hydra.run.dir={tmp_path / 'run'}"], "data.cache_dir"),
-             ("data/prepare.py", [f"data.cache_dir={where}"], "data.cache_dir"),
+             ("tools/prepare.py", [f"data.cache_dir={where}"], "data.cache_dir"),
              ("tools/export.py", ["ckpt=no-such.pt", f"out={where}"], "out="),
              ("tools/visualize.py", ["ckpt=no-such.pt", "prompt=hi", f"out={where}"], "out="),
              ("tools/report.py", [str(tmp_path), "--out", str(where)], "--out="),

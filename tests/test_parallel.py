@@ -1,4 +1,4 @@
-"""parallel.py: FSDP2 through the real torchrun (gloo on CPU) against one process, its checkpoints
+"""lab/parallel.py: FSDP2 through the real torchrun (gloo on CPU) against one process, its checkpoints
 (one format: resumed bitwise after kill -9, resumed and sampled in one process), what each rank holds
 under FSDP and DDP measured on the live objects against counting.per_gpu_bytes, and activation
 checkpointing (the same losses and gradients, the activation memory autograd keeps, measured)."""
@@ -13,16 +13,16 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from checkpoint import load_checkpoint, step_name
-from device import Runtime
-from parallel import Dist
+from lab.checkpoint import load_checkpoint, step_name
+from lab.device import Runtime
+from lab.parallel import Dist
 from rules import UserError
-from config import check_train_config
-from counting import activation_bytes, per_gpu_bytes
+from lab.config import check_train_config
+from lab.counting import activation_bytes, per_gpu_bytes
 from helpers import assert_same_training, compose_cfg, metrics_without_timing, variant_model
 from model import GPT, GPTConfig
-from optim import build_optimizer, train_step
-from parallel import FullyShard, Replicated, checkpoint_blocks
+from lab.optim import build_optimizer, train_step
+from lab.parallel import FullyShard, Replicated, checkpoint_blocks
 from sample import sample
 from train import train
 

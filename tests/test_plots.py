@@ -7,7 +7,7 @@ import struct
 import pytest
 import torch
 
-from plots import format_top_keys, label, pack_weights, token_pieces, top_keys, write_views
+from lab.plots import format_top_keys, label, pack_weights, token_pieces, top_keys, write_views
 from helpers import VOCAB, needs_chromium, sharp_model
 from data.tokenizer import CharTokenizer, TiktokenTokenizer
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from attention import repeat_kv
-from attnstats import AttentionProbe, attention_maps
+from lab.attnstats import AttentionProbe, attention_maps
 from helpers import variant_model as make
 
 VARIANTS = {

@@ -24,18 +24,18 @@ from hydra.errors import HydraException
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-import checkpoint as ck
+from lab import checkpoint as ck
 import model as model_module
 import train as train_module
-from cli import hydra_error_line
+from lab.cli import hydra_error_line
 from rules import OneOf, UserError, check_values, schema_nodes
 from helpers import REPO, TINY, assert_one_line_error, compose_cfg, corpus_text, interruptible, one_line
 from data.loader import TokenData
 from data.prepare import cache_key, prepare
 from tools.report import report
 from sample import sample
-from tracking import check_wandb_mode, read_metrics, truncate_metrics
-from stability import diverged_line
+from lab.tracking import check_wandb_mode, read_metrics, truncate_metrics
+from lab.stability import diverged_line
 from train import train
 
 
@@ -98,7 +98,7 @@ def test_second_training_in_a_run_dir_is_refused_while_the_first_holds_it(tmp_pa
     with interleaved metrics.jsonl lines. The lock is an flock held by the first."""
     run = tmp_path / "run"
     holder = cli.popen("-c", "import sys, time; sys.path.insert(0, sys.argv[1]); "
-                       "from rundir import lock_run_dir; from pathlib import Path; "
+                       "from lab.rundir import lock_run_dir; from pathlib import Path; "
                        "held = lock_run_dir(Path(sys.argv[2])); print('locked', flush=True); time.sleep(60)",
                        str(REPO), str(run), stderr=None)
     try:
@@ -155,7 +155,7 @@ def test_torn_last_metrics_line_is_dropped_so_resume_and_report_work(tmp_path, s
 def test_truncating_metrics_is_atomic(tmp_path, monkeypatch):
     """truncate_metrics replaces the file atomically: a kill mid-rewrite leaves the whole history (a
     rewrite in place would lose it)."""
-    import tracking
+    from lab import tracking
     path = tmp_path / "metrics.jsonl"
     path.write_text("".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in range(10)))
     before = path.read_bytes()
@@ -541,7 +541,7 @@ def test_last_good_checkpoint_names_a_good_one(tmp_path, shared, monkeypatch):
     real_estimate = train_module.estimate_loss
     monkeypatch.setattr(train_module, "estimate_loss",
                         lambda run: {"train": math.nan, "val": math.nan} if run.step == 20 else real_estimate(run))
-    poison_training_forward(monkeypatch, from_call=24)  # step 23: the run diverges (stability.py)
+    poison_training_forward(monkeypatch, from_call=24)  # step 23: the run diverges (lab/stability.py)
     result = train(make_cfg(tmp_path, shared, "train.max_iters=40", "train.keep_ckpts=5"))
     assert result["diverged"] and result["diverged_step"] == 24
     assert re.search(r"at step 24: the loss or gradients were not finite .*last good checkpoint: \S*ckpt_0000010.pt;",
@@ -578,7 +578,7 @@ def test_nan_from_a_bad_model_value_is_not_blamed_on_the_learning_rate(tmp_path,
     assert result["diverged_step"] == 6 and re.search(r"at step 6: .*lower train.lr \(now 0.002\)", diverged_line(result))
 
 
-@pytest.mark.parametrize("script,sig", [("data/prepare.py", "SIGINT"), ("train.py", "SIGINT"), ("data/prepare.py", "SIGTERM")])
+@pytest.mark.parametrize("script,sig", [("tools/prepare.py", "SIGINT"), ("train.py", "SIGINT"), ("tools/prepare.py", "SIGTERM")])
 def test_ctrl_c_during_data_preparation_is_one_line_and_leaves_nothing(tmp_path, script, sig, cli):
     """Ctrl-C, and SIGTERM likewise, during data preparation is one line and leaves no temporary dir in
     the cache."""
@@ -650,8 +650,8 @@ HUGE_MUST_FAIL = {"train.batch_size", "train.probe_batch_size", "train.grad_accu
                   "model.block_size", "model.n_layer", "model.n_embd", "model.n_head", "model.n_kv_head",
                   "model.d_ff", "num_samples", "bench.vocab_size"}
 # every command's config (configs/NAME.yaml) and the function its entry point calls first
-ENTRY_POINTS = {"config": "train:train", "sample": "sample:sample", "bench": "benchmarks:bench",
-                "cost": "tools.cost:cost", "bench_sample": "benchmarks:bench_sample",
+ENTRY_POINTS = {"config": "train:train", "sample": "sample:sample", "bench": "tools.bench:bench",
+                "cost": "tools.cost:cost", "bench_sample": "tools.bench_sample:bench_sample",
                 "visualize": "tools.visualize:visualize", "export": "tools.export:export",
                 "bench_attention": "tools.bench_attention:bench_attention", "eval_stream": "tools.eval_stream:eval_stream",
                 "eval_lengths": "tools.eval_lengths:eval_lengths", "ablate": "tools.ablate:ablate",
@@ -789,7 +789,7 @@ TRAINING = ["device=cpu", "logger.wandb.mode=disabled"]
     ("train.py", ["train.min_lr=1", *TRAINING], "error: train.min_lr=1.0 is above train.lr"),
     ("sample.py", ["temperature=inf", "device=cpu"], "error: temperature=inf must be"),
     ("tools/bench.py", ["train.batch_size=0", "model=debug", *TRAINING], "error: train.batch_size=0 must be an integer >= 1"),
-    ("data/prepare.py", ["data.max_tokens=-5"], "error: data.max_tokens=-5.0 must be"),
+    ("tools/prepare.py", ["data.max_tokens=-5"], "error: data.max_tokens=-5.0 must be"),
 ])
 def test_bad_values_through_the_real_cli_are_one_line(tmp_path, script, args, needle, cli):
     """A few of the cases above end to end: `error: ...` as the one last line, status 1, no traceback,
@@ -904,7 +904,7 @@ def test_sampling_at_extreme_temperatures_and_top_p(tiny_run, sample_cfg):
 
 def test_bench_without_warm_up_times_its_steps():
     """bench.warmup=0 times its steps (no ZeroDivisionError)."""
-    from benchmarks import bench
+    from tools.bench import bench
     r = bench(compose_cfg("bench", ["model=debug", "device=cpu", "bench.warmup=0", "bench.iters=1",
                                     "train.batch_size=2"]))
     assert r["attnlab"]["ms_per_iter"] > 0
@@ -1052,7 +1052,7 @@ def test_an_interrupt_lost_in_a_clean_up_callback_is_raised_again(monkeypatch):
     tokenizes) is raised again, not printed as "Exception ignored" with the command going on to the end."""
     import sys
     import weakref
-    from cli import redeliver_lost_interrupt
+    from lab.cli import redeliver_lost_interrupt
     monkeypatch.setattr(sys, "unraisablehook", redeliver_lost_interrupt)
     previous = signal.getsignal(signal.SIGALRM)
 

@@ -8,10 +8,10 @@ import time
 import pytest
 import torch
 
-from checkpoint import BEST_NAME, load_checkpoint, save_checkpoint, step_name
+from lab.checkpoint import BEST_NAME, load_checkpoint, save_checkpoint, step_name
 from rules import UserError
 from helpers import cli_args, metrics_without_timing, poison_training_loss, wandb_run_record
-from stability import diverged_line
+from lab.stability import diverged_line
 from train import train
 
 
@@ -95,7 +95,7 @@ def test_resume_errors_are_one_line(train_cfg, tmp_path):
 
 def test_nan_loss_stops_naming_the_step_and_keeps_finite_checkpoints(train_cfg, tmp_path, monkeypatch):
     poison_training_loss(monkeypatch, {14: float("nan")})  # the 14th training step: step 13 -> 14
-    result = train(train_cfg("train.max_iters=40"))  # a divergence (stability.py): recorded, the run ends there
+    result = train(train_cfg("train.max_iters=40"))  # a divergence (lab/stability.py): recorded, the run ends there
     assert result["diverged"] and result["steps"] == 14 and result["diverged_last_finite_loss"] is not None
     assert re.search(r"diverged at step 14: the loss or gradients were not finite .*last good checkpoint: "
                      r".*ckpt_0000010.pt", diverged_line(result))
@@ -164,7 +164,7 @@ def test_a_checkpoint_from_before_an_option_existed_resumes_as_that_options_defa
 # ----------------------------------------------------------------------------- lengthening the context
 
 def test_a_resume_may_lengthen_the_context_keeping_every_weight_and_nothing_else(train_cfg, tmp_path):
-    import checkpoint as ck
+    from lab import checkpoint as ck
     import train as train_module
     train_module.train(train_cfg("train.max_iters=4", "train.eval_interval=2"))
     before = ck.load_checkpoint(tmp_path / "run" / "ckpt_0000004.pt")
@@ -199,7 +199,7 @@ def test_lengthening_another_runs_context_is_a_new_run_that_leaves_the_first_as_
     result = train(train_cfg("train.max_iters=6", *longer, f"resume={first / 'ckpt_0000004.pt'}", f"out_dir={new}"))
     assert result["out_dir"] == str(new) and result["steps"] == 6
     assert {p.name: p.read_bytes() for p in first.iterdir() if p.is_file()} == before
-    import checkpoint as ck
+    from lab import checkpoint as ck
     state = ck.load_checkpoint(new / "ckpt_0000006.pt")
     assert state["model_config"]["block_size"] == 64 and state["context_extensions"][0]["block_size"] == [32, 64]
     assert [json.loads(line)["step"] for line in (new / "metrics.jsonl").read_text().splitlines()][0] >= 4

@@ -2,9 +2,9 @@
 behind (train.setup uses it; tests/test_reliability.py checks the same through whole runs)."""
 import pytest
 
-from checkpoint import step_name
+from lab.checkpoint import step_name
 from rules import UserError
-from rundir import RunDir
+from lab.rundir import RunDir
 
 
 def test_a_refused_run_removes_the_dir_it_made_and_lets_the_lock_go(tmp_path):

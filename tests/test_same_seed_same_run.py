@@ -30,7 +30,7 @@ def corpus(path: Path) -> Path:
 
 def run_metrics(tmp: Path) -> list:
     from helpers import compose_cfg
-    from tracking import read_metrics
+    from lab.tracking import read_metrics
     from train import train
 
     data = corpus(tmp / "corpus.txt")

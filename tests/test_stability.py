@@ -11,14 +11,14 @@ import torch
 import torch.nn.functional as F
 import yaml
 
-from device import setup_runtime
+from lab.device import setup_runtime
 from helpers import REPO, SHAKESPEARE, TINY, compose_cfg, requires_shared
-from attnstats import logit_bound
+from lab.attnstats import logit_bound
 from model import GPT, GPTConfig
-from optim import build_optimizer, lr_at, set_lr, train_step, z_loss_term
+from lab.optim import build_optimizer, lr_at, set_lr, train_step, z_loss_term
 from rules import UserError
-from stability import Watch, spike_score
-from sweep import short_name
+from lab.stability import Watch, spike_score
+from lab.config import short_name
 
 CPU32 = setup_runtime("cpu", "float32")
 
@@ -115,7 +115,7 @@ def test_independent_weight_decay_shrinks_by_the_schedule_times_wd_whatever_the_
 
 
 def test_min_lr_ratio_floors_every_lr_at_the_same_fraction_and_one_floor_must_be_set(train_cfg):
-    from config import check_train_config
+    from lab.config import check_train_config
     for lr in (1e-3, 1e-1):
         t = train_cfg(f"train.lr={lr}", "train.min_lr=null", "train.min_lr_ratio=0.1", "train.warmup_iters=0").train
         assert lr_at(t.max_iters, t) == pytest.approx(0.1 * lr)
@@ -241,7 +241,7 @@ def test_the_sweep_callback_keeps_a_lone_runs_failure_and_counts_a_sweep_jobs():
     from hydra.types import RunMode
     from omegaconf import OmegaConf
 
-    from sweep import SweepReport
+    from lab.sweep import SweepReport
 
     for mode, kept in ((RunMode.RUN, JobStatus.FAILED), (RunMode.MULTIRUN, JobStatus.COMPLETED)):
         job = JobReturn(overrides=["train.lr=5"], status=JobStatus.FAILED, _return_value=RuntimeError("boom"),

@@ -1,8 +1,8 @@
 """Throughput and MFU as logged by a training run."""
 import pytest
 
-from checkpoint import load_checkpoint, step_name
-from tracking import read_metrics
+from lab.checkpoint import load_checkpoint, step_name
+from lab.tracking import read_metrics
 from train import train
 
 

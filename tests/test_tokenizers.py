@@ -134,7 +134,7 @@ def test_several_documents_split_by_a_seeded_draw(tmp_path):
 
 def test_hub_preset_offline_fails_fast_with_one_line(tmp_path, cli):
     t0 = time.time()
-    r = cli("data/prepare.py", "data=tinystories", f"data.cache_dir={tmp_path / 'cache'}",
+    r = cli("tools/prepare.py", "data=tinystories", f"data.cache_dir={tmp_path / 'cache'}",
             f"hydra.run.dir={tmp_path / 'hydra'}",
             env={"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")})
     assert r.returncode == 1 and time.time() - t0 < 60

@@ -1,10 +1,10 @@
-"""tracking.py: what a training run logs to W&B (offline, read back from its own transaction log, against
+"""lab/tracking.py: what a training run logs to W&B (offline, read back from its own transaction log, against
 metrics.jsonl), an unknown W&B mode refused before anything is written, and a disabled W&B writing
 nothing."""
 import pytest
 
 from helpers import wandb_summary
-from tracking import read_metrics
+from lab.tracking import read_metrics
 from train import train
 
 

@@ -5,12 +5,12 @@ import math
 import pytest
 import torch
 
-from checkpoint import load_checkpoint, model_from_checkpoint
+from lab.checkpoint import load_checkpoint, model_from_checkpoint
 from rules import UserError
 from helpers import REPO, compose_cfg
 from sample import sample
-from tracking import read_metrics
-from optim import lr_at
+from lab.tracking import read_metrics
+from lab.optim import lr_at
 from train import train
 
 
@@ -71,9 +71,9 @@ def test_gradient_accumulation_equals_bigger_batch(train_cfg, tmp_path):
     """grad_accum=4 with batch b takes the same step as grad_accum=1 with batch 4b when fed the
     same tokens (clipping included), and reports the same loss: the whole batch's mean, the loss
     of the model before the step on all 8 rows (not the last micro-batch's)."""
-    from device import Runtime
+    from lab.device import Runtime
     from model import GPT, GPTConfig
-    from optim import train_step
+    from lab.optim import train_step
     torch.manual_seed(0)
     cfg = GPTConfig(vocab_size=30, block_size=8, n_layer=1, n_head=2, n_embd=16)
     a, b = GPT(cfg), GPT(cfg)
@@ -213,6 +213,6 @@ def test_help_describes_the_app_and_lists_only_real_choices(cli):
 
 
 def test_unknown_key_is_rejected_by_every_hydra_entry_point(tmp_path, cli):
-    for script in ("train.py", "sample.py", "tools/bench.py", "tools/bench_sample.py", "data/prepare.py"):
+    for script in ("train.py", "sample.py", "tools/bench.py", "tools/bench_sample.py", "tools/prepare.py"):
         r = cli(script, "modle=baby", cwd=tmp_path)
         assert r.returncode != 0 and "modle" in r.stderr, script

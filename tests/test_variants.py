@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from rules import UserError
 from helpers import variant_model as make  # a model of any variant, trained-looking weights
-from counting import flops_per_token
+from lab.counting import flops_per_token
 from model import GPT, GPTConfig
 from variants import PATHS, attention
 from sample import generate
@@ -167,7 +167,7 @@ def test_value_embedding_is_added_to_v(n_kv_head):
     """model.value_embed=true equals the same model without it whose fused projection's v part gets
     E_layer[token] added (a forward hook on each c_attn), on the fast and the reference path; and the
     tables are lookups: no FLOPs counted, AdamW (not Muon) trains them."""
-    from optim import split_params
+    from lab.optim import split_params
     ve = make(value_embed=True, n_kv_head=n_kv_head)
     plain = make(n_kv_head=n_kv_head)
     state = {k: v for k, v in ve.state_dict().items() if not k.startswith("value_embeds.")}
@@ -333,7 +333,7 @@ def test_an_odd_rope_part_of_mla_is_refused_only_with_rope():
     with pytest.raises(UserError, match="MLA's RoPE part"):
         GPTConfig(n_layer=2, n_head=4, n_embd=24, block_size=32, vocab_size=40, attn={"kind": "mla"})
     GPT(GPTConfig(n_layer=2, n_head=4, n_embd=24, block_size=32, vocab_size=40, attn={"kind": "mla"}, pos="none"))
-    from counting import cache_table
+    from lab.counting import cache_table
     rows = cache_table(GPTConfig(n_layer=2, n_head=4, n_embd=24, block_size=32, vocab_size=40, pos="none"), (32,))
     mla = next(r for r in rows if r["kind"].startswith("MLA") and r["dtype"] == "float32")
     assert mla["per_token"] == 2 * (4 * 6 + 0) * 4  # 2 layers x (a latent of 4·hs, no RoPE key) x 4 B

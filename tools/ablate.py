@@ -27,13 +27,13 @@ from hydra.core.config_store import ConfigStore
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as tools/X.py: the repo's modules
 
-from checkpoint import find_checkpoint, load_checkpoint, model_from_checkpoint  # noqa: E402
-from cli import cli, run_app  # noqa: E402
-from device import pick_device  # noqa: E402
+from lab.checkpoint import find_checkpoint, load_checkpoint, model_from_checkpoint  # noqa: E402
+from lab.cli import cli, run_app  # noqa: E402
+from lab.device import pick_device  # noqa: E402
 from files import check_output_dir  # noqa: E402
-from interventions import Ablation, head_means, measure  # noqa: E402
+from lab.interventions import Ablation, head_means, measure  # noqa: E402
 from rules import POSITIVE, Rule, UserError, check_values  # noqa: E402
-from streams import stream_tokens, windows  # noqa: E402
+from lab.heldout import stream_tokens, windows  # noqa: E402
 
 
 def parse_head(name: str) -> tuple:
@@ -110,7 +110,7 @@ def write(result, c, out: Path, single: bool):
         w.writerows(result["rows"])
     names = ["ablate.json", "ablate.csv"]
     if single:
-        from plots import plt, save_figure
+        from lab.plots import plt, save_figure
         fig, axes = plt.subplots(1, 2, figsize=(4 + 1.2 * c.n_head, 1.5 + 0.6 * c.n_layer), squeeze=False)
         for ax, how in zip(axes[0], ("zero", "mean")):
             grid = torch.zeros(c.n_layer, c.n_head)

@@ -33,11 +33,11 @@ from hydra.core.config_store import ConfigStore
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as tools/X.py: the repo's modules
 
 from attention import rope_freqs  # noqa: E402
-from benchmarks import saved_bytes  # noqa: E402
-from cli import cli, run_app  # noqa: E402
+from lab.counting import saved_bytes  # noqa: E402
+from lab.cli import cli, run_app  # noqa: E402
 from files import check_output_file  # noqa: E402
 from rules import POSITIVE, Needs, OneOf, Range, UserError, check_values  # noqa: E402
-from counting import attention_macs, attention_variants, selected_macs  # noqa: E402
+from lab.counting import attention_macs, attention_variants, selected_macs  # noqa: E402
 from model import GPTConfig  # noqa: E402
 from variants import make_attention  # noqa: E402
 
@@ -226,7 +226,7 @@ def crossover(rows, paths, lengths) -> dict:
 def plot(rows, cfg, path):
     """Two panels against N (log-log): a training step's time, and the memory it keeps for backward
     with cost.py's prediction of the table (reference), the tiled path's O(N) and linear's O(N hs²)."""
-    from plots import plt, save_figure
+    from lab.plots import plt, save_figure
 
     fig, (tx, mx) = plt.subplots(1, 2, figsize=(14, 5))
     for i, p in enumerate(cfg.paths):

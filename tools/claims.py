@@ -9,7 +9,7 @@
 attnlab is built from three teaching texts on attention (A, B, C; docs/claims.md lists, in our words,
 what they claim that a program can check). Each claim is one small function in claims/ (a.py, b.py,
 c.py: one file per text) that measures its figure at run time, through the code the texts describe in
-attnlab: the attention function (its sdpa, reference and tiled paths), the model, counting.py's counts,
+attnlab: the attention function (its sdpa, reference and tiled paths), the model, lab/counting.py's counts,
 the KV caches, linear attention, and small models trained by train.train on the embedded corpus. A row
 prints what the text says with its figure, what attnlab measured, what "holds" requires (the tolerance),
 and the verdict: holds, FAILS, holds in part (the rest not in attnlab yet), not shown at this size (a
@@ -36,7 +36,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run as tools/X.py: the repo's modules
 
 from claims import markdown_table, run_claims, text_table  # noqa: E402
-from cli import cli  # noqa: E402
+from lab.cli import cli  # noqa: E402
 from rules import UserError  # noqa: E402
 
 

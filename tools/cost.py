@@ -5,7 +5,7 @@
     python tools/cost.py model=default model.n_kv_head=1 seq_len=4096 format=json
     python tools/cost.py model=gpt2_124m model.vocab_size=50304 batch_size=8 world_size=8   # DDP or FSDP?
 
-Everything is counted from the config by counting.py (its docstring gives the convention); no
+Everything is counted from the config by lab/counting.py (its docstring gives the convention); no
 model is built, so any shape runs on a laptop.
 """
 import json
@@ -22,14 +22,14 @@ from omegaconf import MISSING
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as tools/X.py: the repo's modules
 
-from cli import cli, run_app  # noqa: E402
-from device import DTYPES  # noqa: E402
+from lab.cli import cli, run_app  # noqa: E402
+from lab.device import DTYPES  # noqa: E402
 from files import check_output_file  # noqa: E402
 from rules import POSITIVE, Needs, OneOf, Range, check_values  # noqa: E402
-from counting import (ADAMW_BYTES_PER_PARAM, RECURRENT, all_attention, attention_variants, cache_table, count_params, crossovers,
+from lab.counting import (ADAMW_BYTES_PER_PARAM, RECURRENT, all_attention, attention_variants, cache_table, count_params, crossovers,
                       kv_cache_bytes, layer_table, macs_per_token, memory_breakdown, mlp_matrices, per_gpu_bytes,
                       selected_keys, selected_macs, state_bytes)
-from config import model_config
+from lab.config import model_config
 from model import GPTConfig
 
 
@@ -343,7 +343,7 @@ def fmt_len(n: Fraction) -> str:
 def plot_cost(c, N, B, dtype, x, mem, path):
     """Left: per-layer forward MACs for one sequence of n tokens against n (log-log), the
     projections and MLP linear in n, attention quadratic, crossovers marked. Right: memory at N."""
-    from plots import save_figure  # selects the Agg backend (files only) before pyplot is imported
+    from lab.plots import save_figure  # selects the Agg backend (files only) before pyplot is imported
     import matplotlib.pyplot as plt
 
     top = 2 ** math.ceil(math.log2(4 * max(N, float(x["attn_vs_proj_mlp"]))))

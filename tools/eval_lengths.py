@@ -36,14 +36,14 @@ from hydra.core.config_store import ConfigStore
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as tools/X.py: the repo's modules
 
 from variants import ROPE_SCALINGS, SELECTS  # noqa: E402
-from attnstats import copy_losses  # noqa: E402
-from checkpoint import find_checkpoint, load_checkpoint, model_from_checkpoint, with_rope_scaling, with_selection  # noqa: E402
-from cli import cli, run_app  # noqa: E402
-from device import pick_device  # noqa: E402
+from lab.attnstats import copy_losses  # noqa: E402
+from lab.checkpoint import find_checkpoint, load_checkpoint, model_from_checkpoint, with_rope_scaling, with_selection  # noqa: E402
+from lab.cli import cli, run_app  # noqa: E402
+from lab.device import pick_device  # noqa: E402
 from files import check_output_file  # noqa: E402
 from rules import POSITIVE, OneOf, Range, UserError, check_values  # noqa: E402
 from data.tokenizer import tokenizer_from_dict  # noqa: E402
-from streams import stream_tokens, window_losses  # noqa: E402
+from lab.heldout import stream_tokens, window_losses  # noqa: E402
 
 
 @dataclass
@@ -143,10 +143,10 @@ def eval_checkpoint(cfg, path, out) -> dict:
 
 
 def eval_arms(cfg) -> dict:
-    """Every run under cfg.runs evaluated, grouped into arms (runs.py's grouping, as tools/report.py's): per arm and
+    """Every run under cfg.runs evaluated, grouped into arms (lab/arms.py's grouping, as tools/report.py's): per arm and
     length the mean loss, its sd and 95% interval over the arm's runs; a plot with a band per arm."""
-    from intervals import describe
-    from runs import find_runs, group_arms, summarize
+    from lab.intervals import describe
+    from lab.arms import find_runs, group_arms, summarize
 
     arms = group_arms([summarize(r) for r in find_runs(cfg.runs)])
     table = []
@@ -177,7 +177,7 @@ def eval_arms(cfg) -> dict:
 
 def plot_arms(table, path):
     """Mean loss against context length per arm, with its 95% band over seeds."""
-    from plots import plot_bands
+    from lab.plots import plot_bands
 
     lines = []
     for row in table:
@@ -191,7 +191,7 @@ def plot_arms(table, path):
 
 def plot(result, path):
     """The loss at each position of the context, one line per length, the trained length marked."""
-    from plots import plt, save_figure
+    from lab.plots import plt, save_figure
 
     fig, ax = plt.subplots(figsize=(9, 5))
     for r in result["rows"]:

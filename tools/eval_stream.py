@@ -36,13 +36,13 @@ from hydra.core.config_store import ConfigStore
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as tools/X.py: the repo's modules
 
-from checkpoint import find_checkpoint, load_checkpoint, model_from_checkpoint  # noqa: E402
-from cli import cli, run_app  # noqa: E402
-from device import pick_device  # noqa: E402
+from lab.checkpoint import find_checkpoint, load_checkpoint, model_from_checkpoint  # noqa: E402
+from lab.cli import cli, run_app  # noqa: E402
+from lab.device import pick_device  # noqa: E402
 from files import check_output_file  # noqa: E402
 from rules import POSITIVE, OneOf, Range, UserError, check_values  # noqa: E402
-from streams import stream_tokens  # noqa: E402
-from tracking import read_metrics  # noqa: E402
+from lab.heldout import stream_tokens  # noqa: E402
+from lab.tracking import read_metrics  # noqa: E402
 from data.tokenizer import tokenizer_from_dict  # noqa: E402
 
 POLICIES = ("recompute", "ring", "sinks")
@@ -172,7 +172,7 @@ def eval_stream(cfg) -> dict:
 
 
 def plot(result, path):
-    from plots import plt, save_figure
+    from lab.plots import plt, save_figure
 
     fig, ax = plt.subplots(figsize=(9, 5))
     for policy, r in result["policies"].items():

@@ -22,7 +22,7 @@ computes the model and says which in one line):
     (every row: bias or not, tied or untied head, any attn.scale, rope_base and d_ff)
 
 - code (`format=code`): the Hub's convention for a new architecture. The directory also holds
-  attnlab's own model files, whole (model.py, attention.py, rules.py, counting.py and variants/, its
+  attnlab's own model files, whole (model.py, attention.py, rules.py, lab/counting.py and variants/, its
   files side by side; their imports made relative) and tools/export_code/'s wrapper
   (configuration_attnlab.py, modeling_attnlab.py: a PreTrainedModel + GenerationMixin around
   attnlab's GPT), registered for the Auto classes in config.json's auto_map and loaded with
@@ -69,11 +69,11 @@ from hydra.core.config_store import ConfigStore
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as tools/X.py: the repo's modules
 
-from checkpoint import find_checkpoint, load_checkpoint, model_from_checkpoint
-from cli import cli, run_app  # noqa: E402
+from lab.checkpoint import find_checkpoint, load_checkpoint, model_from_checkpoint
+from lab.cli import cli, run_app  # noqa: E402
 from files import check_output_dir, dir_mode, private_mode, temp_suffix  # noqa: E402
 from rules import OneOf, UserError, check_values  # noqa: E402
-from export_hf import (TARGET_CLASSES, check_tokenizer, choose_format, code_model, hf_model, hf_tokenizer,  # noqa: E402
+from lab.export_hf import (TARGET_CLASSES, check_tokenizer, choose_format, code_model, hf_model, hf_tokenizer,  # noqa: E402
                        make_portable, model_card, verify)
 
 log = logging.getLogger("attnlab")

@@ -83,7 +83,7 @@ import datasets, hydra, omegaconf, rustbpe, tiktoken, torch, wandb
 print(f"torch {torch.__version__} (CUDA {torch.version.cuda}), hydra {hydra.__version__}, omegaconf "
       f"{omegaconf.__version__}, datasets {datasets.__version__}, wandb {wandb.__version__}, tiktoken {tiktoken.__version__}")
 if sys.argv[1] != "cpu":
-    from device import has_native_bf16, peak_flops_for
+    from lab.device import has_native_bf16, peak_flops_for
     d = torch.device("cuda")
     name = torch.cuda.get_device_name(d)
     print(f"{name}: capability {torch.cuda.get_device_capability(d)}, native bf16 {has_native_bf16(d)}, "

@@ -1,4 +1,4 @@
-"""The GPU figures, in one process so that its steps share Python's and the compiler's start-up:
+"""The GPU figures, each step tools/bench.py or tools/bench_sample.py in a process of its own:
 training-step speed and MFU at the baby and GPT-2-124M shapes (bf16 autocast + torch.compile),
 attention memory at two block sizes (eager), and decode speed with and without the KV cache (the
 compiled step too). Each step is timed and printed; a failed step does not stop the others; all the
@@ -11,6 +11,7 @@ tools/gpu_check.sh runs it as its last step. Exit status 1 if any step failed.
 """
 import argparse
 import json
+import subprocess
 import sys
 import time
 import traceback
@@ -20,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as tools/X.p
 
 import torch  # noqa: E402
 
-from cli import cli  # noqa: E402
+from lab.cli import cli  # noqa: E402
 from files import check_output_file  # noqa: E402
 from rules import UserError  # noqa: E402
 
@@ -56,25 +57,19 @@ CPU_STEPS = [
 ]
 
 
-def compose(name, overrides):
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-
-    with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.3"):
-        return hydra_compose(config_name=name, overrides=overrides)
-
-
-def run_step(kind, overrides, device):
-    """One step's figures: tools/bench.py's or tools/bench_sample.py's (benchmarks.py), on a fresh compile cache."""
-    from benchmarks import bench, bench_sample, print_result
-
-    torch._dynamo.reset()  # each step compiles its own model; no recompile limit across steps
-    cfg = compose(kind, [f"device={device}"] + ["logger.wandb.mode=disabled"] * (kind == "bench") + overrides)
-    if kind == "bench":
-        r = bench(cfg)
-        print_result(r)
-        return r
-    return bench_sample(cfg)
+def run_step(kind, overrides, device) -> dict:
+    """One step: tools/bench.py or tools/bench_sample.py in a process of its own (a fresh compiler), its
+    output printed as it comes and kept."""
+    command = [sys.executable, str(REPO / "tools" / f"{kind}.py"), f"device={device}", *overrides,
+               *(["logger.wandb.mode=disabled"] if kind == "bench" else [])]
+    lines = []
+    with subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as p:
+        for line in p.stdout:
+            print(line, end="", flush=True)
+            lines.append(line.rstrip("\n"))
+    if p.returncode != 0:
+        raise RuntimeError(f"{kind}.py exited {p.returncode}: {lines[-1] if lines else ''}")
+    return {"output": lines}
 
 
 def gpu_figures(device: str, out=None) -> dict:

@@ -37,14 +37,14 @@ from hydra.core.config_store import ConfigStore
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as tools/X.py: the repo's modules
 
-from checkpoint import find_checkpoint, load_checkpoint, model_from_checkpoint  # noqa: E402
-from cli import cli, run_app  # noqa: E402
-from device import pick_device  # noqa: E402
+from lab.checkpoint import find_checkpoint, load_checkpoint, model_from_checkpoint  # noqa: E402
+from lab.cli import cli, run_app  # noqa: E402
+from lab.device import pick_device  # noqa: E402
 from files import check_output_dir  # noqa: E402
 from data.tokenizer import tokenizer_from_dict  # noqa: E402
-from interventions import POST_LN, attribute, layer_names, lens_losses, logit_lens  # noqa: E402
+from lab.interventions import POST_LN, attribute, layer_names, lens_losses, logit_lens  # noqa: E402
 from rules import POSITIVE, Range, UserError, check_values  # noqa: E402
-from streams import stream_tokens, windows  # noqa: E402
+from lab.heldout import stream_tokens, windows  # noqa: E402
 
 SUM_TOLERANCE = 1e-4  # |sum of the parts - the logit| the check accepts (float32 model, float64 sum)
 BARS = 16  # parts drawn in lens.png
@@ -107,7 +107,7 @@ def token_id(tok, text: str) -> int:
 def lens(cfg) -> dict:
     check_values(cfg)
     out = check_output_dir(cfg.out, "out") if cfg.out else None
-    from plots import label, token_pieces
+    from lab.plots import label, token_pieces
     device = pick_device(cfg.device)
     path = find_checkpoint(cfg.ckpt)
     state = load_checkpoint(path)
@@ -169,7 +169,7 @@ def lens(cfg) -> dict:
 
 def write(result, out: Path):
     """lens.json and lens.png: the val loss per layer, and the largest parts of the attribution."""
-    from plots import plt, save_figure
+    from lab.plots import plt, save_figure
     out.mkdir(parents=True, exist_ok=True)
     (out / "lens.json").write_text(json.dumps(result, indent=1))
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))

@@ -38,13 +38,13 @@ from hydra.core.config_store import ConfigStore
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as tools/X.py: the repo's modules
 
-from checkpoint import (find_checkpoint, latest_checkpoint, load_checkpoint, model_from_checkpoint,  # noqa: E402
+from lab.checkpoint import (find_checkpoint, latest_checkpoint, load_checkpoint, model_from_checkpoint,  # noqa: E402
                         with_selection)
-from cli import cli, run_app  # noqa: E402
-from device import pick_device  # noqa: E402
+from lab.cli import cli, run_app  # noqa: E402
+from lab.device import pick_device  # noqa: E402
 from files import check_output_dir  # noqa: E402
 from data.mqar import MQARTokenizer  # noqa: E402
-from needle_probe import probe, reach, with_window  # noqa: E402
+from lab.needle_probe import probe, reach, with_window  # noqa: E402
 from rules import POSITIVE, SEED, OneOf, Range, UserError, check_values  # noqa: E402
 from variants import SELECTS  # noqa: E402
 
@@ -167,10 +167,10 @@ def checkpoint_of(cfg, where):
 
 
 def probe_arms(cfg) -> dict:
-    """Every run under cfg.runs probed, grouped into arms (runs.py's grouping, as tools/report.py's): per arm and
+    """Every run under cfg.runs probed, grouped into arms (lab/arms.py's grouping, as tools/report.py's): per arm and
     distance the mean accuracy over its runs, sd and 95% t-interval."""
-    from intervals import describe
-    from runs import find_runs, group_arms, summarize
+    from lab.intervals import describe
+    from lab.arms import find_runs, group_arms, summarize
 
     table = []
     for arm in group_arms([summarize(r) for r in find_runs(cfg.runs)]):
@@ -221,7 +221,7 @@ def markdown(result) -> str:
 
 def plot(result, path):
     """Accuracy against distance, one line per arm with its interval, each window's reach dotted."""
-    from plots import plt, save_figure
+    from lab.plots import plt, save_figure
 
     arms = result.get("arms") or [{"arm": result["attention"], "runs": [result], "accuracy": None}]
     fig, ax = plt.subplots(figsize=(7, 4.2))

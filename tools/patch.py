@@ -40,14 +40,14 @@ from hydra.core.config_store import ConfigStore
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as tools/X.py: the repo's modules
 
-from checkpoint import find_checkpoint, load_checkpoint, model_from_checkpoint  # noqa: E402
-from cli import cli, run_app  # noqa: E402
-from device import pick_device  # noqa: E402
+from lab.checkpoint import find_checkpoint, load_checkpoint, model_from_checkpoint  # noqa: E402
+from lab.cli import cli, run_app  # noqa: E402
+from lab.device import pick_device  # noqa: E402
 from files import check_output_dir  # noqa: E402
 from data.tokenizer import tokenizer_from_dict  # noqa: E402
-from interventions import Prompts, drawn_prompts, patch_all  # noqa: E402
+from lab.interventions import Prompts, drawn_prompts, patch_all  # noqa: E402
 from rules import POSITIVE, SEED, Needs, OneOf, Range, UserError, check_values  # noqa: E402
-from streams import stream_tokens  # noqa: E402
+from lab.heldout import stream_tokens  # noqa: E402
 
 METRICS = ("loss", "logit_diff")
 DRAWN = Needs(lambda c: c.clean is None and c.corrupted is None,
@@ -160,7 +160,7 @@ def print_result(result: dict, top: int, tok):
 def write(result: dict, c, out: Path):
     """patch.json and patch.png: the recovery per layer and head (outputs and weights) and per layer and
     position (the residual stream), blank where a layer has no weights to patch."""
-    from plots import plt
+    from lab.plots import plt
     out.mkdir(parents=True, exist_ok=True)
     (out / "patch.json").write_text(json.dumps(result, indent=1))
     grids = {k: torch.tensor([[float("nan") if v is None else v for v in row] for row in g])

@@ -17,12 +17,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as tools/X.py: the repo's modules
 
-from cli import cli  # noqa: E402
+from lab.cli import cli  # noqa: E402
 from files import check_output_dir  # noqa: E402
-from plots import plt, save_figure  # noqa: E402
+from lab.plots import plt, save_figure  # noqa: E402
 from rules import UserError  # noqa: E402
-from intervals import describe  # noqa: E402
-from runs import default_out, find_runs, group_arms, summarize  # noqa: E402
+from lab.intervals import describe  # noqa: E402
+from lab.arms import default_out, find_runs, group_arms, summarize  # noqa: E402
 
 PAIRS = "data.pairs"
 

@@ -12,7 +12,7 @@ attention entropy, peak weight and largest logit. For each pair of arms: the dif
 means with its 95% interval, a paired t-test when both arms ran the same seeds (else Welch's), and
 a verdict in words. One run per arm gives no interval, and the report says so.
 
-Runs that vary train.lr get the learning-rate view besides (lr_sweep.py): an arm is then every setting
+Runs that vary train.lr get the learning-rate view besides (lab/lr_view.py): an arm is then every setting
 but the seeds and the lr; loss against lr, the LR sensitivity with its interval, the best lr and the
 basin, diverged runs counted at their step-0 loss; loss_vs_lr.png and logit_entropy_steps.png.
 
@@ -31,13 +31,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as tools/X.py: the repo's modules
 
-from cli import cli  # noqa: E402
+from lab.cli import cli  # noqa: E402
 from files import check_output_dir  # noqa: E402
 from rules import UserError  # noqa: E402
-from plots import plot_bands, plot_head_roles_compare, series  # noqa: E402
-from intervals import describe, paired_interval, welch_interval  # noqa: E402
-from lr_sweep import lr_view  # noqa: E402
-from runs import Arm, arm_key, default_out, find_runs, group_arms, newer_keys, summarize  # noqa: E402
+from lab.plots import plot_bands, plot_head_roles_compare, series  # noqa: E402
+from lab.intervals import describe, paired_interval, welch_interval  # noqa: E402
+from lab.lr_view import lr_view  # noqa: E402
+from lab.arms import Arm, arm_key, default_out, find_runs, group_arms, newer_keys, summarize  # noqa: E402
 
 METRICS = [  # (name, column title, format)
     ("val_loss", "val loss", ".4f"), ("val_bpc", "val bits/char", ".4f"), ("attn_entropy", "attn entropy (nats)", ".3f"),
@@ -213,7 +213,7 @@ def report(paths, out=None, baseline=None) -> dict:
                 for a in arms for r in a.runs]
         files.append(plot_head_roles_compare(rows, out / "attn_heads.png"))
     lr = None
-    if len({repr(r.config.get("train.lr")) for r in runs}) > 1:  # an lr sweep: its own view (lr_sweep.py)
+    if len({repr(r.config.get("train.lr")) for r in runs}) > 1:  # an lr sweep: its own view (lab/lr_view.py)
         newer = newer_keys([r.config for r in runs])
         lr = lr_view(runs, lambda r: arm_key({k: v for k, v in r.config.items() if k != "train.lr"}, r.dir, newer),
                      out)

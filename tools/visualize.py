@@ -28,10 +28,10 @@ from hydra.core.config_store import ConfigStore
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as tools/X.py: the repo's modules
 
-from plots import format_top_keys, write_views
-from checkpoint import find_checkpoint, load_checkpoint, model_from_checkpoint
-from cli import cli, run_app  # noqa: E402
-from device import pick_device  # noqa: E402
+from lab.plots import format_top_keys, write_views
+from lab.checkpoint import find_checkpoint, load_checkpoint, model_from_checkpoint
+from lab.cli import cli, run_app  # noqa: E402
+from lab.device import pick_device  # noqa: E402
 from files import check_output_dir  # noqa: E402
 from sample import read_prompt  # noqa: E402
 from rules import POSITIVE, Needs, Range, UserError, check_values  # noqa: E402

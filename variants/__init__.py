@@ -30,7 +30,7 @@ table's keys. A new kind is one file and one row of KINDS, nothing else: a subcl
 mixer.Mixer (or of attention.CausalSelfAttention, for a softmax kind that overrides named methods)
 with its make_projections, forward, new_cache and its counts (params, projections, mixing_macs,
 cache_bytes or state_numbers; flags softmax, recurrent, selects; rope_width; kv_heads), which
-counting.py, the probe and generation ask; a static `check(config)` that refuses, in one line, the
+lab/counting.py, the probe and generation ask; a static `check(config)` that refuses, in one line, the
 options it cannot take and returns those it ignores; `effective_attention` if the maps should draw
 it. tests/test_mixer.py registers such a kind from a test file. An add-on fills a slot instead: a row
 in PATHS, BIASES, SINKS, GATES or SELECTS.
@@ -57,7 +57,7 @@ from variants.mla import LatentAttention
 from variants.moba import MoBA
 from variants.oracle import Oracle
 from variants.positions import LearnedPositions, SinusoidalPositions
-from variants.rope_scaling import linear, ntk, unscaled, yarn
+from variants.rope_scaling import ROPE_SCALINGS  # noqa: F401  (model.rope_scaling: none, linear, ntk, yarn)
 from variants.sink_cache import SinkKVCache
 from variants.sinks import learned_sink, sdpa_with_sink, zero_sink
 from variants.selected import gathered_attention
@@ -79,7 +79,6 @@ SELECTS = {"none": None, "moba": MoBA, "oracle": Oracle, "indexer": Indexer}  # 
 POSITIONS = {"rope": None, "none": None, "alibi": None,  # model.pos: a table added to the embeddings,
              "learned": LearnedPositions, "sinusoidal": SinusoidalPositions}
 BIASES = {"alibi": ALiBi}  # model.pos: or a bias on the logits
-ROPE_SCALINGS = {"none": unscaled, "linear": linear, "ntk": ntk, "yarn": yarn}  # model.rope_scaling
 CACHE_LAYOUTS = {"MLA (latent + RoPE key)": LatentAttention.layout}  # counting.cache_table: other caches of a shape
 ACTIVATIONS = {"gelu": (F.gelu, 1), "relu2": (relu2, 1), "swiglu": (swiglu, 2),  # model.mlp: (act, c_fc's parts)
                "none": None}  # no MLP: a block is its attention alone

@@ -47,6 +47,7 @@ import torch.nn.functional as F
 from attention import Mask, apply_rope, attention_scores, repeat_kv, rope_theta
 from variants.moba import SelectedMask, Selection
 from variants.oracle import Oracle
+from variants.rope_scaling import ROPE_SCALINGS
 
 
 def turn(x, pos, theta, sign: int = 1):
@@ -80,7 +81,6 @@ class Indexer(nn.Module, Selection):
         self.wk = nn.Linear(config.n_kv_head * config.head_dim, self.dim, bias=False)  # k^I
         self.theta = self.own_theta = None  # without RoPE there is no rotation to undo, and none of its own
         if config.pos == "rope":
-            from variants import ROPE_SCALINGS  # the table that imports this file: complete once a model is built
             # the frequencies GPT.rope_frequencies gives the layers
             scaling = ROPE_SCALINGS[config.rope_scaling if config.rope_scaling_factor != 1 else "none"]
             self.theta = partial(scaling, config.rope_dim, config.rope_base, config.rope_scaling_factor,

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from attention import CausalSelfAttention, apply_rope, repeat_kv
 
-LINEAR_CHUNK = 64  # positions per chunk of the training form (counting.py counts with it)
+LINEAR_CHUNK = 64  # positions per chunk of the training form (lab/counting.py counts with it)
 
 
 def elu_feature(x):

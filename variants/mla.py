@@ -9,6 +9,8 @@ the RoPE key as k and the latent as v. Tests: tests/variants/test_mla.py (the la
 up-projections written out, naive and absorbed decoding against the whole sequence, the cache's
 bytes, int8 and sink caches), tests/test_variants.py (through every path and a short training run).
 """
+from dataclasses import replace
+
 import torch
 import torch.nn as nn
 
@@ -42,11 +44,8 @@ class LatentAttention(CausalSelfAttention):
     def layout(c):
         """c's shape with this latent cache in every layer (c's own ranks, if it set them; else d_c = 4·hs and
         a RoPE key of hs/2, DeepSeek-V2's proportions): counting.cache_table's latent row."""
-        from dataclasses import replace
-
-        from variants import AttnConfig
         return replace(c, n_kv_head=None, value_embed=False,
-                       attn=AttnConfig(kind="mla", kv_lora_rank=c.attn.kv_lora_rank, rope_head_dim=c.attn.rope_head_dim))
+                       attn=type(c.attn)(kind="mla", kv_lora_rank=c.attn.kv_lora_rank, rope_head_dim=c.attn.rope_head_dim))
 
     @classmethod
     def rope_width(cls, c):

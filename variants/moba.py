@@ -59,7 +59,7 @@ class BlockChoice(SelectedMask):
 
 class Selection:
     """What every key selection (the core's select slot) answers besides its choice: the keys query i
-    reads, its parameters and an auxiliary loss (none by default), as counting.py and GPT.forward ask."""
+    reads, its parameters and an auxiliary loss (none by default), as lab/counting.py and GPT.forward ask."""
 
     @staticmethod
     def params(c) -> int:

@@ -39,3 +39,6 @@ def yarn(head_dim, base, factor, original, device=None):
     turns = original * theta / (2 * math.pi)
     keep = ((turns - YARN_ALPHA) / (YARN_BETA - YARN_ALPHA)).clamp(0, 1)  # 1: keep, 0: interpolate
     return keep * theta + (1 - keep) * theta / factor, 0.1 * math.log(factor) + 1
+
+
+ROPE_SCALINGS = {"none": unscaled, "linear": linear, "ntk": ntk, "yarn": yarn}  # model.rope_scaling (variants/__init__.py's table)

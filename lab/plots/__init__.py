@@ -23,8 +23,8 @@ import torch
 matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
 
-from attnstats import entropy_grid, head_keys, layer_keys, layer_kinds, layer_maps  # noqa: E402
-from tracking import read_metrics  # noqa: E402
+from lab.attnstats import entropy_grid, head_keys, layer_keys, layer_kinds, layer_maps  # noqa: E402
+from lab.tracking import read_metrics  # noqa: E402
 
 VIEWER = Path(__file__).with_name("viewer.html")  # the viewer's page; write_html fills in the data
 

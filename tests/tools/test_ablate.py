@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from checkpoint import load_checkpoint, model_from_checkpoint
+from lab.checkpoint import load_checkpoint, model_from_checkpoint
 from helpers import compose_cfg, save_tiny_checkpoint
 from rules import UserError
 
@@ -51,8 +51,8 @@ def heads_removed(ckpt, heads, means=None):
 
 @pytest.mark.parametrize("heads", [None, ["L1H2", "L0H0"]], ids=["each", "together"])
 def test_ablations_equal_the_heads_removed_by_hand(run, heads, tmp_path):
-    from interventions import head_means
-    from streams import windows
+    from lab.interventions import head_means
+    from lab.heldout import windows
     from tools.ablate import ablate, parse_head
     ckpt, text = run
     over = [f"ckpt={ckpt}", f"text={text}", "batches=2", "batch_size=4", f"out={tmp_path / 'out'}"]
@@ -82,7 +82,7 @@ def test_ablations_equal_the_heads_removed_by_hand(run, heads, tmp_path):
 def test_the_mean_ablation_keeps_what_a_head_always_adds(run):
     """A head's mean over the windows is what mean ablation puts back: measured on those windows, a
     head whose output never changes costs nothing to mean-ablate and something to zero."""
-    from interventions import Ablation, head_means, measure
+    from lab.interventions import Ablation, head_means, measure
     ckpt, _ = run
     model = model_from_checkpoint(load_checkpoint(ckpt)).eval()
     x = torch.randint(model.config.vocab_size, (6, 17))
@@ -130,7 +130,7 @@ def test_a_head_the_model_does_not_have_is_one_line(run):
 def test_zeroing_every_head_of_a_layer_removes_its_attention(variant, layer):
     """Every head of one layer zero-ablated at hook_z = the model with that layer's attention output
     replaced by zero (its whole module's output, not the heads'), whatever the kind of layer."""
-    from interventions import Ablation
+    from lab.interventions import Ablation
     from helpers import variant_model
 
     model = variant_model(n_layer=2, **variant).eval()
@@ -158,7 +158,7 @@ def test_one_head_zeroed_at_hook_z_is_its_projection_columns_zeroed_except_where
     zeroing the head's columns of the output projection wherever the gate acts head by head (softmax,
     GQA, MLA, sinks, a sigmoid gate, gdn's per-head norm, linear); mamba2's gated norm spans all the
     heads, so there the other heads are rescaled and the two differ (docs/looking_inside.md says so)."""
-    from interventions import Ablation
+    from lab.interventions import Ablation
     from helpers import variant_model
 
     torch.manual_seed(0)

@@ -1,5 +1,5 @@
 """tools/cost.py and the benchmark commands: the JSON and text reports against the hand numbers and
-counting.py, the crossovers as printed, one-line errors through the real CLI, a hybrid stack's report,
+lab/counting.py, the crossovers as printed, one-line errors through the real CLI, a hybrid stack's report,
 and tools/bench_attention.py and the bench's layer kinds measured side by side."""
 import dataclasses
 import json
@@ -9,8 +9,8 @@ from fractions import Fraction
 import pytest
 
 from rules import UserError
-from config import model_config
-from counting import attention_variants, crossovers, per_gpu_bytes
+from lab.config import model_config
+from lab.counting import attention_variants, crossovers, per_gpu_bytes
 from tools.cost import cost, round_half_up
 from helpers import GQA_SWIGLU, MHA_GELU, compose_cfg
 from model import GPT, GPTConfig
@@ -184,7 +184,7 @@ def test_bench_attention_decode_needs_sdpa_to_compare_with():
 def test_bench_times_other_layer_kinds_of_the_same_model_side_by_side(capsys):
     """bench.kinds: each pattern is the configured model with those layer kinds (its parameters are that
     model's), timed in the same rounds; its ratio is its median step time over the configured one's."""
-    from benchmarks import bench, print_result
+    from tools.bench import bench, print_result
     cfg = compose_cfg("bench", ["model=debug", "device=cpu", "bench.iters=1", "bench.warmup=0", "bench.rounds=2",
                                 "bench.kinds=[gdn,mamba2+softmax]", "train.batch_size=2"])
     r = bench(cfg)
@@ -221,7 +221,7 @@ def test_a_qwen3_next_like_stack_at_262144_tokens_against_all_attention(capsys):
 def test_cost_says_what_a_selecting_query_reads(capsys):
     """model.attn.select: the mean keys a query reads at N, as counting.selected_keys gives them for the
     config and for its causal table ((N + 1) / 2)."""
-    from counting import selected_keys
+    from lab.counting import selected_keys
     cfg = compose_cfg("cost", ["model=debug", "model.vocab_size=50", "seq_len=256", "format=json", "plot=null",
                                "model.attn.select=moba", "model.attn.select_block=16", "model.attn.select_topk=3"])
     cost(cfg)

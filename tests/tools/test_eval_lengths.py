@@ -62,10 +62,10 @@ def test_any_checkpoint_is_read_through_a_choice_of_keys(tmp_path, capsys):
     """select= at evaluation, no training: an oracle that keeps every key is the checkpoint itself; one
     that keeps fewer changes the loss; the per-position losses equal the model built with that choice."""
     import torch
-    from checkpoint import load_checkpoint, model_from_checkpoint, with_selection
+    from lab.checkpoint import load_checkpoint, model_from_checkpoint, with_selection
     from data.tokenizer import tokenizer_from_dict
     from helpers import compose_cfg
-    from streams import window_losses
+    from lab.heldout import window_losses
     from tools.eval_lengths import eval_lengths
     ckpt = save_tiny_checkpoint(tmp_path, block_size=32)
     text = tmp_path / "t.txt"

@@ -12,9 +12,9 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-import export_hf
+from lab import export_hf
 from tools import export  # the command; registers its config schema
-from checkpoint import model_from_checkpoint
+from lab.checkpoint import model_from_checkpoint
 from rules import UserError
 from helpers import (SHAKESPEARE, TIKTOKEN_CACHE, compose_cfg, corpus_text, export_chars, export_model, load_export,
                      requires_shared, run_export, write_checkpoint)

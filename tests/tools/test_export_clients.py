@@ -13,7 +13,7 @@ import torch
 
 from helpers import REPO, client, compose_cfg, export_chars, export_model, run_export, write_checkpoint
 from data.tokenizer import tokenizer_from_dict
-from tracking import read_metrics
+from lab.tracking import read_metrics
 from train import train
 
 pytestmark = pytest.mark.slow
@@ -149,7 +149,7 @@ def test_a_head_ablated_through_transformer_lens_hooks_costs_what_ablate_py_meas
     tools/ablate.py's Ablation measures on attnlab's model (every head of a 2-layer model)."""
     import torch.nn.functional as F
 
-    from interventions import Ablation
+    from lab.interventions import Ablation
 
     model = export_model()  # 2 layers of 4 heads
     out = run_export(write_checkpoint(tmp_path / "ckpt.pt", model), tmp_path / "hf", "format=stock")

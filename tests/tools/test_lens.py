@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from checkpoint import load_checkpoint, model_from_checkpoint
+from lab.checkpoint import load_checkpoint, model_from_checkpoint
 from helpers import TINY, assert_one_line_error, compose_cfg, corpus_text, save_tiny_checkpoint, variant_model
 from rules import UserError
 
@@ -40,7 +40,7 @@ def cut_after(model, n_blocks: int):
 
 @pytest.mark.parametrize("kw", list(KINDS.values()), ids=list(KINDS))
 def test_the_lens_at_each_layer_is_the_model_cut_after_that_layer(kw):
-    from interventions import logit_lens
+    from lab.interventions import logit_lens
     model = variant_model(**kw)
     idx = prompt(model)
     lens = logit_lens(model, idx)
@@ -54,7 +54,7 @@ def test_the_lens_at_each_layer_is_the_model_cut_after_that_layer(kw):
 
 
 def test_the_loss_per_layer_is_each_cut_models_cross_entropy():
-    from interventions import lens_losses
+    from lab.interventions import lens_losses
     model = variant_model(n_layer=3, logit_softcap=4.0)
     x = torch.randint(model.config.vocab_size, (5, 17), generator=torch.Generator().manual_seed(2))
     x, y = x[:, :-1], x[:, 1:]
@@ -79,7 +79,7 @@ def model_logit(model, idx, position, token) -> float:
 @pytest.mark.parametrize("norm", list(NORMS.values()), ids=list(NORMS))
 @pytest.mark.parametrize("kw", list(KINDS.values()), ids=list(KINDS))
 def test_the_parts_sum_to_the_logit(kw, norm):
-    from interventions import attribute
+    from lab.interventions import attribute
     model = variant_model(**{**kw, **norm})
     idx = prompt(model)
     for position, token in ((11, 3), (4, 17)):
@@ -117,7 +117,7 @@ def test_one_heads_part_written_out_by_hand(case):
     """Head h of layer l: W_O[:, h*hs:(h+1)*hs] @ z_h (z_h times its sigmoid gate for a gated layer),
     then ln_f with the scale of the full residual frozen (LayerNorm: centred, / sqrt(var + eps);
     RMSNorm: / sqrt(mean square + eps)), times ln_f's weight, dotted with the token's row of lm_head."""
-    from interventions import attribute
+    from lab.interventions import attribute
     kw = {"layernorm": dict(bias=True), "rmsnorm": dict(norm="rmsnorm"), "gqa": dict(n_kv_head=2),
           "gate": dict(attn={"gate": "head"})}[case]
     model = variant_model(n_layer=3, **kw)
@@ -145,7 +145,7 @@ def test_one_heads_part_written_out_by_hand(case):
 
 
 def test_a_post_ln_model_is_refused_in_one_line():
-    from interventions import attribute
+    from lab.interventions import attribute
     model = variant_model(norm_position="post")
     with pytest.raises(UserError, match=r"model.norm_position=post normalises the residual stream inside") as e:
         attribute(model, prompt(model), 3, 1)

@@ -15,7 +15,7 @@ from rules import UserError
 @pytest.mark.parametrize("length,pairs,distance", [(64, 4, 2), (64, 4, 16), (64, 4, 62), (33, 8, 20), (256, 8, 240)])
 def test_each_needle_sits_exactly_d_before_its_query_in_the_task_layout(length, pairs, distance):
     from data.mqar import MQARTokenizer
-    from needle_probe import needle_sequences
+    from lab.needle_probe import needle_sequences
     tok = MQARTokenizer(40)
     x, q, answer = needle_sequences(200, length, pairs, 40, distance, seed=3)
     assert x.shape == (200, length) and q.shape == answer.shape == (200,)
@@ -40,7 +40,7 @@ def test_each_needle_sits_exactly_d_before_its_query_in_the_task_layout(length, 
 
 
 def test_the_same_seed_gives_the_same_needles_and_each_distance_its_own():
-    from needle_probe import needle_sequences
+    from lab.needle_probe import needle_sequences
     a, b = needle_sequences(20, 64, 4, 40, 16, 1), needle_sequences(20, 64, 4, 40, 16, 1)
     assert all(torch.equal(s, t) for s, t in zip(a, b))
     assert not torch.equal(a[0], needle_sequences(20, 64, 4, 40, 16, 2)[0])
@@ -69,7 +69,7 @@ def test_accuracy_per_distance_is_that_of_a_lookup_written_out():
     W) and none beyond; the probe's accuracy, n and Wilson interval per distance, scipy's interval."""
     from scipy.stats import binomtest
 
-    from needle_probe import probe
+    from lab.needle_probe import probe
     W, distances = 12, [2, 4, 10, 12, 14, 30, 60]
     rows = probe(WindowedLookup(W), distances, length=64, vocab_size=40, needles=40, pairs=4, seed=0, far=W - 1)
     assert [r["distance"] for r in rows] == distances and all(r["n"] == 40 for r in rows)
@@ -84,7 +84,7 @@ def test_accuracy_per_distance_is_that_of_a_lookup_written_out():
 def test_the_wilson_interval_is_scipys(right, n):
     from scipy.stats import binomtest
 
-    from intervals import wilson
+    from lab.intervals import wilson
     ci = binomtest(right, n).proportion_ci(confidence_level=0.95, method="wilson")
     low, high = wilson(right, n)
     assert (low, high) == pytest.approx((ci.low, ci.high), abs=1e-12) and 0 <= low <= right / n <= high <= 1
@@ -100,7 +100,7 @@ def test_a_window_cannot_carry_a_token_past_its_reach_and_full_attention_can():
     """Two layers of window W: a token n(W - 1) back still changes the logits at a query, one more
     back changes nothing, bit for bit; the needle's value beyond the reach leaves the probe's answer
     as it was. Full attention's logits change for a token and a needle anywhere before the query."""
-    from needle_probe import needle_sequences, reach
+    from lab.needle_probe import needle_sequences, reach
     W = 5
     windowed, full = tiny_gpt(window=W), tiny_gpt()
     far = reach(windowed)
@@ -132,7 +132,7 @@ def mqar_checkpoint(directory, pairs=(2, 4), model=None, **attn):
     """A checkpoint of a tiny untrained model (or `model`) over mqar's tokens, recording the pairs it trained on."""
     import dataclasses
 
-    from checkpoint import save_checkpoint
+    from lab.checkpoint import save_checkpoint
     from data.mqar import MQARTokenizer
     model = model or tiny_gpt(**attn)
     state = {"model": model.state_dict(), "model_config": dataclasses.asdict(model.config),
@@ -158,9 +158,9 @@ def always(value, **attn):
 def test_the_command_probes_a_checkpoint_through_a_window_and_writes_its_table(tmp_path, capsys):
     """window= at evaluation: the probe's answers are the checkpoint's own argmax at each query,
     recomputed here from the logits of the same weights with that window; the reach, the files."""
-    from checkpoint import load_checkpoint, model_from_checkpoint
+    from lab.checkpoint import load_checkpoint, model_from_checkpoint
     from helpers import compose_cfg
-    from needle_probe import needle_sequences, with_window
+    from lab.needle_probe import needle_sequences, with_window
     from tools.needle import needle
     ckpt = mqar_checkpoint(tmp_path)
     result = needle(compose_cfg("needle", [f"ckpt={ckpt}", "distances=[4,8,20]", "needles=30", "window=3",
@@ -213,8 +213,8 @@ def test_runs_are_grouped_into_arms_with_the_mean_and_interval_of_their_accuraci
     an arm of one run shows its Wilson interval."""
     import yaml
 
-    from intervals import wilson
-    from needle_probe import needle_sequences
+    from lab.intervals import wilson
+    from lab.needle_probe import needle_sequences
     from tools.needle import needle
     runs = {"full/s1": (25, 1, {}), "full/s2": (37, 2, {}), "window/s1": (22, 1, {"window": 3})}
     for name, (value, seed, attn) in runs.items():
@@ -274,7 +274,7 @@ def test_runs_of_a_sweep_are_probed_and_grouped_into_arms(train_cfg, tmp_path, c
 def test_last_probes_each_runs_newest_checkpoint_and_best_its_best_pt(train_cfg, tmp_path):
     """A run's best.pt and its newest ckpt_*.pt differ (here: best.pt made the newest holds other
     weights); last=true probes the newest, the default best.pt, each equal to ckpt= on that file."""
-    from checkpoint import BEST_NAME, load_checkpoint, save_checkpoint
+    from lab.checkpoint import BEST_NAME, load_checkpoint, save_checkpoint
     from helpers import compose_cfg
     from tools.needle import needle
     from train import train

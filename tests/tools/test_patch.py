@@ -9,7 +9,7 @@ import torch
 
 from helpers import compose_cfg, one_line, save_tiny_checkpoint, variant_model
 from rules import UserError
-from interventions import Patching, Prompts, components, drawn_prompts, patch_all, record
+from lab.interventions import Patching, Prompts, components, drawn_prompts, patch_all, record
 from tools.patch import patch
 
 VARIANTS = {
@@ -254,7 +254,7 @@ def run(tmp_path):
 
 
 def test_the_command_prints_sorted_rows_and_writes_its_files(run, tmp_path, capsys):
-    from checkpoint import load_checkpoint, model_from_checkpoint
+    from lab.checkpoint import load_checkpoint, model_from_checkpoint
     ckpt, text = run
     result = patch(compose_cfg("patch", [f"ckpt={ckpt}", f"text={text}", "n=3", "span=5", f"out={tmp_path / 'o'}"]))
     model = model_from_checkpoint(load_checkpoint(ckpt)).eval()

@@ -223,7 +223,7 @@ def test_the_report_gives_each_arms_first_token_mass_and_largest_activation(tmp_
 def test_runs_started_from_each_seeds_own_parent_are_one_arm_apart_from_scratch_runs():
     """init_from differs with the seed (each seed's fine-tune starts from that seed's full run): the
     arm groups them by whether they started from weights, not by whose."""
-    from runs import RunSummary, group_arms
+    from lab.arms import RunSummary, group_arms
 
     def run(seed, **config):
         return RunSummary(Path(f"/r/{len(config)}/{seed}"), {"seed": seed, "model.attn.window": None,
@@ -241,7 +241,7 @@ def test_an_arms_label_leaves_out_keys_that_could_not_act_in_it():
     """Two sweeps reported together: select_block and select_topk differ between their arms, but in an arm
     without selection they do nothing, so its label must not read like a selecting arm (it did: recall.py
     labelled a softmax arm `select_block=64, select_topk=4`)."""
-    from runs import RunSummary, group_arms
+    from lab.arms import RunSummary, group_arms
 
     def run(seed, **changed):
         config = {"seed": seed, "model.attn.kind": "softmax", "model.attn.layer_kinds": None,

@@ -1,6 +1,6 @@
 """tools/visualize.py, attention maps of a prompt: the weights against softmax(QKᵀ·scale + M)
 recomputed from the model's own q and k, the PNG and the viewer it writes, the top-k keys on stdout,
-and one-line errors for bad input. The viewer itself (plots/) is tested in test_plots.py."""
+and one-line errors for bad input. The viewer itself (lab/plots/) is tested in test_plots.py."""
 import dataclasses
 import io
 import re
@@ -9,8 +9,8 @@ import struct
 import pytest
 import torch
 
-from attnstats import attention_maps
-from checkpoint import save_checkpoint
+from lab.attnstats import attention_maps
+from lab.checkpoint import save_checkpoint
 from helpers import VOCAB, compose_cfg, plain_weights, sharp_model
 from data.tokenizer import CharTokenizer
 from tools.visualize import visualize

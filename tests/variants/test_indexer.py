@@ -220,7 +220,7 @@ def test_the_keys_each_query_reads_and_the_parameters_are_what_counting_says():
     """counting.selected_keys against the keys the built layer's choice lets through, counted on its mask;
     counting.count_params against the built model (the indexer's three matrices in each softmax layer)."""
     from fractions import Fraction
-    from counting import count_params, selected_keys
+    from lab.counting import count_params, selected_keys
     for attn in ({**ATTN, "select_topk": 5}, {**ATTN, "select_topk": 5, "layer_kinds": ["softmax", "gdn"]}):
         c = GPTConfig(vocab_size=40, block_size=30, n_layer=2, n_head=4, n_embd=32, n_kv_head=2, attn=attn)
         model = GPT(c)
@@ -252,7 +252,7 @@ def test_what_the_indexer_cannot_take_is_one_line(attn, needle):
 def test_a_checkpoint_is_read_through_another_choice_but_an_indexer_needs_its_training():
     """with_selection: select=none on an indexer checkpoint is its model reading every key (the indexer's
     weights left out); select=indexer on a checkpoint trained without one is one line."""
-    from checkpoint import model_from_checkpoint, with_selection
+    from lab.checkpoint import model_from_checkpoint, with_selection
     trained = make(block_size=16, attn=ATTN)
     state = {"model": trained.state_dict(), "model_config": dataclasses.asdict(trained.config)}
     full = model_from_checkpoint(with_selection(state, "none")).eval()
@@ -280,7 +280,7 @@ def test_a_run_logs_the_indexer_kl_and_its_training_lowers_it(train_cfg, tmp_pat
     """aux/indexer_kl on every log line; trained (indexer_kl=1), its mean over the last 3 log lines is
     below half the untrained indexer's (indexer_kl=0: the same run, the indexer left at its init). On
     repeated spans, whose copying heads attend sharply (a near-uniform p is matched by any indexer)."""
-    from tracking import read_metrics
+    from lab.tracking import read_metrics
     from train import train
     steps = [*RUN, "data=repeated_spans", "model.block_size=64", "train.batch_size=8", "train.max_iters=120",
              "train.log_interval=10", "train.eval_interval=120", "train.lr=3e-3"]
@@ -298,7 +298,7 @@ def test_a_run_logs_the_indexer_kl_and_its_training_lowers_it(train_cfg, tmp_pat
 def test_a_run_resumed_from_its_middle_is_the_uninterrupted_run(train_cfg, tmp_path):
     """Weights (the indexer's too), optimizer state and every logged line, aux/indexer_kl included,
     bit for bit."""
-    from checkpoint import load_checkpoint, step_name
+    from lab.checkpoint import load_checkpoint, step_name
     from helpers import metrics_without_timing
     from train import train
     steps = [*RUN, "train.max_iters=8", "train.ckpt_interval=4", "train.keep_ckpts=10", "train.eval_interval=4",

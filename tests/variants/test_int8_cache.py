@@ -1,8 +1,8 @@
 """variants/int8_cache.py, the int8 KV cache (sample.py kv_dtype=int8): each token's key and value
-within half a scale, its bytes as counting.py says, and decoding that follows the fp32 cache."""
+within half a scale, its bytes as lab/counting.py says, and decoding that follows the fp32 cache."""
 import torch
 
-from counting import kv_cache_bytes
+from lab.counting import kv_cache_bytes
 from helpers import variant_model as make
 from variants.int8_cache import Int8KVCache
 

@@ -1,6 +1,6 @@
 """variants/linear.py, linear attention (model.attn.kind=linear): its parallel (chunked) and
 recurrent forms against the causal formula written out in float64, with and without RoPE and GQA,
-gradients, the matmuls counting.py counts, its constant-size state, and what the probe says of it."""
+gradients, the matmuls lab/counting.py counts, its constant-size state, and what the probe says of it."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -105,7 +105,7 @@ def test_linear_attention_matmuls_are_what_counting_says(n_kv):
     per token, no matmul)."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    from counting import macs_per_token
+    from lab.counting import macs_per_token
     c = GPTConfig(vocab_size=64, block_size=128, n_layer=1, n_head=4, n_kv_head=n_kv, n_embd=128,
                   attn={"kind": "linear"})
     model, (B, N) = GPT(c), (2, 128)
@@ -132,7 +132,7 @@ def test_linear_state_does_not_grow_with_the_tokens_generated():
 
 
 def test_linear_attention_gives_the_probe_no_softmax_weights_and_says_so():
-    from attnstats import AttentionProbe, attention_maps, without_softmax
+    from lab.attnstats import AttentionProbe, attention_maps, without_softmax
     model = make(attn={"kind": "linear"})
     stats = AttentionProbe(torch.randint(40, (2, 16))).run(model)
     assert not any(k.startswith("attn_") for k in stats) and "incontext/gain" in stats

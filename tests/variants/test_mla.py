@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from attention import apply_rope, rope_freqs
-from counting import count_params, kv_cache_bytes
+from lab.counting import count_params, kv_cache_bytes
 from helpers import plain_attention
 from helpers import variant_model as make
 from model import GPTConfig

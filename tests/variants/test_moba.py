@@ -129,7 +129,7 @@ def test_sample_py_reads_any_checkpoint_through_a_choice(tmp_path):
     """sample.py select=oracle select_topk=2 on a checkpoint trained without: greedy text equal to the
     checkpoint's model built with that choice, recomputing the context at every step (within
     block_size: past it a two-layer sliding cache is another function); and not the checkpoint's own text."""
-    from checkpoint import load_checkpoint, model_from_checkpoint, with_selection
+    from lab.checkpoint import load_checkpoint, model_from_checkpoint, with_selection
     from data.tokenizer import tokenizer_from_dict
     from helpers import compose_cfg, save_tiny_checkpoint
     from sample import sample
@@ -152,7 +152,7 @@ def test_the_keys_each_query_reads_are_what_counting_says(attn):
     """counting.selected_keys, the mean over the causal queries, against the keys the built layer's
     choice lets through, counted on its mask (30 positions: ragged last blocks)."""
     from fractions import Fraction
-    from counting import selected_keys
+    from lab.counting import selected_keys
     c = GPTConfig(vocab_size=40, block_size=30, n_layer=1, n_head=4, n_embd=32, attn=attn)
     model = make(block_size=30, attn=attn)
     q, k = torch.randn(2, 4, 30, 8), torch.randn(2, 4, 30, 8)

@@ -63,7 +63,7 @@ def test_sample_py_generates_with_a_scaled_rope_over_the_longer_context(tmp_path
     """sample.py rope_scaling=ntk rope_scaling_factor=4 on a checkpoint trained at 16: the model it builds
     has NTK's frequencies (the formula written out), a context of 64 before the cache slides, and
     greedy generation equal to recomputing that model over the whole text at every step."""
-    from checkpoint import load_checkpoint, model_from_checkpoint, with_rope_scaling
+    from lab.checkpoint import load_checkpoint, model_from_checkpoint, with_rope_scaling
     from helpers import compose_cfg
     from sample import sample
     ckpt = save_tiny_checkpoint(tmp_path, block_size=16)

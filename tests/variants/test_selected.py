@@ -2,7 +2,7 @@
 gradients against the masked path and against softmax over the chosen keys written out (float64, GQA,
 a sink, lengths no multiple of the block); a choice of every block against full causal attention; a
 model on it against the masked model and cached generation against recomputation; the keys it reads and
-the MACs it does against counting.py; the memory it keeps; what it refuses."""
+the MACs it does against lab/counting.py; the memory it keeps; what it refuses."""
 from fractions import Fraction
 
 import pytest
@@ -109,7 +109,7 @@ def test_the_keys_read_and_the_macs_done_are_what_counting_says(T, block, topk, 
     torch's FlopCounterMode measures in the choice and the path (2 FLOPs per MAC)."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    from counting import selected_keys, selected_macs
+    from lab.counting import selected_keys, selected_macs
     c = config(T, block, topk, n_kv)
     xs = [x.float().requires_grad_() for x in inputs(2, 4, n_kv, T, seed=T)]
     with FlopCounterMode(display=False) as counter:
@@ -128,7 +128,7 @@ def test_bench_attention_times_moba_gathered_beside_its_mask():
     """tools/bench_attention.py paths=[sdpa,moba,moba_masked]: from N = 256 to 1024 what moba keeps for its
     backward grows ~4x (no table), moba_masked's ~16x (its mask's table over sdpa); moba's predicted MACs
     are counting.selected_macs' for the benchmark's B and K."""
-    from counting import selected_macs
+    from lab.counting import selected_macs
     from helpers import compose_cfg
     from tools.bench_attention import bench_attention
     cfg = compose_cfg("bench_attention", ["lengths=[256,1024]", "paths=[sdpa,moba,moba_masked]", "repeats=1",

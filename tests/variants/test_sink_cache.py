@@ -48,11 +48,11 @@ def test_eval_stream_compares_cache_dtypes_against_a_recomputation(tmp_path):
     """kv_dtypes=: each dtype's bytes are cost.py's, its logit error and argmax agreement are those of
     decoding the text step by step through that cache (recomputed here), and the greedy texts first
     differ where sample.generate's do."""
-    from checkpoint import load_checkpoint, model_from_checkpoint
-    from counting import kv_cache_bytes
+    from lab.checkpoint import load_checkpoint, model_from_checkpoint
+    from lab.counting import kv_cache_bytes
     from helpers import compose_cfg, save_tiny_checkpoint
     from sample import generate
-    from streams import stream_tokens
+    from lab.heldout import stream_tokens
     from tools.eval_stream import eval_stream
     ckpt = save_tiny_checkpoint(tmp_path, block_size=16)
     text = tmp_path / "text.txt"

@@ -18,7 +18,7 @@ def test_a_sink_is_one_more_logit_with_a_zero_value(impl):
 
 
 def test_the_probe_logs_sink_mass_and_the_largest_activation():
-    from attnstats import AttentionProbe
+    from lab.attnstats import AttentionProbe
     model = make(attn={"sink": "learned"})
     with torch.no_grad():
         for b in model.blocks:

@@ -1,7 +1,7 @@
 """attnlab's GPT as a transformers causal LM (custom code: load with trust_remote_code=True).
 
 attnlab's tools/export.py (format=code) writes this file beside copies of attnlab's own model
-files (model.py, attention.py, rules.py, counting.py and variants/, their imports made relative), so the
+files (model.py, attention.py, rules.py, lab/counting.py and variants/, their imports made relative), so the
 model computed here is attnlab's, line for line, for every option it has. This file only wraps it:
 it builds attnlab's GPT from the config, loads the weights under attnlab's names (prefixed
 `model.`), and returns transformers' output type.
