@@ -1,6 +1,7 @@
-"""Causal self-attention, the default path, top-down: the mask, the attention function (the fast SDPA
-path and the plain-math reference path, held equal by tests), RoPE and QK-Norm, then the module:
-softmax(q·kᵀ·scale + M)·v, scale passed explicitly (`model.attn.scale`; 1/√d_k, Vaswani et al. 2017).
+"""Causal self-attention, the default path, bottom-up: the parts first (the mask, the attention function
+with its fast SDPA path and plain-math reference path, held equal by tests, then RoPE and QK-Norm), the
+module that uses them last: softmax(q·kᵀ·scale + M)·v, scale passed explicitly (`model.attn.scale`;
+1/√d_k, Vaswani et al. 2017).
 RoPE (Su et al. 2021) rotates q and k, never v: a logit depends on their content and offset, not on
 absolute positions. QK-Norm (Henry et al. 2020; Dehghani et al. 2023) normalises q and k per head
 before RoPE: |logit| <= scale·|q̂|·|k̂|. Caches: kv_cache.py; the base every mixer shares: mixer.py;
@@ -15,7 +16,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from kv_cache import INT8_SCALE_BYTES, KVCache
+from kv_cache import KVCache
 from mixer import Mixer
 
 
@@ -109,10 +110,9 @@ def float_mask(q, k, mask=None, bias=None):
     return logits if mask is None else logits.masked_fill(~mask(q.device), float("-inf"))
 
 
-def sdpa_attention(q, k, v, *, scale: float, mask=None, bias=None, sink=None, dropout_p: float = 0.0):
+def sdpa_attention(q, k, v, *, scale: float, mask=None, bias=None, dropout_p: float = 0.0):
     """The fast path: PyTorch's fused kernel (flash or memory-efficient on a GPU), K/V shared by query
     groups without a copy (enable_gqa), a bias as an additive float mask. A sink: variants/sinks.py."""
-    assert sink is None, "a sink takes variants/sinks.py's sdpa_with_sink"
     kw = dict(scale=scale, dropout_p=dropout_p, enable_gqa=k.size(1) != q.size(1))
     if bias is not None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=float_mask(q, k, mask, bias), **kw)
@@ -130,7 +130,7 @@ def rope_theta(head_dim: int, base: float, device=None):
     return 1.0 / base ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
 
 
-def rope_freqs(head_dim: int, length: int, base: float, device=None, theta=None, mscale: float = 1.0):
+def rope_table(head_dim: int, length: int, base: float, device=None, theta=None, mscale: float = 1.0):
     """The precompute: cos and sin of position·theta_j, (length, head_dim // 2, 2), times mscale (a scaling's)."""
     theta = rope_theta(head_dim, base, device) if theta is None else theta
     angles = torch.outer(torch.arange(length, device=device, dtype=torch.float32), theta)  # (L, hs/2)
@@ -177,6 +177,7 @@ class CausalSelfAttention(Mixer):
     softmax = True  # its weights are a softmax of logits: the attention probe reads them
     rotates_heads = True  # with model.pos=rope, RoPE rotates its whole q and k heads (pairs of channels)
     selects = True  # model.attn.select may choose its keys by content
+    takes_qk_norm = takes_gate = groups_kv = True  # model.attn.qk_norm, model.attn.gate, model.n_kv_head act on it
 
     def __init__(self, config, layer: int, *, path=sdpa_attention, bias=None, sink=None, gate=None, select=None):
         super().__init__(config, layer, gate=gate)  # the projections, hooks, the gate slot (mixer.py)
@@ -185,7 +186,7 @@ class CausalSelfAttention(Mixer):
         pattern = config.attn.window_pattern
         local = config.attn.window is not None and pattern[layer % len(pattern)] == "L"
         self.window = config.attn.window if local else None  # this layer's own window (None: global)
-        sink = sink(config) if sink else None  # a logit per head: learned (a Parameter) or fixed (variants/sinks.py)
+        sink = sink.make(config) if sink else None  # a logit per head: learned (a Parameter) or fixed (variants/sinks.py)
         self.register_parameter("sink_logit", sink) if isinstance(sink, nn.Parameter) else \
             self.register_buffer("sink_logit", sink, persistent=False)
         self.bias = bias(config) if bias else None  # bias(q_pos, k_pos) -> bias(rows, cols) (variants/alibi.py)
@@ -234,8 +235,8 @@ class CausalSelfAttention(Mixer):
                 q, k = apply_rope(q, rope, dim=1), apply_rope(k, rope, dim=1)
         return q, k, (v if ve is None else v + ve).view(B, T, self.n_kv_head, hs)
 
-    def forward(self, x, *, rope=None, kv_cache=None, pos=0, window=None, ve=None):
-        """x (B, T, C) at positions pos..pos+T-1 -> (B, T, C). kv_cache: this layer's cache (k, v are
+    def forward(self, x, *, rope=None, cache=None, pos=0, window=None, ve=None):
+        """x (B, T, C) at positions pos..pos+T-1 -> (B, T, C). cache: this layer's cache (k, v are
         added to it and attention reads all it holds); window: each query sees only the latest
         `window` keys (with the layer's own window, the narrower); ve: the value embedding added to v."""
         B, T, C = x.shape
@@ -243,32 +244,36 @@ class CausalSelfAttention(Mixer):
         q, k, v = self.qkv(x, rope, ve)
         q, k, v = (h(t).transpose(1, 2) for h, t in ((self.hook_q, q), (self.hook_k, k), (self.hook_v, v)))
         mask = Mask(T, T, window)  # (B, heads, T, hs) above: the layout attention takes
-        if kv_cache is not None:  # a decode step sees all a cache holds: one window at most
-            k, v, written = kv_cache.update(pos, k, v)  # (B, n_kv, n_cached, hs)
+        if cache is not None:  # a decode step sees all a cache holds: one window at most
+            k, v, written = cache.update(pos, k, v)  # (B, n_kv, n_cached, hs)
             mask = Mask(T, k.size(2), window if T > 1 else None, written)
-        bias = None if self.bias is None else self.bias(*self.positions(pos, T, kv_cache, k.size(2)))
+        bias = None if self.bias is None else self.bias(*self.positions(pos, T, cache, k.size(2)))
         if self.select is not None:  # each query reads only the keys it chooses
-            mask = self.select(q, k, mask, *self.positions(pos, T, kv_cache, k.size(2)))
+            mask = self.select(q, k, mask, *self.positions(pos, T, cache, k.size(2)))
         # a cache may hold another dtype (sample.kv_dtype): q joins it, the output returns to q's
-        y = self.path()(q.to(k.dtype), k, v, scale=self.scale, mask=mask, bias=bias, sink=self.sink_logit,
-                        dropout_p=self.dropout if self.training else 0.0)
+        y = self.path()(q.to(k.dtype), k, v, scale=self.scale, mask=mask, bias=bias,
+                        dropout_p=self.dropout if self.training else 0.0, **self.sink_key())
         return self.project(x, y.to(q.dtype).transpose(1, 2))
+
+    def sink_key(self) -> dict:
+        """The path's `sink` argument, only on a layer with a sink (whose path takes one: variants/sinks.py)."""
+        return {} if self.sink_logit is None else {"sink": self.sink_logit}
 
     def path(self):
         """The function that attends: the layer's own, or the written-out one while a hook is on hook_pattern."""
         return self.through_pattern if self.hook_pattern._forward_hooks else self.attend
 
-    def through_pattern(self, q, k, v, *, scale, mask, bias, sink, dropout_p):
+    def through_pattern(self, q, k, v, *, scale, mask, bias, dropout_p, sink=None):
         """The written-out path with its weights (B, nh, Tq, Tk) passed through hook_pattern."""
         weights = self.hook_pattern(attention_weights(q, k, scale=scale, mask=mask, bias=bias, sink=sink,
                                                       softcap=self.softcap))
         return F.dropout(weights, p=dropout_p) @ repeat_kv(v, q.size(1))
 
-    def positions(self, pos, T: int, kv_cache=None, n_keys: Optional[int] = None):
+    def positions(self, pos, T: int, cache=None, n_keys: Optional[int] = None):
         """(query positions (T,), key positions (n_keys,)) for a position-dependent bias; pos may be a
         tensor (a compiled decode step)."""
         q_pos = pos + torch.arange(T, device=self.c_proj.weight.device)
-        return kv_cache.positions(q_pos, n_keys) if kv_cache is not None else (q_pos, q_pos)
+        return cache.positions(q_pos, n_keys) if cache is not None else (q_pos, q_pos)
 
     def scores(self, q, k, q0: int = 0, q1: Optional[int] = None):
         """What this layer's softmax takes without a cache, for the queries q0..q1-1 of q (B, T, nh, hs)
@@ -307,27 +312,18 @@ class CausalSelfAttention(Mixer):
         return {"q": d * d, "k": d * kv, "v": d * kv, "o": d * d}
 
     @classmethod
-    def slot_params(cls, c) -> dict:
-        """The parameters the slots add: the gate's matrix, a learned sink's logits (softmax kinds only: the sink
-        is a key of the softmax)."""
-        nh, a = c.n_head, c.attn
-        return {"matrices": {"none": 0, "head": nh, "channel": nh * c.head_dim}[a.gate] * c.n_embd,
-                "other": nh if cls.softmax and a.sink == "learned" else 0}
-
-    @classmethod
     def params(cls, c) -> dict:
-        """c_attn, c_proj and the slots' parameters; the biases and QK-Norm's gains."""
+        """c_attn and c_proj; the biases and QK-Norm's gains (the slots count their own: lab/counting.py)."""
         nh, hs, kv, a = c.n_head, c.head_dim, c.n_kv_head * c.head_dim, c.attn
         gain = {"none": 0, "head": 1, "channel": hs}[a.qk_norm_gain] if a.qk_norm else 0
-        slots = cls.slot_params(c)
-        return {"matrices": sum(cls.projections(c).values()) + slots["matrices"],
-                "other": int(c.bias) * (2 * c.n_embd + 2 * kv) + gain * (nh + c.n_kv_head) + slots["other"]}
+        return {"matrices": sum(cls.projections(c).values()),
+                "other": int(c.bias) * (2 * c.n_embd + 2 * kv) + gain * (nh + c.n_kv_head)}
 
     @classmethod
     def mixing_macs(cls, c, seq_len, keys) -> tuple:  # q·k with each key a query sees, weights·V
         return keys * c.n_head * c.head_dim, keys * c.n_head * c.head_dim
 
     @classmethod
-    def cache_bytes(cls, c, dtype_bytes: int = 4, int8: bool = False, n_kv_head=None) -> int:
-        """K and V of each kv head; int8: head_dim bytes and an fp32 scale each."""
-        return 2 * (n_kv_head or c.n_kv_head) * (c.head_dim + INT8_SCALE_BYTES if int8 else c.head_dim * dtype_bytes)
+    def cache_rows(cls, c, n_kv_head=None) -> list:
+        """K and V of each kv head."""
+        return [c.head_dim] * 2 * (n_kv_head or c.n_kv_head)

@@ -6,8 +6,6 @@ constant-size state instead. Tests: tests/test_decode.py (cached decoding agains
 """
 import torch
 
-INT8_SCALE_BYTES = 4  # an int8 cache's fp32 scale per token and head (variants/int8_cache.py)
-
 
 class KVCache:
     """Per-layer K and V (after RoPE) for generation, preallocated as a ring buffer: with RoPE a
@@ -24,6 +22,12 @@ class KVCache:
 
     def nbytes(self) -> int:
         return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
+
+    @staticmethod
+    def token_bytes(rows: list, dtype_bytes: int = 4) -> int:
+        """Bytes one token adds, its rows (the widths of the vectors a layer caches: a kind's cache_rows)
+        at dtype_bytes each (lab/counting.py asks; a cache that stores them otherwise says so itself)."""
+        return sum(rows) * dtype_bytes
 
     def update(self, pos: int, k, v):
         """Store k, v (B, n_kv, T, hs) for positions pos..pos+T-1; return all cached (B, n_kv, n, hs)

@@ -9,11 +9,13 @@ siblings under Mixer, which holds the protocol the rest of attnlab relies on:
 - `project`: each head's output through hook_z and the gate slot, then the output projection;
 - `new_cache`: what the kind keeps for generation (a KV cache, a latent, a recurrent state);
 - flags: `softmax` (its weights are a softmax the probe can read), `recurrent` (a constant-size
-  state, no cache that grows with the context), `rotates_heads`, `selects` (takes the select slot);
+  state, no cache that grows with the context), `rotates_heads`, `selects` (takes the select slot),
+  `takes_qk_norm`, `takes_gate`, `groups_kv` (n_kv_head acts on it), `options` (model.attn keys of its
+  own): what a config may ask of it, so no code outside the kind tests its name;
 - `aux_loss`: a loss of its own that rides in the gradient (None by default), logged as aux/<name>;
-- its counts, from the config alone, as class methods: parameters, MACs per token, cache bytes per
-  token, state numbers, the channels RoPE rotates, the key/value heads it really has. lab/counting.py
-  totals them and tests hold them equal to a built layer.
+- its counts, from the config alone, as class methods: parameters, MACs per token, the rows its cache
+  adds per token (the cache class says their bytes), state numbers, the channels RoPE rotates, the
+  key/value heads it really has. lab/counting.py totals them and tests hold them equal to a built layer.
 """
 import torch
 import torch.nn as nn
@@ -34,6 +36,11 @@ class Mixer(nn.Module):
     recurrent = False  # a constant-size state instead of a per-token cache (a window has nothing to narrow)
     rotates_heads = False  # with model.pos=rope, RoPE rotates its whole q and k heads (pairs of channels)
     selects = False  # takes a choice of keys by content (model.attn.select: the select slot)
+    takes_qk_norm = False  # model.attn.qk_norm normalises its q and k heads
+    takes_gate = False  # model.attn.gate: its heads' outputs pass the gate slot
+    groups_kv = False  # model.n_kv_head groups its keys and values (GQA, MQA)
+    ungrouped = "it has no key/value heads"  # why model.n_kv_head does nothing to it (groups_kv False)
+    options = ()  # the model.attn keys only this kind reads (MLA's ranks, Mamba-2's state_dim)
 
     def __init__(self, config, layer: int, *, gate=None, **slots):  # softmax attention's other slots: not taken
         super().__init__()
@@ -71,8 +78,8 @@ class Mixer(nn.Module):
 
     @classmethod
     def kv_heads(cls, c) -> int:
-        """The key/value heads the config's n_kv_head gives this kind (MLA: every head reads one latent)."""
-        return c.n_kv_head
+        """The key/value heads the config's n_kv_head (None: n_head) gives this kind (MLA: every head reads one latent)."""
+        return c.n_kv_head or c.n_head
 
     @classmethod
     def rope_width(cls, c):
@@ -95,9 +102,10 @@ class Mixer(nn.Module):
         raise NotImplementedError(f"{cls.__name__} does not count its MACs")
 
     @classmethod
-    def cache_bytes(cls, c, dtype_bytes: int = 4, int8: bool = False, n_kv_head=None) -> int:
-        """Bytes its cache holds per token (0: nothing grows with the context)."""
-        return 0
+    def cache_rows(cls, c, n_kv_head=None) -> list:
+        """The widths of the vectors its cache adds per token (none: nothing grows with the context);
+        the cache class says their bytes (kv_cache.KVCache.token_bytes, an int8 cache's own)."""
+        return []
 
     @classmethod
     def state_numbers(cls, c) -> int:

@@ -24,10 +24,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from attention import resolve_scale, rope_freqs
+from attention import resolve_scale, rope_table
 from mixer import HookPoint, with_aux_losses
 from rules import FRACTION, POSITIVE, Needs, OneOf, Range, UserError, check_values
-from variants import ACTIVATIONS, KINDS, POSITIONS, ROPE_SCALINGS, AttnConfig, check, kinds, kv_cache, make_attention
+from variants import ACTIVATIONS, KINDS, POSITIONS, ROPE_SCALINGS, AttnConfig, cache_maker, check, kinds, make_attention
 
 NORMS, NORM_POSITIONS = ("layernorm", "rmsnorm"), ("pre", "post")
 NORM_EPS = 1e-5  # LayerNorm's and RMSNorm's epsilon (PyTorch's LayerNorm default)
@@ -91,8 +91,7 @@ class GPTConfig:
         if self.head_dim % 2 and self.pos == "rope" and rotated:
             raise ConfigError(f"head size n_embd/n_head={self.head_dim} is odd, but RoPE rotates pairs of channels of "
                               f"each {'/'.join(rotated)} head: make n_embd/n_head even (or model.pos=none)")
-        self.n_kv_head = self.n_head if self.n_kv_head is None else self.n_kv_head
-        if self.n_head % self.n_kv_head:
+        if self.n_head % (self.n_kv_head or self.n_head):
             raise ConfigError(f"model.n_kv_head={self.n_kv_head} must divide model.n_head={self.n_head} "
                               "(n_head for multi-head, 1 for multi-query attention)")
         if self.d_ff is None:
@@ -102,8 +101,8 @@ class GPTConfig:
         self.rope_dim = min(filter(None, (KINDS[k].rope_width(self) for k in kinds(self.attn))), default=self.head_dim)
         if self.rope_original_length is None:
             self.rope_original_length = self.block_size
-        self.ignored += check(self)  # what each chosen piece refuses, or ignores
-        self.n_kv_head = max(KINDS[k].kv_heads(self) for k in kinds(self.attn))  # MLA: every head reads its latent
+        self.ignored += check(self)  # what each chosen piece refuses, or ignores (n_kv_head as given: None, n_head)
+        self.n_kv_head = max(KINDS[k].kv_heads(self) for k in kinds(self.attn))  # set once: what the kinds make of it
 
 
 # ----------------------------------------------------------------------------- MLP, norm, blocks
@@ -147,7 +146,7 @@ class Block(nn.Module):
         self.hook_attn_out, self.hook_mlp_out = HookPoint(), HookPoint()
 
     def forward(self, x, **kw):
-        """kw: what the attention needs (rope, kv_cache, pos, window, ve; CausalSelfAttention.forward)."""
+        """kw: what the attention needs (rope, cache, pos, window, ve; CausalSelfAttention.forward)."""
         x = self.hook_resid_pre(x)
         x = self.hook_resid_mid(x + self.hook_attn_out(self.attn(self.ln_1(x), **kw)))
         if hasattr(self, "mlp"):
@@ -220,7 +219,7 @@ class GPT(nn.Module):
             self.rope = self.rope_table(self.rope.size(0), self.rope.device)
         return self
 
-    def rope_frequencies(self, device=None):
+    def rope_theta(self, device=None):
         """RoPE's frequencies and temperature, scaled as model.rope_scaling says (variants/rope_scaling.py)."""
         c = self.config
         scaling = ROPE_SCALINGS[c.rope_scaling if c.rope_scaling_factor != 1 else "none"]
@@ -228,7 +227,7 @@ class GPT(nn.Module):
 
     def rope_table(self, length: int, device=None):
         """cos and sin of RoPE's angles for positions 0..length-1."""
-        return rope_freqs(self.config.rope_dim, length, self.config.rope_base, device, *self.rope_frequencies(device))
+        return rope_table(self.config.rope_dim, length, self.config.rope_base, device, *self.rope_theta(device))
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())  # a tied embedding counts once
@@ -249,12 +248,12 @@ class GPT(nn.Module):
         """Can a KV cache slide past block_size? Not with an absolute position table (re-prefill then)."""
         return self.positions is None
 
-    def forward(self, idx, targets=None, *, kv_cache=None, pos: int = 0, window=None):
-        """idx (B, T) token ids -> logits (B, T, vocab), plus the mean next-token loss if targets. kv_cache:
+    def forward(self, idx, targets=None, *, cache=None, pos: int = 0, window=None):
+        """idx (B, T) token ids -> logits (B, T, vocab), plus the mean next-token loss if targets. cache:
         one cache per layer, idx at positions pos..pos+T-1; window: each query sees the latest `window`
         positions in every layer (what a sliding cache computes past block_size: idx may be longer)."""
         B, T = idx.shape
-        if kv_cache is None and window is None and T > self.config.block_size:
+        if cache is None and window is None and T > self.config.block_size:
             raise ValueError(f"sequence of {T} tokens is longer than block_size={self.config.block_size}")
         if self.positions is not None and not torch.is_tensor(pos) and pos + T > self.config.block_size:
             raise ValueError(f"positions up to {pos + T} but model.pos={self.config.pos} has a table of "
@@ -266,7 +265,7 @@ class GPT(nn.Module):
         x = self.drop(x)
         ves = [None] * len(self.blocks) if self.value_embeds is None else [e(idx) for e in self.value_embeds]
         for i, block in enumerate(self.blocks):
-            x = block(x, rope=rope, kv_cache=None if kv_cache is None else kv_cache[i], pos=pos, window=window,
+            x = block(x, rope=rope, cache=None if cache is None else cache[i], pos=pos, window=window,
                       ve=ves[i])
         logits = self.lm_head(self.ln_f(x))  # (B, T, vocab)
         if self.config.logit_softcap:  # smoothly bounded logits: |logit| < c (Gemma 2)
@@ -280,10 +279,10 @@ class GPT(nn.Module):
     def new_kv_cache(self, batch_size: int, length: int, device=None, dtype=None, static=False, sinks: int = 0,
                      **options):
         """One cache per layer for generation, as its mixer keeps one (new_cache: K and V of up to `length`
-        positions, MLA's latents, a recurrent state), kept as the settings ask (variants.kv_cache)."""
+        positions, MLA's latents, a recurrent state), kept as the settings ask (variants.cache_maker)."""
         p = self.wte.weight
         device = device or p.device
-        make = kv_cache(dtype, static, sinks, self.rope_frequencies(device)[0] if self.rotary and sinks else None)
+        make = cache_maker(dtype, static, sinks, self.rope_theta(device)[0] if self.rotary and sinks else None)
         dtype = p.dtype if dtype in (None, torch.int8) else dtype  # an int8 cache returns the model's dtype
         return [block.attn.new_cache(batch_size, length, device=device, dtype=dtype, make=make, **options)
                 for block in self.blocks]

@@ -8,6 +8,8 @@
 Generation uses a KV cache: the prompt is run once (prefill) and each later step feeds only the
 newest token, whose query attends to the cached keys and values. `kv_cache=false` recomputes the
 whole context every step instead; both give the same logits (tests hold them equal).
+
+Measured speeds: docs/sampling.md.
 """
 import logging
 import os
@@ -95,10 +97,8 @@ def generate(model, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=1.0,
 def decode_layout(model):
     """Store every Linear weight column-major (its transpose contiguous), in place: same values,
     same shapes, same results. A decode step multiplies only a few rows (one per sample) by each
-    weight, and on CPU the GEMM kernel reads a column-major weight faster then: the 24 block weights
-    of the baby preset (42 MB, streamed from memory) took 2.66 ms for 8 rows against 4.07 ms
-    row-major, and 1.7 ms either way for 1 row (one thread). For inference only: an optimizer's
-    state would keep the old layout."""
+    weight, and on CPU the GEMM kernel reads a column-major weight faster then (the same for one
+    row). For inference only: an optimizer's state would keep the old layout."""
     with torch.no_grad():
         for module in model.modules():
             if isinstance(module, torch.nn.Linear):
@@ -119,7 +119,7 @@ class CachedDecoder:
         length = min(block_size, prompt.size(1) + max_new_tokens)
         self.cache = model.new_kv_cache(idx.size(0), length, dtype=kv_dtype, static=compile,
                                         sinks=kv_sinks if kv_sinks < length else 0)  # a cache that never fills evicts nothing
-        self.logits = model(prompt, kv_cache=self.cache, pos=0)[:, -1]  # prefill: (B, vocab)
+        self.logits = model(prompt, cache=self.cache, pos=0)[:, -1]  # prefill: (B, vocab)
         self.pos = prompt.size(1)  # position of the next token fed
         self.fed = idx.size(1)  # tokens of `out` the cache has seen
         self.step = self.eager_step
@@ -132,10 +132,10 @@ class CachedDecoder:
             self.step = lambda token: decode(token, self.pos_t)
 
     def eager_step(self, token):
-        return self.model(token, kv_cache=self.cache, pos=self.pos)[:, -1]
+        return self.model(token, cache=self.cache, pos=self.pos)[:, -1]
 
     def static_step(self, token, pos_t):
-        logits = self.model(token, kv_cache=self.cache, pos=pos_t)[:, -1]
+        logits = self.model(token, cache=self.cache, pos=pos_t)[:, -1]
         pos_t += 1  # in place, on the device: no host sync per token
         return logits
 
@@ -147,7 +147,7 @@ class CachedDecoder:
                 self.logits = self.step(out[:, n - 1:n])
                 self.pos += 1
             else:  # an absolute table has no position block_size: run the last block afresh
-                self.logits = self.model(out[:, n - block_size:n], kv_cache=self.cache, pos=0)[:, -1]
+                self.logits = self.model(out[:, n - block_size:n], cache=self.cache, pos=0)[:, -1]
             self.fed = n
         return self.logits
 
@@ -190,7 +190,7 @@ def start_ids(tok, prompt: str, state: dict) -> list:
 def warn_without_cache(model, cfg):
     """The cache's settings do nothing for a model whose every layer keeps a constant-size recurrent
     state (linear, gdn, mamba2: nothing to quantise or evict): warned, one line each."""
-    if any(getattr(block.attn, "softmax", True) for block in model.blocks):
+    if not all(block.attn.recurrent for block in model.blocks):  # some layer keeps a KV cache
         return
     kinds = sorted({type(block.attn).__name__ for block in model.blocks})
     for key, value, default in (("kv_dtype", cfg.kv_dtype, "auto"), ("kv_sinks", cfg.kv_sinks, 0)):
@@ -202,11 +202,9 @@ def warn_without_cache(model, cfg):
 def kv_cache_dtype(name: str, rt, num_samples: int) -> torch.dtype:
     """sample.kv_dtype: as named; auto is the autocast dtype where there is one (bf16 or fp16 on a
     GPU), and fp32 on a CPU. Why: a bf16 cache halves what a decode step reads, but on a CPU whether
-    that pays is the CPU's: a batch-8 step of the baby preset ran 1.18-1.27x faster with it on one
-    machine, and 1.3-1.4x slower on another (an AMD EPYC: torch's CPU attention kernel is slow in
-    bf16 for one query; bench_sample.py threads=1, two runs each, docs/sampling.md); one sample was
-    4-6% slower with it on both. kv_dtype=bfloat16 asks for it; bf16 moves logits by its rounding
-    (~1% of the largest, tested)."""
+    that pays is the CPU's (torch's CPU attention kernel can be slow in bf16 for one query), and fp32
+    is never far from the best. kv_dtype=bfloat16 asks for it; bf16 moves logits by its rounding
+    (tested)."""
     if name == "int8":
         return torch.int8
     if name != "auto":
@@ -234,7 +232,7 @@ def decode_threads(num_samples: int, kv_cache: bool, cores: int) -> int:
     """The CPU threads a decode step of this much work runs fastest on: a cached step of one sequence
     is dozens of tiny ops (one row each), where syncing threads costs more than it saves, so one thread;
     a batch, or recomputing the whole context each step, gives each op rows to split: every core.
-    Measured on 2 cores in docs/sampling.md; an explicit threads= wins."""
+    An explicit threads= wins."""
     rows = num_samples if kv_cache else num_samples * 64  # a recomputed step reads its whole context
     return 1 if rows < 4 else cores
 
@@ -260,11 +258,33 @@ def read_prompt(cfg) -> str:
 def sample_with_threads(cfg, out=None) -> list:
     """sample()'s work, with the CPU threads set (cfg.threads, else decode_threads' choice)."""
     rt = setup_runtime(cfg.device, cfg.dtype)
-    device = rt.device
-    if cfg.threads or device.type == "cpu":
+    if cfg.threads or rt.device.type == "cpu":
         torch.set_num_threads(cfg.threads or decode_threads(cfg.num_samples, cfg.kv_cache, cpu_cores()))
     kv_dtype = kv_cache_dtype(cfg.kv_dtype, rt, cfg.num_samples)
     prompt = read_prompt(cfg)
+    model, tok, ids = load_for_sampling(cfg, prompt, rt.device)
+    n = cfg.num_samples
+    length = len(ids) + cfg.max_new_tokens
+    check_memory(generation_bytes(model.config, n, length, kv_dtype.itemsize, int8=kv_dtype == torch.int8),
+                 rt.device, "the samples", f"num_samples={n} x max_new_tokens, prompt included: {length} tokens")
+    texts = SampleTexts(tok, n, cfg.stop, cfg.stream, out or sys.stdout)
+    if cfg.stream:
+        texts.out.write(prompt)
+    try:
+        generate_samples(cfg, rt, model, ids, texts, kv_dtype)
+    except KeyboardInterrupt as e:
+        raise Interrupted([prompt + t for t in texts.interrupted()], *interruption(e)) from None
+    except RuntimeError as e:
+        if is_oom(e):
+            raise UserError(f"out of memory generating num_samples={n} x max_new_tokens={cfg.max_new_tokens} "
+                            f"({first_line(e, 120)}): lower them") from None
+        raise
+    return [prompt + t for t in texts.finish()]
+
+
+def load_for_sampling(cfg, prompt: str, device):
+    """(model, tokenizer, the prompt's token ids) from cfg.ckpt, with cfg's key selection and RoPE scaling;
+    on a CPU the model's weights are laid out for decoding (decode_layout)."""
     path = find_checkpoint(cfg.ckpt)
     log.info("sampling from %s", path)
     state = load_checkpoint(path)
@@ -276,65 +296,77 @@ def sample_with_threads(cfg, out=None) -> list:
     warn_without_cache(model, cfg)
     if device.type == "cpu":  # measured on CPU only (bench_sample.py layouts=[row,column])
         decode_layout(model)
-    n = cfg.num_samples
-    length = len(ids) + cfg.max_new_tokens
-    check_memory(generation_bytes(model.config, n, length, kv_dtype.itemsize, int8=kv_dtype == torch.int8), device,
-                 "the samples",
-                 f"num_samples={n} x max_new_tokens, prompt included: {length} tokens")
-    out = out or sys.stdout
-    decoders = [StreamDecoder(tok) for _ in range(n)]
-    texts, done, printed = [""] * n, [False] * n, 0
+    return model, tok, ids
 
-    def on_token(tokens):  # (B, k): the k newest tokens of every sample
-        nonlocal printed
+
+def generate_samples(cfg, rt, model, ids: list, on_token, kv_dtype):
+    """generate() on cfg.num_samples copies of the prompt ids, sample b seeded with cfg.seed + b.
+    Streaming looks at every token; otherwise the host checks for stop strings and <|endoftext|>
+    every CHECK_EVERY tokens, and the device runs ahead in between."""
+    device, n = rt.device, cfg.num_samples
+    idx = torch.as_tensor(ids, dtype=torch.long, device=device).unsqueeze(0).repeat(n, 1)  # (n, T)
+    gens = [torch.Generator(device=device).manual_seed(cfg.seed + b) for b in range(n)]
+    with rt.autocast():
+        generate(model, idx, cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.top_p, cfg.kv_cache, gens,
+                 on_token, every=1 if cfg.stream else CHECK_EVERY,
+                 compile=cfg.kv_cache and compile_wanted(cfg.compile, device), kv_dtype=kv_dtype,
+                 kv_sinks=cfg.kv_sinks)
+
+
+class SampleTexts:
+    """Each sample's text as its tokens arrive: generate()'s on_token. Tokens are decoded and a sample
+    ends at <|endoftext|>, a bos token (a BPE model ended its document; a new one began) or the stop
+    string; with stream, the text goes to `out` as it is produced, less what may yet become the stop
+    string. Called with the k newest tokens of every sample (B, k); returns True once all are done."""
+
+    def __init__(self, tok, n: int, stop, stream: bool, out):
+        self.tok, self.stop, self.stream, self.out = tok, stop, stream, out
+        self.decoders = [StreamDecoder(tok) for _ in range(n)]
+        self.texts, self.done, self.printed = [""] * n, [False] * n, 0
+
+    def __call__(self, tokens) -> bool:
         for b, row in enumerate(tokens.tolist()):
-            if done[b]:
+            if self.done[b]:
                 continue
-            for end in (tok.eot, getattr(tok, "bos", None)):  # a BPE model ended its document; a new one began
-                if end is not None and end in row:
-                    row, done[b] = row[:row.index(end)], True
-            before = len(texts[b])
-            texts[b] += decoders[b].feed(row) + (decoders[b].flush() if done[b] else "")
-            if cfg.stop:  # only the new text (and the stop string's length before it) can hold a new match
-                at = texts[b].find(cfg.stop, max(0, before - len(cfg.stop) + 1))
-                if at >= 0:
-                    texts[b], done[b] = texts[b][:at], True
-            if cfg.stream:
-                ready = texts[b]
-                if cfg.stop and not done[b]:  # hold back what may yet become the stop string
-                    ready = ready[:max(0, len(ready) - len(cfg.stop) + 1)]
-                out.write(ready[printed:])
-                out.flush()
-                printed = max(printed, len(ready))
-        return all(done)
+            self.add(b, row)
+            if self.stream:
+                self.write_ready(b)
+        return all(self.done)
 
-    if cfg.stream:
-        out.write(prompt)
-    try:
-        idx = torch.as_tensor(ids, dtype=torch.long, device=device).unsqueeze(0).repeat(n, 1)  # (n, T)
-        gens = [torch.Generator(device=device).manual_seed(cfg.seed + b) for b in range(n)]
-        # streaming looks at every token; otherwise the host checks for stop strings and
-        # <|endoftext|> every CHECK_EVERY tokens, and the device runs ahead in between
-        with rt.autocast():
-            generate(model, idx, cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.top_p, cfg.kv_cache, gens,
-                     on_token, every=1 if cfg.stream else CHECK_EVERY,
-                     compile=cfg.kv_cache and compile_wanted(cfg.compile, device), kv_dtype=kv_dtype,
-                     kv_sinks=cfg.kv_sinks)
-    except KeyboardInterrupt as e:
-        if cfg.stream:
-            out.write(texts[0][printed:])
-        raise Interrupted([prompt + t for t in texts], *interruption(e)) from None
-    except RuntimeError as e:
-        if is_oom(e):
-            raise UserError(f"out of memory generating num_samples={n} x max_new_tokens={cfg.max_new_tokens} "
-                            f"({first_line(e, 120)}): lower them") from None
-        raise
-    for b in range(n):
-        if not done[b]:
-            texts[b] += decoders[b].flush()
-    if cfg.stream:
-        out.write(texts[0][printed:])  # what was held back
-    return [prompt + t for t in texts]
+    def add(self, b: int, row: list):
+        """Sample b's new token ids, decoded, cut where the sample ends."""
+        for end in (self.tok.eot, getattr(self.tok, "bos", None)):
+            if end is not None and end in row:
+                row, self.done[b] = row[:row.index(end)], True
+        before = len(self.texts[b])
+        self.texts[b] += self.decoders[b].feed(row) + (self.decoders[b].flush() if self.done[b] else "")
+        if self.stop:  # only the new text (and the stop string's length before it) can hold a new match
+            at = self.texts[b].find(self.stop, max(0, before - len(self.stop) + 1))
+            if at >= 0:
+                self.texts[b], self.done[b] = self.texts[b][:at], True
+
+    def write_ready(self, b: int):
+        ready = self.texts[b]
+        if self.stop and not self.done[b]:  # hold back what may yet become the stop string
+            ready = ready[:max(0, len(ready) - len(self.stop) + 1)]
+        self.out.write(ready[self.printed:])
+        self.out.flush()
+        self.printed = max(self.printed, len(ready))
+
+    def interrupted(self) -> list:
+        """The texts as far as they got; streamed, what was held back is written first."""
+        if self.stream:
+            self.out.write(self.texts[0][self.printed:])
+        return self.texts
+
+    def finish(self) -> list:
+        """The whole texts, every decoder flushed; streamed, what was held back is written."""
+        for b, decoder in enumerate(self.decoders):
+            if not self.done[b]:
+                self.texts[b] += decoder.flush()
+        if self.stream:
+            self.out.write(self.texts[0][self.printed:])
+        return self.texts
 
 
 def print_samples(texts):

@@ -7,17 +7,20 @@
 A run is setup -> loop -> finish. setup() checks the whole config first, then builds what the run
 needs top-down: the data, the model, the optimizer, the restored state when resuming, and the record
 of what this run is. The loop, in train(), evaluates, probes the attention, checkpoints and takes
-optimizer steps; the step itself (micro-batches, gradient accumulation, clipping, the non-finite
-check) is optim.train_step. What a checkpoint of the run holds and how a run resumes from one are
-lab/checkpoint.py; the run dir (chosen, locked, cleaned, removed when refused, and the run's record of
-code and hardware) is rundir.RunDir; signals and the error exit are lab/cli.py. `train(cfg)` returns its
-results, so tests call it with a composed config; `main` is the thin Hydra entry point.
+optimizer steps; the step itself (forward and loss over the micro-batches, backward with gradient
+accumulation, clipping, the non-finite check, the optimizer's step) is train_step, here. What a
+checkpoint of the run holds (its TrainState beside the weights and the optimizer) and how a run
+resumes from one are lab/checkpoint.py; the run dir (chosen, locked, cleaned, removed when refused,
+and the run's record of code and hardware) is rundir.RunDir; signals and the error exit are
+lab/cli.py. `train(cfg)` returns its results, so tests call it with a composed config; `main` is the
+thin Hydra entry point.
 """
 import logging
 import logging.handlers
 import math
 import sys
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -28,8 +31,8 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from lab.attnstats import AttentionProbe, without_softmax
-from lab.checkpoint import (BEST_NAME, checkpoint_contents, initial_weights, last_good_checkpoint, prune_checkpoints,
-                        restore, resume_point, save_checkpoint, step_name)
+from lab.checkpoint import (BEST_NAME, TrainState, checkpoint_contents, initial_weights, last_good_checkpoint,
+                            prune_checkpoints, restore, resume_point, save_checkpoint, step_name)
 from lab.cli import StopRequest, cli, forget_hydra_run_dir, run_app
 from lab.device import Runtime, Throughput, check_memory, compile_wanted, is_oom, peak_flops, setup_runtime
 from rules import UserError, first_line
@@ -42,7 +45,7 @@ from data.mqar import MQARData
 from data.prepare import prepare
 from lab.evaluation import estimate_loss, full_val_loss
 from model import GPT, GPTConfig
-from lab.optim import build_optimizer, lr_at, set_lr, train_step
+from lab.optim import build_optimizer, lr_at, set_lr
 from lab.parallel import Dist, all_ranks_agree, checkpoint_blocks, init_distributed, parallelism
 from lab.sweep import hydra_run_info
 from lab.tracking import Tracker, truncate_metrics
@@ -72,19 +75,15 @@ class Run:
     resolved: dict = field(default_factory=dict)  # the resolved config, stored in every checkpoint
     tracker: Optional[Tracker] = None
     probe: Optional[AttentionProbe] = None
-    step: int = 0
-    best_val: float = math.inf
+    state: TrainState = field(default_factory=TrainState)  # how far it has come (step, best val loss...): checkpointed
     skipped: int = 0  # non-finite steps skipped so far
     saved_at: Optional[int] = None  # step of the newest periodic checkpoint written by this process
-    evals: dict = field(default_factory=dict)  # the latest {"train": loss, "val": loss}
     metrics: dict = field(default_factory=dict)  # the data's own at the latest evaluation (data=mqar: val/recall_acc)
     attn_history: list = field(default_factory=list)
     updates: int = 0  # optimizer steps taken by this process (skipped ones not counted)
     aux: dict = field(default_factory=dict)  # the latest step's auxiliary losses (mixer.aux_metrics: an indexer's KL)
     log_z: Optional[torch.Tensor] = None  # train.z_loss > 0: the latest step's mean log Z of the output softmax
     update_norm: Optional[float] = None  # the latest logged step's ||theta_after - theta_before||
-    wandb_id: Optional[str] = None  # a resumed run's W&B run, continued
-    extensions: list = field(default_factory=list)  # context extensions: (step, block_size and RoPE scaling changes)
     parallel: object = None  # parallel.Replicated (one process, DDP) or FullyShard (FSDP), chosen once in build()
     log_file: Optional[logging.Handler] = None  # train.log in the run dir (rank 0), from record() on
     ignored: list = field(default_factory=list)  # settings without effect in this config (warned, in run_info.json)
@@ -98,6 +97,11 @@ class Run:
     def lock(self):
         """The run dir's lock (rank 0; None elsewhere)."""
         return self.run_dir.lock
+
+    @property
+    def step(self) -> int:
+        """The step the run is at: its state's (set by the step and by a resume only)."""
+        return self.state.step
 
     @property
     def finished(self) -> bool:
@@ -124,7 +128,7 @@ def train(cfg, run_name=None, run_group=None, overrides=None) -> dict:
         logging.getLogger().removeHandler(early)
     if run.finished:
         return already_finished(run)
-    tcfg, master = cfg.train, run.dist.master
+    tcfg = cfg.train
     meter = Throughput(tcfg.batch_size * run.grad_accum * run.mcfg.block_size)
     peak = peak_flops(run.rt, tcfg.peak_flops)
     ckpt_every, start_step, probe_s, t_start = tcfg.ckpt_interval or tcfg.eval_interval, run.step, 0.0, time.perf_counter()
@@ -150,14 +154,7 @@ def train(cfg, run_name=None, run_group=None, overrides=None) -> dict:
                 log_progress(run, meter, loss, grad_norm, lr, peak)
             if diverged(run):  # a result, not an error: recorded, and the run ends here
                 break
-        if stop.signal and run.saved_at != run.step:
-            save(run)  # on every rank: see save()
-        if stop.signal and master:
-            path = run.out_dir / step_name(run.step)
-            print(f"stopped by {stop.signal} at step {run.step}; checkpoint {path}\nresume with: "
-                  f"python train.py hydra.run.dir={run.out_dir} resume=true (and the same overrides)", file=sys.stderr)
-        write_plots(run)
-        results = record_results(run)
+        results = finish(run, stop.signal)
     except RuntimeError as e:
         if is_oom(e):
             raise oom_error(e, run) from None
@@ -172,8 +169,23 @@ def train(cfg, run_name=None, run_group=None, overrides=None) -> dict:
     else:
         share = f" ({100 * probe_s / meter.train_s:.2f}% of training time)" if meter.train_s > 0 and run.updates else ""
         log.info("done: val loss %.4f (best %.4f) after %d steps; run dir %s; attention probes took %.2f s%s",
-                 result["val_loss"] or math.nan, run.best_val, run.step, run.out_dir, probe_s, share)
+                 result["val_loss"] or math.nan, run.state.best_val, run.step, run.out_dir, probe_s, share)
     return result
+
+
+def finish(run: Run, signal: Optional[str]) -> dict:
+    """The end of the loop: when stopped by `signal`, a checkpoint of this step and how to resume from
+    it; the run's figures (unless logger.plots=false: a few seconds of matplotlib, the metrics hold
+    every figure's data); its results (record_results)."""
+    if signal and run.saved_at != run.step:
+        save(run)  # on every rank: see save()
+    if signal and run.dist.master:
+        path = run.out_dir / step_name(run.step)
+        print(f"stopped by {signal} at step {run.step}; checkpoint {path}\nresume with: "
+              f"python train.py hydra.run.dir={run.out_dir} resume=true (and the same overrides)", file=sys.stderr)
+    if run.cfg.logger.plots:  # on every rank: see write_plots
+        write_plots(run.out_dir, run.step, run.model, run.probe, run.data, run.tracker, run.rt, run.dist.master)
+    return record_results(run)
 
 
 def diverged(run: Run) -> bool:
@@ -192,17 +204,19 @@ def record_results(run: Run) -> dict:
         log_metrics(run, {"diverged": 1, "diverged_step": results["diverged_step"],
                           **({"last_finite_loss": results["diverged_last_finite_loss"]}
                              if results["diverged_last_finite_loss"] is not None else {})})
-    run.tracker.summarize({"val_loss": run.evals.get("val"), "val_loss_full": run.evals.get("val_full"),
-                           "best_val_loss": run.best_val if math.isfinite(run.best_val) else None,
+    state = run.state
+    run.tracker.summarize({"val_loss": state.evals.get("val"), "val_loss_full": state.evals.get("val_full"),
+                           "best_val_loss": state.best_val if math.isfinite(state.best_val) else None,
                            "steps": run.step, **results})
     return results
 
 
 def summary(run: Run, tokens_per_sec=None, stopped=None, wall_s=0.0, train_s=0.0, probe_s=0.0) -> dict:
     """What train() returns: losses, steps, throughput, paths."""
-    return {"out_dir": str(run.out_dir), "steps": run.step, "best_val_loss": run.best_val,
-            "train_loss": run.evals.get("train"), "val_loss": run.evals.get("val"),
-            "val_loss_full": run.evals.get("val_full"), "tokens_per_sec": tokens_per_sec, "stopped": stopped,
+    evals = run.state.evals
+    return {"out_dir": str(run.out_dir), "steps": run.step, "best_val_loss": run.state.best_val,
+            "train_loss": evals.get("train"), "val_loss": evals.get("val"),
+            "val_loss_full": evals.get("val_full"), "tokens_per_sec": tokens_per_sec, "stopped": stopped,
             "compiled": run.compiled, "ckpt": str(run.run_dir.latest_checkpoint()), "wall_s": wall_s,
             "train_s": train_s, "probe_s": probe_s, "attn": run.attn_history, **run.metrics}
 
@@ -210,9 +224,10 @@ def summary(run: Run, tokens_per_sec=None, stopped=None, wall_s=0.0, train_s=0.0
 def already_finished(run: Run) -> dict:
     """A run resumed at its train.max_iters: say so and change nothing (its record, metrics, plots
     and W&B run stay as they are)."""
+    val = run.state.evals["val"]
     log.warning("nothing to do: the run in %s is already at step %d = train.max_iters (val loss %s, best %.4f); "
                 "pass train.max_iters > %d to train on", run.out_dir, run.step,
-                "unknown" if run.evals["val"] is None else f"{run.evals['val']:.4f}", run.best_val, run.step)
+                "unknown" if val is None else f"{val:.4f}", run.state.best_val, run.step)
     close(run)
     return {**summary(run), **run.watch.results()}
 
@@ -249,7 +264,10 @@ def setup(cfg, run_name=None, run_group=None, overrides=None, early_log=()) -> R
         run = build(cfg, run_dir, dist_, grad_accum, init_from=cfg.init_from if point.source is None else None)
         run.ignored = ignored
         if point.state is not None:
-            restore(run, point)
+            run.state = restore(point, cfg=cfg, data=run.data, model=run.model, parallel=run.parallel,
+                                optimizer=run.optimizer, scaler=run.scaler, sampler=run.sampler, watch=run.watch,
+                                dist_=run.dist, device=run.rt.device)
+            run.resuming, run.saved_at = True, run.step  # the checkpoint it resumes from counts as saved
         if not run.finished:
             record(run, run_name, run_group, overrides, early_log)
         return run
@@ -316,7 +334,8 @@ def record(run: Run, run_name=None, run_group=None, overrides=None, early_log=()
                                  None if run.resuming else overrides)
         truncate_metrics(out_dir / "metrics.jsonl", run.step if run.resuming else -1)
     run.tracker = Tracker(out_dir, cfg, name=run_name or out_dir.name, group=run_group, enabled=run.dist.master,
-                          run_id=run.wandb_id)
+                          run_id=run.state.wandb_id)
+    run.state.wandb_id = run.tracker.run.id if run.tracker.run is not None else None  # what checkpoints record
     # a fixed val batch, drawn once: curves compare across runs. Rank 0 logs it; under FSDP every rank runs
     # its forward (each block's all-gather needs them all)
     if (run.dist.master or run.parallel.collective_forward) and probe_every(cfg.train) > 0:
@@ -336,7 +355,7 @@ def probe_every(tcfg) -> int:
 def save(run: Run) -> Path:
     """A periodic checkpoint of this step; older ones beyond train.keep_ckpts are deleted. Every
     rank calls it (each adds its own CUDA RNG state); rank 0 alone writes."""
-    contents, path = checkpoint_contents(run), run.out_dir / step_name(run.step)
+    contents, path = checkpoint(run), run.out_dir / step_name(run.step)
     if run.dist.master:
         path = save_checkpoint(path, contents, run.file_mode)
         prune_checkpoints(run.out_dir, run.cfg.train.keep_ckpts)
@@ -344,26 +363,34 @@ def save(run: Run) -> Path:
     return path
 
 
+def checkpoint(run: Run, full: bool = True) -> dict:
+    """This run's checkpoint (checkpoint_contents: with `full`, all an exact resume needs; else weights,
+    config and state). Every rank calls it: see save()."""
+    return checkpoint_contents(run.model, run.parallel, run.state, data=run.data, config=run.resolved,
+                               out_dir=run.out_dir, optimizer=run.optimizer, scaler=run.scaler, sampler=run.sampler,
+                               watch=run.watch, dist_=run.dist, device=run.rt.device, full=full)
+
+
 def evaluate(run: Run, last: bool = False):
     """Log train and val loss on the fixed batches, and at the last step the whole val split's
     loss (val/loss_full); keep best.pt at the lowest val loss."""
-    run.evals = estimate_loss(run)
+    evals = run.state.evals = estimate_loss(run.fwd_model, run.data, run.cfg, run.mcfg.block_size, run.rt)
     bpc = run.data.bits_per_char_factor()
     run.metrics = run.data.metrics(run.model, run.rt.autocast)  # the data's own (data=mqar: val/recall_acc)
-    line = {"train/loss": run.evals["train"], "val/loss": run.evals["val"],
-            **({"val/bpc": run.evals["val"] * bpc} if bpc else {}), **run.metrics}
+    line = {"train/loss": evals["train"], "val/loss": evals["val"],
+            **({"val/bpc": evals["val"] * bpc} if bpc else {}), **run.metrics}
     if last and run.cfg.train.final_eval_tokens and run.step > 0:
-        full, tokens = full_val_loss(run)
-        run.evals["val_full"] = full
+        full, tokens = full_val_loss(run.model, run.data, run.cfg.train, run.rt, run.dist)
+        evals["val_full"] = full
         line.update({"val/loss_full": full, "val/tokens_full": tokens, **({"val/bpc_full": full * bpc} if bpc else {})})
         log.info("step %d: val loss %.4f over the whole val split (%d tokens)", run.step, full, tokens)
     log_metrics(run, line)
-    log.info("eval step %d: train loss %.4f, val loss %.4f%s", run.step, run.evals["train"], run.evals["val"],
+    log.info("eval step %d: train loss %.4f, val loss %.4f%s", run.step, evals["train"], evals["val"],
              "".join(f", {k} {v:.4f}" for k, v in run.metrics.items()))
     # every rank takes the same decision: under FSDP the weights are gathered from all of them
-    if all_ranks_agree(run.evals["val"] < run.best_val, run.rt.device, run.dist.world):
-        run.best_val = run.evals["val"]
-        contents = checkpoint_contents(run, full=False)
+    if all_ranks_agree(evals["val"] < run.state.best_val, run.rt.device, run.dist.world):
+        run.state.best_val = evals["val"]
+        contents = checkpoint(run, full=False)
         if run.dist.master:
             save_checkpoint(run.out_dir / BEST_NAME, contents, run.file_mode)
 
@@ -415,8 +442,69 @@ def optimizer_step(run: Run):
             run.watch.nonfinite(run.step + 1, loss.item(), tcfg.skip_nonfinite)
     else:
         run.updates += 1
-    run.step += 1
+    run.state.step += 1
     return loss, grad_norm, lr
+
+
+def z_loss_term(logits, targets):
+    """PaLM's auxiliary z-loss (Chowdhery et al. 2022, arXiv 2204.02311): the mean over predicted
+    positions of (log Z)^2, Z = sum_v exp(logit_v), which pulls the softmax's normaliser toward 1 (log Z
+    toward 0) without changing which token wins. Returns ((log Z)^2, log Z), both means over positions
+    whose target is not -1."""
+    log_z = logits.float().logsumexp(dim=-1)
+    keep = (targets != -1).float()
+    n = keep.sum().clamp(min=1)
+    return (log_z.square() * keep).sum() / n, (log_z.detach() * keep).sum() / n
+
+
+def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batches, grad_accum: int, grad_clip: float,
+               runtime: Runtime, scaler: torch.amp.GradScaler, world: int = 1, z_loss: float = 0.0,
+               extra: Optional[dict] = None) -> tuple:
+    """One optimizer step: forward, loss and backward over this process's micro-batches (x, y), then
+    clip, the non-finite check and the optimizer's step. Each micro-batch is weighted 1/grad_accum so
+    the step sees their mean (DDP, or FSDP's reduce-scatter, then averages over processes; FSDP
+    reduces every micro-batch, DDP the last). grad_accum: this process's share of them. Returns
+    (the mean loss of the step's whole global batch, every micro-batch of every process: the same
+    figure whatever the number of processes; global grad norm; finite): a step whose loss or
+    gradients are not finite on any rank is skipped on every rank, the weights untouched.
+    z_loss > 0: the objective adds z_loss * (log Z)^2 (z_loss_term); the loss returned stays the
+    cross-entropy, and `extra` (a dict) receives this process's mean log Z as "log_z"."""
+    batches = list(batches)
+    device = runtime.device
+    total = torch.zeros((), device=device)
+    log_z = torch.zeros((), device=device)
+    for i, (x, y) in enumerate(batches):  # forward, loss, backward: gradients accumulate over the micro-batches
+        # under DDP, gradients are all-reduced once, on the last micro-batch
+        sync = i == len(batches) - 1 or not hasattr(model, "no_sync")
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        with (nullcontext() if sync else model.no_sync()), runtime.autocast():
+            logits, loss = model(x, y)
+            objective = loss
+            if z_loss:
+                z_sq, z = z_loss_term(logits, y)
+                objective = loss + z_loss * z_sq
+                log_z += z
+        scaler.scale(objective / grad_accum).backward()
+        total += loss.detach().float()
+    if z_loss and extra is not None:
+        extra["log_z"] = log_z / len(batches)
+    scaler.unscale_(optimizer)  # clip the true gradients, not fp16's scaled ones
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip if grad_clip > 0 else float("inf"))
+    if hasattr(grad_norm, "full_tensor"):  # FSDP: a DTensor, the norm over every rank's shards, replicated
+        grad_norm = grad_norm.full_tensor()
+    # fp16's GradScaler skips steps with inf gradients by design (and lowers its scale); only the loss counts there
+    finite = torch.isfinite(total) & (torch.isfinite(grad_norm) | torch.tensor(scaler.is_enabled(), device=device))
+    # one reduction and one host sync per step: the global batch's mean loss and whether any rank saw a
+    # non-finite one (never step on, or save, NaN weights: every rank takes the same decision)
+    step = torch.stack([total / (grad_accum * world), (~finite).float()])
+    if world > 1:
+        dist.all_reduce(step)
+    loss, finite = step[0], step[1].item() == 0
+    if finite:
+        scaler.step(optimizer)
+    scaler.update()  # also after a skipped step: unscale_ above must be paired with an update
+    optimizer.zero_grad(set_to_none=True)
+    return loss.detach(), grad_norm.detach(), finite
 
 
 def params_now(model) -> list:

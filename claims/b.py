@@ -70,10 +70,10 @@ def check_b4(ctx):
     idx = torch.randint(40, (1, T + 1), generator=ctx.gen())
     with torch.no_grad():
         cache = model.new_kv_cache(1, 64)
-        model(idx[:, :T], kv_cache=cache, pos=0)  # prefill
+        model(idx[:, :T], cache=cache, pos=0)  # prefill
         before = [(c.k[:, :, :T].clone(), c.v[:, :, :T].clone()) for c in cache]
         step = {}
-        cached = flops(lambda: step.setdefault("logits", model(idx[:, T:], kv_cache=cache, pos=T)))
+        cached = flops(lambda: step.setdefault("logits", model(idx[:, T:], cache=cache, pos=T)))
         full = flops(lambda: step.setdefault("full", model(idx)))
     kept = all(torch.equal(b[0], c.k[:, :, :T]) and torch.equal(b[1], c.v[:, :, :T]) for b, c in zip(before, cache))
     diff = max_diff(step["logits"][0, -1], step["full"][0, -1])

@@ -325,7 +325,7 @@ def check_c12(ctx):
         with torch.no_grad():
             parallel = model(idx)
             cache = model.new_kv_cache(1, 40)
-            steps = [model(idx[:, t:t + 1], kv_cache=cache, pos=t) for t in range(40)]  # one token at a time
+            steps = [model(idx[:, t:t + 1], cache=cache, pos=t) for t in range(40)]  # one token at a time
         diffs[name] = max_diff(torch.cat(steps, 1), parallel)
     constant = all(s[256] == s[4096] > 0 for s in states.values())
     hybrid = kv["hybrid gdn + softmax"]

@@ -1,6 +1,7 @@
 """The one place checkpoints are written, found and read, and what resuming from one needs: the
 checkpoint to resume from (resume_point), whether it fits this run, and every random stream's state;
-for a training run, what its checkpoints hold (checkpoint_contents) and how it continues from one
+for a training run, what its checkpoints hold (checkpoint_contents: the weights, the optimizer's and
+the other objects' states, and its TrainState, how far it has come) and how it continues from one
 (restore).
 
 A checkpoint is a dict of tensors and plain values (weights, model config, tokenizer, step,
@@ -23,12 +24,14 @@ from typing import Optional
 import numpy as np
 import torch
 import torch.distributed as dist
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
 from rules import UserError, first_line, warn_ignored
 from lab.config import DataConfig, data_seed
 from model import GPT, GPTConfig
-from lab.parallel import load_weights
+from data.loader import TokenData
+from lab.parallel import Dist, FullyShard, Replicated, load_weights
+from lab.stability import Watch
 
 log = logging.getLogger("attnlab")
 
@@ -433,60 +436,77 @@ def check_same_data(state: dict, cfg, data):
 
 # ----------------------------------------------------------------------------- a training run's checkpoints
 
-def checkpoint_contents(run, full: bool = True) -> dict:
-    """A checkpoint of a training run (train.Run): weights, model config, tokenizer, step and config;
-    with `full`, also what an exact resume needs (optimizer, scaler, sampler and RNG states, W&B run
+@dataclass
+class TrainState:
+    """How far a training run has come: what its checkpoints hold about it beside the weights and the
+    states of the optimizer, grad scaler, batch sampler, stability watch and RNGs, each under the key
+    named in its comment. train.Run holds one; checkpoint_contents writes it, restore reads it back."""
+    step: int = 0  # "step": optimizer steps taken, skipped ones included
+    best_val: float = math.inf  # "best_val_loss": the lowest val loss of an evaluation so far
+    evals: dict = field(default_factory=dict)  # "val_loss" (its "val"): the latest {"train": loss, "val": loss}
+    extensions: list = field(default_factory=list)  # "context_extensions": step, block_size and RoPE changes
+    wandb_id: Optional[str] = None  # "wandb_id": the W&B run a resume continues, then the run's tracker's own
+
+
+def checkpoint_contents(model: GPT, parallel: Replicated | FullyShard, state: TrainState, *, data: TokenData,
+                        config: dict, out_dir: Path, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
+                        sampler: torch.Generator, watch: Watch, dist_: Dist, device: torch.device,
+                        full: bool = True) -> dict:
+    """A checkpoint of a training run: weights, model config, tokenizer, its `state` and resolved `config`;
+    with `full`, also what an exact resume needs (optimizer, scaler, sampler, watch and RNG states, W&B run
     id). Every rank calls it (under FSDP the full state is gathered from all of them, to rank 0 alone)."""
-    state = {"model": run.parallel.model_state(run.model), "model_config": dataclasses.asdict(run.mcfg),
-             "tokenizer": run.data.tokenizer.to_dict(), "step": run.step, "val_loss": run.evals.get("val"),
-             "best_val_loss": run.best_val, "config": run.resolved,
-             # whether a sample may start from <|endoftext|>: only if the model saw documents begin after one
-             "eot_in_train": run.data.meta.get("eot_in_train"),
-             "context_extensions": run.extensions,
-             "data_sha256": run.data.meta.get("sha256")}  # what resuming must find again (check_resumable)
+    contents = {"model": parallel.model_state(model), "model_config": dataclasses.asdict(model.config),
+                "tokenizer": data.tokenizer.to_dict(), "step": state.step, "val_loss": state.evals.get("val"),
+                "best_val_loss": state.best_val, "config": config,
+                # whether a sample may start from <|endoftext|>: only if the model saw documents begin after one
+                "eot_in_train": data.meta.get("eot_in_train"),
+                "context_extensions": state.extensions,
+                "data_sha256": data.meta.get("sha256")}  # what resuming must find again (check_resumable)
     if full:
-        state.update(optimizer=run.parallel.optimizer_state(run.model, run.optimizer), scaler=run.scaler.state_dict(),
-                     sampler=run.sampler.get_state(), rng=rng_state(run.rt.device, run.dist.world),
-                     wandb_id=run.tracker.run.id if run.tracker.run is not None else None,
-                     watch=run.watch.state_dict())
-    bad = [n for n, t in state["model"].items() if t.is_floating_point() and not torch.isfinite(t).all()]
+        contents.update(optimizer=parallel.optimizer_state(model, optimizer), scaler=scaler.state_dict(),
+                        sampler=sampler.get_state(), rng=rng_state(device, dist_.world), wandb_id=state.wandb_id,
+                        watch=watch.state_dict())
+    bad = [n for n, t in contents["model"].items() if t.is_floating_point() and not torch.isfinite(t).all()]
     if bad:  # never write a checkpoint that holds NaN/Inf
-        raise UserError(f"weights are not finite at step {run.step} ({bad[0]}): not saving; "
-                        f"last good checkpoint: {last_good_checkpoint(run.out_dir, run.step) or 'none'}")
-    return state
+        raise UserError(f"weights are not finite at step {state.step} ({bad[0]}): not saving; "
+                        f"last good checkpoint: {last_good_checkpoint(out_dir, state.step) or 'none'}")
+    return contents
 
 
-def restore(run, point: ResumePoint):
-    """Continue a training run (train.Run) from the checkpoint `point`: weights, optimizer, grad scaler,
-    batch sampler, every RNG, step; with a context extension (a longer block, RoPE scaled to it),
-    recorded in the run's checkpoints. A branch is a new run started from it (a fine-tune in another
-    dir), with a W&B run of its own. The reverse of checkpoint_contents."""
+def restore(point: ResumePoint, *, cfg: DictConfig, data: TokenData, model: GPT, parallel: Replicated | FullyShard,
+            optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler, sampler: torch.Generator, watch: Watch,
+            dist_: Dist, device: torch.device) -> TrainState:
+    """Continue a training run from the checkpoint `point`: load its weights, optimizer, grad scaler,
+    batch sampler, stability watch and every RNG into these, and return its TrainState; with a context
+    extension (a longer block, RoPE scaled to it), recorded in the run's checkpoints. A branch is a new
+    run started from it (a fine-tune in another dir), with a W&B run of its own. The reverse of
+    checkpoint_contents."""
     state, source, extension = point.state, point.source, point.extension
     missing = [k for k in ("step", "optimizer", "sampler", "rng", "best_val_loss") if k not in state]
     if missing:
         raise UserError(f"cannot resume from {source}: it has no {', '.join(missing)} (weights only?); resume "
                         "from a ckpt_*.pt file train.py wrote, or start a new run")
-    check_resumable(state, run.cfg, run.data, extension)
-    if state["step"] > run.cfg.train.max_iters:
-        raise UserError(f"the checkpoint is at step {state['step']}, past train.max_iters={run.cfg.train.max_iters}: "
+    check_resumable(state, cfg, data, extension)
+    if state["step"] > cfg.train.max_iters:
+        raise UserError(f"the checkpoint is at step {state['step']}, past train.max_iters={cfg.train.max_iters}: "
                         f"pass train.max_iters > {state['step']} to train on (nothing was changed)")
-    run.parallel.load_model(run.model, state["model"])
+    parallel.load_model(model, state["model"])
     try:
-        run.parallel.load_optimizer(run.model, run.optimizer, state["optimizer"])
-        if run.scaler.is_enabled() and state.get("scaler"):
-            run.scaler.load_state_dict(state["scaler"])
-        run.sampler.set_state(state["sampler"])
-        set_rng_state(state["rng"], run.rt.device, run.dist.rank)
+        parallel.load_optimizer(model, optimizer, state["optimizer"])
+        if scaler.is_enabled() and state.get("scaler"):
+            scaler.load_state_dict(state["scaler"])
+        sampler.set_state(state["sampler"])
+        set_rng_state(state["rng"], device, dist_.rank)
     except (KeyError, ValueError, TypeError, RuntimeError, IndexError) as e:
         raise UserError(f"cannot resume from {source}: its optimizer or random state does not fit this run "
                         f"({type(e).__name__}: {first_line(e, 120)}); resume with the run's own config") from None
-    run.step, run.best_val = state["step"], state["best_val_loss"]
-    run.watch.load_state_dict(state.get("watch") or {})  # older checkpoints: watched from here on
-    run.wandb_id = state.get("wandb_id") if not point.branch else None
-    run.resuming, run.saved_at, run.evals = True, run.step, {"val": state.get("val_loss")}
-    run.extensions = list(state.get("context_extensions") or [])
+    watch.load_state_dict(state.get("watch") or {})  # older checkpoints: watched from here on
+    progress = TrainState(step=state["step"], best_val=state["best_val_loss"], evals={"val": state.get("val_loss")},
+                          extensions=list(state.get("context_extensions") or []),
+                          wandb_id=state.get("wandb_id") if not point.branch else None)
     if extension and "block_size" in extension:
-        run.extensions.append({"step": run.step, **extension})
-        log.info("extending the context at step %d: %s", run.step,
+        progress.extensions.append({"step": progress.step, **extension})
+        log.info("extending the context at step %d: %s", progress.step,
                  ", ".join(f"model.{k} {a} -> {b}" for k, (a, b) in extension.items()))
-    log.info("resuming from %s at step %d", source, run.step)
+    log.info("resuming from %s at step %d", source, progress.step)
+    return progress

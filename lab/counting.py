@@ -16,7 +16,9 @@ from fractions import Fraction
 import torch
 
 from attention import CausalSelfAttention
-from variants import CACHE_LAYOUTS, KINDS, SELECTS, layer_kind
+from kv_cache import KVCache
+from variants.int8_cache import Int8KVCache
+from variants import CACHE_LAYOUTS, GATES, KINDS, SELECTS, SINKS, layer_kind
 
 ADAMW_BYTES_PER_PARAM = 8  # exp_avg + exp_avg_sq, fp32: train.py keeps fp32 weights and autocasts
 TRAIN_BYTES_PER_PARAM = 16  # fp32 weight, gradient and AdamW's two moments
@@ -54,9 +56,10 @@ def layer_params(c, layer=None) -> dict:
     rates), in the layout GPT builds: the mixer's (its params), a key selection's (its params), the MLP's."""
     kind, k, d, b = mixer(c, layer), mlp_matrices(c), c.n_embd, int(c.bias)
     p, select = kind.params(c), SELECTS[c.attn.select] if kind.selects else None
-    return {
-        "attn_matrices": p["matrices"] + (select.params(c) if select else 0),  # projections, gates, an indexer's
-        "attn_other": p["other"],
+    gate, sink = GATES[c.attn.gate] if kind.takes_gate else None, SINKS[c.attn.sink] if kind.softmax else None
+    return {  # the kind's own, then its slots' (each piece counts itself)
+        "attn_matrices": p["matrices"] + (select.params(c) if select else 0) + (gate.params(c) if gate else 0),
+        "attn_other": p["other"] + (sink.params(c) if sink else 0),
         "mlp_matrices": k * d * c.d_ff,  # c_fc (gate|up fused for swiglu), c_proj
         "mlp_other": b * ((k - 1) * c.d_ff + d) if k else 0,  # their biases
         "norm": d * (2 if c.norm == "layernorm" and c.bias else 1),  # one norm: weight (+ LayerNorm bias)
@@ -192,7 +195,8 @@ def layer_cache_bytes(c, layer: int, tokens: int = 1, batch: int = 1, dtype_byte
     """What layer `layer` caches for `tokens` positions of `batch` sequences (kv_cache_bytes says how)."""
     kind = mixer(c, layer) if n_kv_head is None else CausalSelfAttention  # another head count: plain K and V
     held = min(tokens, c.attn.window) if local(c, layer) else tokens
-    return kind.cache_bytes(c, dtype_bytes, int8, n_kv_head) * held * batch
+    cache = Int8KVCache if int8 else KVCache  # each cache says what a token's rows cost it
+    return cache.token_bytes(kind.cache_rows(c, n_kv_head), dtype_bytes) * held * batch
 
 
 def kv_cache_bytes(c, tokens: int = 1, batch: int = 1, dtype_bytes: int = 4, n_kv_head=None, int8: bool = False) -> int:

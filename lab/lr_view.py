@@ -7,9 +7,15 @@ has a curve: final val loss against lr. Its figures:
   loss at initialisation (the step-0 val loss), L* the arm's best loss over the grid. 0 is an arm that
   reaches its best at every lr; a run that diverged counts at L0. Computed per seed, then the mean with
   its 95% t-interval, and each arm minus the first (paired by seed where both ran the same seeds).
-- The best lr (of the mean over seeds) and the basin: the lrs whose mean loss is within BASIN_NATS of
-  the best, and its width in decades (log10 of the largest over the smallest).
+- The best lr (of the mean over seeds) and the edge lr: per seed, the largest lr whose loss is within
+  EDGE_NATS of that seed's best (fixed before any run), interpolated in log-lr where the curve crosses
+  best + EDGE_NATS; its mean over seeds (in log-lr) with a 95% interval; "the whole grid" where every
+  lr is within EDGE_NATS.
 - Per lr: the mean loss with its interval over seeds, and how many runs diverged.
+What it cannot know it says instead of printing a number: an arm with fewer than two lrs has no
+sensitivity, nor an arm where no lr trains (every run diverged); two arms over different grids are
+compared on their common lrs only, and the table says so. A per-run lr floor set as a fixed fraction
+of the lr (train.min_lr = lr/10 in each run) keeps runs in one arm (lr_free).
 Plots: loss against lr (diverged runs marked at L0), the largest attention logit against lr, and the
 largest logit and the lowest layer entropy over training at one lr.
 """
@@ -19,10 +25,21 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Optional
 
+from lab.arms import RunSummary
 from lab.intervals import describe, paired_interval, welch_interval
 
-BASIN_NATS = 0.1
+EDGE_NATS = 0.1  # how far above its best a loss may be and still count as trained well (fixed before the runs)
 LR_KEY = "train.lr"
+
+
+def lr_free(config: dict) -> dict:
+    """A run's config without its lr, for grouping runs into arms: a floor train.min_lr is replaced by its
+    fraction of the lr (a sweep that sets min_lr = lr/10 per run is one arm, not one per lr)."""
+    out = {k: v for k, v in config.items() if k != LR_KEY}
+    lr, floor = config.get(LR_KEY), config.get("train.min_lr")
+    if isinstance(lr, (int, float)) and isinstance(floor, (int, float)) and lr > 0:
+        out["train.min_lr"] = f"{floor / lr:.6g} x lr"
+    return out
 
 
 @dataclass
@@ -55,8 +72,8 @@ def read_results(run_dir) -> dict:
         return {}
 
 
-def point(run) -> Point:
-    """A Point of a report.RunSummary (dir, config, metrics, final, replicate)."""
+def point(run: RunSummary) -> Point:
+    """A Point of a finished run (lab/arms.py's RunSummary: dir, config, metrics, final, replicate)."""
     res = read_results(run.dir)
     evals = [m for m in run.metrics if "val/loss" in m]
     step0 = next((m["val/loss"] for m in evals if m["step"] == 0), None)
@@ -76,11 +93,32 @@ def finite(v) -> bool:
 
 
 def sensitivity(points: list) -> Optional[float]:
-    """Wortsman et al.'s LR sensitivity of one seed's runs over the grid: mean of min(L, L0) - L*."""
+    """Wortsman et al.'s LR sensitivity of one seed's runs over the grid: mean of min(L, L0) - L*; None
+    where it cannot be known (fewer than two lrs, a loss missing, or no run trained)."""
     counted = [p.counted for p in points]
-    if not counted or any(c is None for c in counted):
+    if len({p.lr for p in points}) < 2 or any(c is None for c in counted) or all(p.diverged for p in points):
         return None
     return statistics.fmean(counted) - min(counted)
+
+
+def edge(points: list):
+    """(log10 of the edge lr, whole grid?) of one seed's runs: the largest lr within EDGE_NATS of the seed's
+    best loss, going up the grid from the best, interpolated in log-lr where the loss crosses best +
+    EDGE_NATS; (None, False) without a loss at every lr."""
+    pts = sorted(points, key=lambda p: p.lr)
+    if not pts or any(p.counted is None for p in pts):
+        return None, False
+    losses = [p.counted for p in pts]
+    best = min(losses)
+    if max(losses) <= best + EDGE_NATS:
+        return math.log10(pts[-1].lr), True
+    i = losses.index(best)
+    while i + 1 < len(pts) and losses[i + 1] <= best + EDGE_NATS:
+        i += 1
+    if i + 1 == len(pts):  # within reach up to the grid's top: the edge is at least there
+        return math.log10(pts[i].lr), False
+    x0, x1, y0, y1 = math.log10(pts[i].lr), math.log10(pts[i + 1].lr), losses[i], losses[i + 1]
+    return x0 + (best + EDGE_NATS - y0) / (y1 - y0) * (x1 - x0), False
 
 
 @dataclass
@@ -95,12 +133,38 @@ class LrArm:
     def at(self, lr) -> list:
         return [p for p in self.points if p.lr == lr]
 
-    def per_seed_sensitivity(self) -> dict:
-        """{replicate: its sensitivity} over the lrs that replicate ran."""
-        seeds = {}
+    def seeds(self, lrs=None) -> dict:
+        """{replicate: its points} (on the lrs given, else all)."""
+        out = {}
         for p in self.points:
-            seeds.setdefault(p.replicate, []).append(p)
-        return {rep: s for rep, pts in seeds.items() for s in [sensitivity(pts)] if s is not None}
+            if lrs is None or p.lr in lrs:
+                out.setdefault(p.replicate, []).append(p)
+        return out
+
+    def per_seed_sensitivity(self, lrs=None) -> dict:
+        """{replicate: its sensitivity} over the lrs that replicate ran (of `lrs`, if given)."""
+        return {rep: s for rep, pts in self.seeds(lrs).items() for s in [sensitivity(pts)] if s is not None}
+
+    def unknowable(self) -> Optional[str]:
+        """Why this arm has no LR sensitivity or edge, in words; None where it has them."""
+        if len(self.lrs) < 2:
+            return f"one lr ({self.lrs[0]:g}): an LR sensitivity needs two or more" if self.lrs else "no runs"
+        if all(p.diverged for p in self.points):
+            return "no lr trains here (every run diverged): no sensitivity, best lr or edge"
+        return None
+
+    def edge(self) -> dict:
+        """The edge lr over seeds: {"lr", "lo", "hi" (10^ of the mean of log10 and its 95% interval), "n",
+        "whole" (seeds whose every lr is within EDGE_NATS)}."""
+        found = [edge(pts) for pts in self.seeds().values()]
+        logs = [x for x, _ in found if x is not None]
+        d = describe(logs)
+        out = {"n": d["n"], "whole": sum(w for _, w in found), "lr": None, "lo": None, "hi": None}
+        if d["mean"] is not None:
+            out["lr"] = 10 ** d["mean"]
+            if d["half"] is not None:
+                out["lo"], out["hi"] = 10 ** (d["mean"] - d["half"]), 10 ** (d["mean"] + d["half"])
+        return out
 
     def curve(self) -> list:
         """[(lr, describe(counted losses), diverged runs, runs)] over the grid."""
@@ -108,14 +172,11 @@ class LrArm:
                  sum(p.diverged for p in self.at(lr)), len(self.at(lr))) for lr in self.lrs]
 
     def best(self):
-        """(best lr, its mean loss, (lo, hi) of the basin within BASIN_NATS, width in decades), by the
-        mean over seeds; Nones without any loss."""
+        """(best lr, its mean loss) by the mean over seeds; Nones without any loss or where no lr trains."""
         means = [(lr, d["mean"]) for lr, d, _, _ in self.curve() if d["mean"] is not None]
-        if not means:
-            return None, None, (None, None), None
-        lr_best, best = min(means, key=lambda x: x[1])
-        basin = [lr for lr, m in means if m <= best + BASIN_NATS]
-        return lr_best, best, (min(basin), max(basin)), math.log10(max(basin) / min(basin))
+        if not means or all(p.diverged for p in self.points):
+            return None, None
+        return min(means, key=lambda x: x[1])
 
 
 def lr_arms(runs: list, arm_key) -> list:
@@ -132,10 +193,18 @@ def lr_arms(runs: list, arm_key) -> list:
 
 
 def compare_sensitivity(a: LrArm, b: LrArm) -> dict:
-    """b minus a in LR sensitivity: paired by seed where both ran the same ones, else Welch's."""
-    sa, sb = a.per_seed_sensitivity(), b.per_seed_sensitivity()
-    out = {"a": a.label, "b": b.label, "diff": None, "half": None, "p": None, "test": None}
+    """b minus a in LR sensitivity over the lrs both ran: paired by seed where both ran the same ones, else
+    Welch's; "note" says why there is no difference, or that the grids differ."""
+    common = sorted(set(a.lrs) & set(b.lrs))
+    out = {"a": a.label, "b": b.label, "diff": None, "half": None, "p": None, "test": None, "note": None}
+    if len(common) < 2:
+        out["note"] = f"{len(common)} lr in common: no comparison"
+        return out
+    if common != a.lrs or common != b.lrs:
+        out["note"] = "on the common lrs only: " + ", ".join(f"{lr:g}" for lr in common)
+    sa, sb = a.per_seed_sensitivity(common), b.per_seed_sensitivity(common)
     if not sa or not sb:
+        out["note"] = "no sensitivity in " + ("either arm" if not sa and not sb else f"{(a if not sa else b).label}")
         return out
     out["diff"] = statistics.fmean(sb.values()) - statistics.fmean(sa.values())
     if set(sa) == set(sb) and len(sa) >= 2:
@@ -166,26 +235,42 @@ def tables(arms: list) -> str:
     for a in arms:
         cells = {lr: interval(d) + (" †" * div if div <= 3 else f" †×{div}") for lr, d, div, _ in a.curve()}
         lines.append(f"| {a.label} | " + " | ".join(cells.get(lr, "-") for lr in grid) + " |")
-    lines += ["", "| arm | seeds | LR sensitivity (mean ± 95%) | best lr | best loss | basin within "
-              f"{BASIN_NATS} nats | width (decades) | diverged runs | largest logit (max over runs) |",
-              "|---|---|---|---|---|---|---|---|---|"]
+    lines += ["", "| arm | seeds | LR sensitivity (mean ± 95%) | best lr | best loss | edge lr within "
+              f"{EDGE_NATS} nats (95%) | diverged runs | largest logit (max over runs) |",
+              "|---|---|---|---|---|---|---|---|"]
     for a in arms:
-        sens = describe(list(a.per_seed_sensitivity().values()))
-        lr_best, best, (lo, hi), width = a.best()
         logits = [p.logit_max for p in a.points if p.logit_max is not None]
+        tail = f"{sum(p.diverged for p in a.points)} of {len(a.points)} | {fmt(max(logits) if logits else None, '.4g')} |"
+        why = a.unknowable()
+        if why:
+            lines.append(f"| {a.label} | {len(a.seeds())} | {why} | - | - | - | " + tail)
+            continue
+        sens = describe(list(a.per_seed_sensitivity().values()))
+        lr_best, best = a.best()
         lines.append(f"| {a.label} | {sens['n']} | {interval(sens)} | {fmt(lr_best, 'g')} | {fmt(best)} | "
-                     f"{fmt(lo, 'g')} to {fmt(hi, 'g')} | {fmt(width, '.2f')} | "
-                     f"{sum(p.diverged for p in a.points)} of {len(a.points)} | {fmt(max(logits) if logits else None, '.4g')} |")
+                     f"{edge_cell(a.edge())} | " + tail)
     if len(arms) > 1:
-        lines += ["", "| arm | minus arm | LR sensitivity difference | 95% interval | test |", "|---|---|---|---|---|"]
+        lines += ["", "| arm | minus arm | LR sensitivity difference | 95% interval | test | note |",
+                  "|---|---|---|---|---|---|"]
         for b in arms[1:]:
             c = compare_sensitivity(arms[0], b)
             ci = f"{c['diff'] - c['half']:+.3f} to {c['diff'] + c['half']:+.3f}" if c["half"] is not None else "-"
-            lines.append(f"| {b.label} | {arms[0].label} | {fmt(c['diff'], '+.3f')} | {ci} | {c['test'] or '-'} |")
+            lines.append(f"| {b.label} | {arms[0].label} | {fmt(c['diff'], '+.3f')} | {ci} | {c['test'] or '-'} | "
+                         f"{c['note'] or ''} |")
     lines += ["", "LR sensitivity (Wortsman et al. 2023): per seed, the mean over the lr grid of min(L(lr), L0) − L*, "
               "L0 the step-0 val loss, L* the seed's best over the grid; 95% t-intervals over seeds; differences "
               "paired by seed where both arms ran the same seeds, else Welch's."]
     return "\n".join(lines)
+
+
+def edge_cell(e: dict) -> str:
+    """The edge lr in a table cell: the whole grid, or the lr with its interval over seeds."""
+    if e["n"] and e["whole"] == e["n"]:
+        return "the whole grid"
+    if e["lr"] is None:
+        return "-"
+    within = f" ({e['lo']:.2g} to {e['hi']:.2g})" if e["lo"] is not None else " (one seed)"
+    return f"{e['lr']:.2g}{within}" + (f"; whole grid in {e['whole']} of {e['n']} seeds" if e["whole"] else "")
 
 
 # ----------------------------------------------------------------------------- plots

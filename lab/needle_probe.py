@@ -9,7 +9,6 @@ import torch
 
 from data.mqar import MQARTokenizer
 from lab.intervals import wilson
-from variants import layer_kind
 
 # ----------------------------------------------------------------------------- the sequences
 
@@ -61,7 +60,7 @@ def reach(model) -> Optional[int]:
     total = 0
     for i, block in enumerate(model.blocks):
         window = getattr(block.attn, "window", None)
-        if layer_kind(model.config.attn, i) != "softmax" or window is None:
+        if not block.attn.softmax or window is None:  # a recurrent or linear layer carries any distance
             return None
         total += window - 1
     return total

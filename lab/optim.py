@@ -1,4 +1,5 @@
-"""The optimizer step and the learning-rate schedule, shared by train.py and bench.py.
+"""The optimizers and the learning-rate schedule, shared by train.py and tools/bench.py (the training
+step itself, which steps them, is train.train_step).
 
 `train.optimizer` picks the optimizer (build_optimizer):
 - adamw: AdamW with weight decay on matrices only (adamw).
@@ -15,10 +16,8 @@ The lr schedule (lr_at) gives train.lr's curve; every group follows it as a mult
 (its `lr_scale`: muon_lr / lr for Muon's group, 1 for AdamW's).
 """
 import math
-from contextlib import nullcontext
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from lab.device import has_native_bf16
@@ -258,61 +257,3 @@ def set_lr(optimizer, lr: float):
     """Set every group's lr for this step: `lr` (train.lr's schedule) times the group's lr_scale."""
     for group in optimizer.param_groups:
         group["lr"] = lr * group.get("lr_scale", 1.0)
-
-
-def z_loss_term(logits, targets):
-    """PaLM's auxiliary z-loss (Chowdhery et al. 2022, arXiv 2204.02311): the mean over predicted
-    positions of (log Z)^2, Z = sum_v exp(logit_v), which pulls the softmax's normaliser toward 1 (log Z
-    toward 0) without changing which token wins. Returns ((log Z)^2, log Z), both means over positions
-    whose target is not -1."""
-    log_z = logits.float().logsumexp(dim=-1)
-    keep = (targets != -1).float()
-    n = keep.sum().clamp(min=1)
-    return (log_z.square() * keep).sum() / n, (log_z.detach() * keep).sum() / n
-
-
-def train_step(model, optimizer, batches, grad_accum, grad_clip, runtime, scaler, world=1, z_loss=0.0, extra=None):
-    """One optimizer step over this process's micro-batches (x, y), each weighted 1/grad_accum so
-    the step sees their mean (DDP, or FSDP's reduce-scatter, then averages over processes; FSDP
-    reduces every micro-batch, DDP the last). grad_accum: this process's share of them. Returns
-    (the mean loss of the step's whole global batch, every micro-batch of every process: the same
-    figure whatever the number of processes; global grad norm; finite): a step whose loss or
-    gradients are not finite on any rank is skipped on every rank, the weights untouched.
-    z_loss > 0: the objective adds z_loss * (log Z)^2 (z_loss_term); the loss returned stays the
-    cross-entropy, and `extra` (a dict) receives this process's mean log Z as "log_z"."""
-    batches = list(batches)
-    device = runtime.device
-    total = torch.zeros((), device=device)
-    log_z = torch.zeros((), device=device)
-    for i, (x, y) in enumerate(batches):
-        # under DDP, gradients are all-reduced once, on the last micro-batch
-        sync = i == len(batches) - 1 or not hasattr(model, "no_sync")
-        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-        with (nullcontext() if sync else model.no_sync()), runtime.autocast():
-            logits, loss = model(x, y)
-            objective = loss
-            if z_loss:
-                z_sq, z = z_loss_term(logits, y)
-                objective = loss + z_loss * z_sq
-                log_z += z
-        scaler.scale(objective / grad_accum).backward()
-        total += loss.detach().float()
-    if z_loss and extra is not None:
-        extra["log_z"] = log_z / len(batches)
-    scaler.unscale_(optimizer)
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip if grad_clip > 0 else float("inf"))
-    if hasattr(grad_norm, "full_tensor"):  # FSDP: a DTensor, the norm over every rank's shards, replicated
-        grad_norm = grad_norm.full_tensor()
-    # fp16's GradScaler skips steps with inf gradients by design (and lowers its scale); only the loss counts there
-    finite = torch.isfinite(total) & (torch.isfinite(grad_norm) | torch.tensor(scaler.is_enabled(), device=device))
-    # one reduction and one host sync per step: the global batch's mean loss and whether any rank saw a
-    # non-finite one (never step on, or save, NaN weights: every rank takes the same decision)
-    step = torch.stack([total / (grad_accum * world), (~finite).float()])
-    if world > 1:
-        dist.all_reduce(step)
-    loss, finite = step[0], step[1].item() == 0
-    if finite:
-        scaler.step(optimizer)
-    scaler.update()  # also after a skipped step: unscale_ above must be paired with an update
-    optimizer.zero_grad(set_to_none=True)
-    return loss.detach(), grad_norm.detach(), finite

@@ -12,12 +12,18 @@ import subprocess
 import sys
 from contextlib import contextmanager, suppress
 from pathlib import Path
+from typing import Optional
 
 import torch
 from omegaconf import OmegaConf
 
+from data.loader import TokenData
+from lab.attnstats import AttentionProbe
 from lab.checkpoint import latest_checkpoint
+from lab.device import Runtime
+from lab.tracking import Tracker
 from files import check_output_dir, dir_mode, new_run_dir, remove_new_run_dir, remove_stale_temps
+from model import GPT
 from rules import UserError
 
 log = logging.getLogger("attnlab")
@@ -147,36 +153,35 @@ def run_info(device, world: int) -> dict:
 
 # ----------------------------------------------------------------------------- the run's figures
 
-def write_plots(run):
-    """The run's figures and the attention maps of the probe text, written by rank 0. Every rank calls
-    it: under FSDP the maps' forward needs every rank (its all-gathers), so the others run it too.
-    logger.plots=false skips them (a few seconds of matplotlib; the metrics hold every figure's data)."""
-    if not run.cfg.logger.plots:
-        return
-    if run.dist.master:
+def write_plots(out_dir: Path, step: int, model: GPT, probe: Optional[AttentionProbe], data: TokenData,
+                tracker: Tracker, rt: Runtime, master: bool):
+    """The figures of the run in `out_dir` at `step` and the attention maps of the probe text (decoded
+    by the data's tokenizer), written by rank 0 (`master`) and sent to the run's tracker. Every rank
+    calls it: under FSDP the maps' forward needs every rank (its all-gathers), so the others run it too."""
+    if master:
         try:
             from lab.plots import plot_run
-            for png in plot_run(run.out_dir):
-                run.tracker.log_image(f"plots/{png.stem}", png, run.step)
+            for png in plot_run(out_dir):
+                tracker.log_image(f"plots/{png.stem}", png, step)
         except Exception as e:  # a plot must never cost the run
             log.warning("plots skipped: %s", e)
-    if run.probe is None:  # the attention probe is off (train.log_attn_interval=0), or a DDP rank > 0
+    if probe is None:  # the attention probe is off (train.log_attn_interval=0), or a DDP rank > 0
         return
     try:  # the maps of the probe text (its first row, at most 256 tokens: the HTML stays a few MB)
         from lab.attnstats import attention_maps
         from lab.plots import write_views
-        m = run.mcfg
-        with run.rt.autocast():  # as the probe: the flash kernel has no fp32
-            if not run.dist.master:  # FSDP: this rank's part of rank 0's forward
-                attention_maps(run.model, run.probe.idx[:1, :256])
+        m = model.config
+        with rt.autocast():  # as the probe: the flash kernel has no fp32
+            if not master:  # FSDP: this rank's part of rank 0's forward
+                attention_maps(model, probe.idx[:1, :256])
                 return
-            views = write_views(run.model, run.probe.idx[:1, :256], run.data.tokenizer, run.out_dir,
-                                title=f"attention on the probe text at step {run.step}",
-                                meta=f"{run.out_dir.name} · {m.n_layer} layers × {m.n_head} heads · block {m.block_size}")
-        run.tracker.log_image("attention/maps", views["png"], run.step)
-        if run.tracker.run is not None:
+            views = write_views(model, probe.idx[:1, :256], data.tokenizer, out_dir,
+                                title=f"attention on the probe text at step {step}",
+                                meta=f"{out_dir.name} · {m.n_layer} layers × {m.n_head} heads · block {m.block_size}")
+        tracker.log_image("attention/maps", views["png"], step)
+        if tracker.run is not None:
             import wandb
-            run.tracker.run.log({"attention/viewer": wandb.Html(views["html"], inject=False)},  # as is: no CDN
-                                step=run.step)
+            tracker.run.log({"attention/viewer": wandb.Html(views["html"], inject=False)},  # as is: no CDN
+                            step=step)
     except Exception as e:
         log.warning("attention maps skipped: %s", e)

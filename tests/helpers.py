@@ -268,7 +268,7 @@ def segments_minus_whole(model, T, cuts=(0, 3, 4, 5, 17, 18)) -> float:
         full = model(idx)
         cache = model.new_kv_cache(2, T, dtype=torch.float64)
         cuts = [*cuts, T]
-        parts = [model(idx[:, a:b], kv_cache=cache, pos=a) for a, b in zip(cuts, cuts[1:])]
+        parts = [model(idx[:, a:b], cache=cache, pos=a) for a, b in zip(cuts, cuts[1:])]
     return (torch.cat(parts, 1) - full).abs().max().item()
 
 

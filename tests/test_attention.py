@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from rules import UserError
-from attention import apply_rope, attention_scores, qk_normalize, resolve_scale, rope_freqs
+from attention import apply_rope, attention_scores, qk_normalize, resolve_scale, rope_table
 from lab.attnstats import logit_bound, reading_qk
 from helpers import diff, plain_attention
 from model import GPT, GPTConfig
@@ -93,7 +93,7 @@ def test_rope_matches_rotation_matrices_and_keeps_norms(real):
     torch.manual_seed(3)
     hs, T = 16, 12
     x = torch.randn(T, hs)
-    rotated = apply_rope(x, rope_freqs(hs, T, 10000.0), real=real)  # position t for row t
+    rotated = apply_rope(x, rope_table(hs, T, 10000.0), real=real)  # position t for row t
     for t in range(T):
         want = rotate_reference(x[t], t)
         assert torch.allclose(rotated[t].double(), want, atol=1e-5), diff(rotated[t].double(), want)
@@ -104,7 +104,7 @@ def test_rope_dot_product_depends_only_on_offset():
     torch.manual_seed(4)
     hs = 32
     q, k = torch.randn(hs), torch.randn(hs)
-    freqs = rope_freqs(hs, 200, 10000.0)
+    freqs = rope_table(hs, 200, 10000.0)
 
     def score(m, n):
         return (apply_rope(q, freqs[m]) @ apply_rope(k, freqs[n])).item()

@@ -203,7 +203,7 @@ def test_kv_bytes_equal_a_real_cache_after_prefill(fields, dtype):
         caches = model.new_kv_cache(B, N)  # in the model's dtype
         assert caches[0].k.dtype == dtype
         with torch.no_grad():
-            model(torch.randint(0, c.vocab_size, (B, N)), kv_cache=caches, pos=0)  # prefill of N tokens
+            model(torch.randint(0, c.vocab_size, (B, N)), cache=caches, pos=0)  # prefill of N tokens
         assert all(cache.k[:, :, N - 1].abs().sum() > 0 for cache in caches)  # filled to the last slot
         cached = sum(t.numel() * t.element_size() for cache in caches for t in (cache.k, cache.v))
         assert cached == memory_breakdown(c, N, B, dtype.itemsize)[key]

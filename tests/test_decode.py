@@ -40,10 +40,10 @@ def test_static_cache_step_equals_dynamic_cache_step():
     idx = torch.randint(40, (2, 40))
     caches = model.new_kv_cache(2, 16), model.new_kv_cache(2, 16, static=True)
     for cache in caches:
-        model(idx[:, :5], kv_cache=cache, pos=0)
+        model(idx[:, :5], cache=cache, pos=0)
     for pos in range(5, 40):
-        a = model(idx[:, pos:pos + 1], kv_cache=caches[0], pos=pos)
-        b = model(idx[:, pos:pos + 1], kv_cache=caches[1], pos=torch.tensor([pos]))
+        a = model(idx[:, pos:pos + 1], cache=caches[0], pos=pos)
+        b = model(idx[:, pos:pos + 1], cache=caches[1], pos=torch.tensor([pos]))
         assert torch.allclose(a, b, atol=1e-5), f"pos {pos}: max diff {(a - b).abs().max():.2e}"
 
 
@@ -149,9 +149,9 @@ def test_bf16_kv_cache_follows_the_reference_to_bf16_rounding(static):
         assert all(c.k.dtype == c.v.dtype == dtype and c.k.numel() == 2 * 4 * slots * 8 and c.length == bs
                    for c in cache)
         with torch.no_grad():
-            got = [model(seq[:, :5], kv_cache=cache, pos=0)[:, -1]]
+            got = [model(seq[:, :5], cache=cache, pos=0)[:, -1]]
             for t in range(5, seq.size(1)):
-                got.append(model(seq[:, t:t + 1], kv_cache=cache, pos=torch.tensor([t]) if static else t)[:, -1])
+                got.append(model(seq[:, t:t + 1], cache=cache, pos=torch.tensor([t]) if static else t)[:, -1])
         for step, (a, b) in enumerate(zip(got, want)):
             assert a.dtype == torch.float32 and (a - b).abs().max() <= tol, f"{dtype} step {step}"
 

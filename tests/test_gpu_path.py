@@ -18,8 +18,7 @@ from lab.device import Runtime, peak_flops_for, pick_dtype
 from lab.parallel import Dist
 from helpers import compose_cfg, poison_training_loss
 from model import GPT, GPTConfig
-from lab.optim import train_step
-from train import train
+from train import train, train_step
 
 CUDA = torch.device("cuda")  # only named, never used: no test here touches a GPU
 
@@ -294,9 +293,9 @@ def test_static_cache_pads_to_aligned_key_lengths_and_computes_the_same():
     for static in (False, True):
         cache = model.new_kv_cache(2, 20, static=static)
         with torch.no_grad():
-            steps = [model(idx[:, :7], kv_cache=cache, pos=0)[:, -1]]
+            steps = [model(idx[:, :7], cache=cache, pos=0)[:, -1]]
             for t in range(7, 50):
-                steps.append(model(idx[:, t:t + 1], kv_cache=cache, pos=torch.tensor([t]) if static else t)[:, -1])
+                steps.append(model(idx[:, t:t + 1], cache=cache, pos=torch.tensor([t]) if static else t)[:, -1])
         out[static] = torch.stack(steps)
         assert all(c.k.size(2) == (64 if static else 20) for c in cache)
     assert torch.allclose(out[True], out[False], atol=1e-5)

@@ -147,3 +147,34 @@ def test_the_run_helpers_import_nothing_of_the_run_they_serve(imports):
     """device, parallel and cli are what every entry point needs: they import no config, model or run."""
     for low in ("lab/device.py", "lab/parallel.py", "lab/cli.py"):
         assert not imports[low] - {"rules.py", "files.py", "lab/device.py", "lab/parallel.py"}, (low, imports[low])
+
+
+def test_a_default_forward_and_decode_step_stay_in_the_four_core_files():
+    """Every Python frame of the repo that a default model's forward (training, with the loss) and a cached
+    decode step run is in model.py, attention.py, mixer.py or kv_cache.py: no variant on the default path."""
+    import sys
+
+    import torch
+
+    from model import GPT, GPTConfig
+
+    model = GPT(GPTConfig(vocab_size=40, block_size=16, n_layer=2, n_head=4, n_embd=32))
+    idx = torch.randint(0, 40, (2, 16))
+    cache = model.new_kv_cache(2, 16)
+    seen = set()
+
+    def profile(frame, event, arg):
+        if event == "call":
+            f = Path(frame.f_code.co_filename).resolve()
+            if f.is_file() and REPO in f.parents and "tests" not in f.relative_to(REPO).parts:
+                seen.add(f.relative_to(REPO).as_posix())
+    sys.setprofile(profile)
+    try:
+        model(idx, idx)
+        with torch.no_grad():
+            model(idx[:, :8], cache=cache, pos=0)
+            model(idx[:, 8:9], cache=cache, pos=8)
+    finally:
+        sys.setprofile(None)
+    assert seen and seen <= {"model.py", "attention.py", "mixer.py", "kv_cache.py"}, sorted(seen)
+    assert {"model.py", "attention.py", "kv_cache.py"} <= seen  # the trace is not empty of the core itself

@@ -26,17 +26,17 @@ class FastWeights(Mixer):
         self.c_attn = nn.Linear(d, 3 * d, bias=config.bias)
         self.c_proj = nn.Linear(d, d, bias=config.bias)
 
-    def forward(self, x, *, rope=None, kv_cache=None, pos=0, window=None, ve=None):
+    def forward(self, x, *, rope=None, cache=None, pos=0, window=None, ve=None):
         B, T, _ = x.shape
         q, k, v = self.c_attn(x).view(B, T, 3, self.n_head, self.head_dim).unbind(2)
         q, k, v = (h(t).transpose(1, 2) for h, t in ((self.hook_q, q), (self.hook_k, k), (self.hook_v, v)))
-        if kv_cache is None:  # training: the masked quadratic form
+        if cache is None:  # training: the masked quadratic form
             y = (q @ k.transpose(-1, -2)).tril() @ v
         else:  # generation: the state, one token at a time
             ys = []
             for t in range(T):
-                kv_cache.S = kv_cache.S + k[:, :, t, :, None] @ v[:, :, t, None, :]
-                ys.append(q[:, :, t, None] @ kv_cache.S)
+                cache.S = cache.S + k[:, :, t, :, None] @ v[:, :, t, None, :]
+                ys.append(q[:, :, t, None] @ cache.S)
             y = torch.cat(ys, dim=2)
         return self.project(x, y.transpose(1, 2))
 
@@ -99,8 +99,8 @@ def test_a_registered_kind_decodes_from_its_state_as_the_whole_sequence(toy):
     with torch.no_grad():
         whole = model(idx)
         cache = model.new_kv_cache(2, 12)
-        stepped = torch.cat([model(idx[:, :3], kv_cache=cache, pos=0)]
-                            + [model(idx[:, t:t + 1], kv_cache=cache, pos=t) for t in range(3, 12)], dim=1)
+        stepped = torch.cat([model(idx[:, :3], cache=cache, pos=0)]
+                            + [model(idx[:, t:t + 1], cache=cache, pos=t) for t in range(3, 12)], dim=1)
         torch.testing.assert_close(stepped, whole, atol=1e-5, rtol=1e-5)
         for block in model.blocks:  # the fastweights layers' output projections off: the logits must move
             if isinstance(block.attn, FastWeights):
@@ -180,3 +180,54 @@ def test_a_softmax_kind_registered_from_a_test_takes_windows_sinks_and_selection
     s = GPTConfig(vocab_size=40, block_size=64, n_layer=2, n_head=2, n_embd=16,
                   attn={"kind": "mine", "select": "moba", "select_block": 8, "select_topk": 2})
     assert s.ignored == [] and GPT(s).blocks[0].attn.select is not None
+
+
+def test_a_softmax_kind_registered_as_the_docstring_says_takes_qk_norm_and_gate_and_records_nothing_ignored(
+        monkeypatch):
+    """One row in KINDS: a softmax subclass with qk_norm=true and gate=head is built with both (its q and k
+    normed: every logit within scale·hs; its gate's weights in the layer), records nothing as ignored, and
+    two runs that differ in either key stay two arms in a report."""
+    from attention import CausalSelfAttention
+    from lab.arms import inert_keys
+    from lab.attnstats import logit_bound, reading_qk
+    from lab.config import check_train_config
+
+    class Mine(CausalSelfAttention):
+        pass
+    monkeypatch.setitem(variants.KINDS, "mine", Mine)
+    c = GPTConfig(vocab_size=40, block_size=16, n_layer=2, n_head=2, n_embd=16,
+                  attn={"kind": "mine", "qk_norm": True, "gate": "head"})
+    assert c.ignored == []
+    model = GPT(c).eval()
+    layer = model.blocks[0].attn
+    assert type(layer) is Mine and layer.gate is not None and layer.norm_kind == "rms"
+    with torch.no_grad():
+        model.wte.weight.mul_(1000)  # logits would grow with the input without the norm
+    seen = {}
+    with reading_qk(model, lambda i, attn, q, k: seen.setdefault(i, attn.scores(q, k)[0])):
+        model(torch.randint(0, 40, (2, 16)))
+    peak = max(s[torch.isfinite(s)].abs().max().item() for s in seen.values())
+    assert peak <= logit_bound(layer) * (1 + 1e-5) and logit_bound(layer) == pytest.approx(layer.scale * 8)
+    from helpers import compose_cfg
+    cfg = compose_cfg(overrides=["model=debug", "model.attn.kind=mine", "model.attn.qk_norm=true",
+                                 "model.attn.gate=head"])
+    assert check_train_config(cfg) == []  # what run_info.json's ignored_settings records
+    flat = {"model.attn.kind": "mine", "model.attn.qk_norm": True, "model.attn.gate": "head",
+            "model.attn.qk_norm_type": "rms", "model.attn.window": None, "model.attn.select": "none"}
+    assert not {"model.attn.qk_norm", "model.attn.gate"} & inert_keys(flat)  # they act: runs differing in them are two arms
+
+
+def test_a_mixer_that_builds_the_gate_but_takes_no_qk_norm_records_only_qk_norm_as_ignored(toy, monkeypatch):
+    class GatedFastWeights(FastWeights):
+        takes_gate = True
+    monkeypatch.setitem(variants.KINDS, "gatedfw", GatedFastWeights)
+    c = toy(attn={"kind": "gatedfw", "qk_norm": True, "gate": "head"})
+    assert c.ignored == ["model.attn.qk_norm=True has no effect unless a layer's kind takes it (model.attn.kind or "
+                         "model.attn.layer_kinds: softmax, linear; MLA's keys come from its latent, gdn normalises q "
+                         "and k itself): ignored (its default is False)"]
+    model = GPT(c)
+    assert all(b.attn.gate is not None for b in model.blocks)  # the gate it takes is built ...
+    assert count_params(c)["total"] == model.num_params()  # ... and counted by the gate itself
+    plain = toy(attn={"kind": "fastweights", "gate": "head"})
+    assert [line.split(" has no effect")[0] for line in plain.ignored] == ["model.attn.gate='head'"]
+    assert all(b.attn.gate is None for b in GPT(plain).blocks)  # a kind that does not take it gets none

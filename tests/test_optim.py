@@ -10,7 +10,8 @@ from lab.device import setup_runtime
 from rules import UserError
 from helpers import assert_same_training, cli_args, compose_cfg, metrics_without_timing
 from model import GPT, GPTConfig
-from lab.optim import MUON_NS_DTYPES, Muon, MuonAdamW, build_optimizer, lr_at, newton_schulz, set_lr, split_params, train_step
+from lab.optim import MUON_NS_DTYPES, Muon, MuonAdamW, build_optimizer, lr_at, newton_schulz, set_lr, split_params
+from train import train_step
 
 CPU = torch.device("cpu")
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}  # added to the environment of the CLI runs

@@ -21,10 +21,10 @@ from lab.config import check_train_config
 from lab.counting import activation_bytes, per_gpu_bytes
 from helpers import assert_same_training, compose_cfg, metrics_without_timing, variant_model
 from model import GPT, GPTConfig
-from lab.optim import build_optimizer, train_step
+from lab.optim import build_optimizer
 from lab.parallel import FullyShard, Replicated, checkpoint_blocks
 from sample import sample
-from train import train
+from train import train, train_step
 
 CPU32 = Runtime(torch.device("cpu"), torch.float32)
 

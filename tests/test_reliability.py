@@ -538,9 +538,12 @@ def test_a_token_file_cut_short_is_one_line_when_opened(tmp_path):
 
 def test_last_good_checkpoint_names_a_good_one(tmp_path, shared, monkeypatch):
     """A diverged run names the last checkpoint whose val loss is finite, not the newest on disk."""
-    real_estimate = train_module.estimate_loss
-    monkeypatch.setattr(train_module, "estimate_loss",
-                        lambda run: {"train": math.nan, "val": math.nan} if run.step == 20 else real_estimate(run))
+    real_estimate, calls = train_module.estimate_loss, []
+
+    def estimate(*args):  # evaluations at steps 0, 10, 20, ...: the third is step 20's
+        calls.append(1)
+        return {"train": math.nan, "val": math.nan} if len(calls) == 3 else real_estimate(*args)
+    monkeypatch.setattr(train_module, "estimate_loss", estimate)
     poison_training_forward(monkeypatch, from_call=24)  # step 23: the run diverges (lab/stability.py)
     result = train(make_cfg(tmp_path, shared, "train.max_iters=40", "train.keep_ckpts=5"))
     assert result["diverged"] and result["diverged_step"] == 24

@@ -41,9 +41,9 @@ def cached_logits(model, seq, prompt):
     """Logits for positions prompt-1 .. len-1: prefill seq[:prompt], then one token at a time."""
     cache = model.new_kv_cache(seq.size(0), model.config.block_size)
     with torch.no_grad():
-        out = [model(seq[:, :prompt], kv_cache=cache, pos=0)[:, -1]]
+        out = [model(seq[:, :prompt], cache=cache, pos=0)[:, -1]]
         for t in range(prompt, seq.size(1)):
-            out.append(model(seq[:, t:t + 1], kv_cache=cache, pos=t)[:, -1])
+            out.append(model(seq[:, t:t + 1], cache=cache, pos=t)[:, -1])
     return out
 
 
@@ -132,9 +132,9 @@ def test_cache_is_preallocated_not_concatenated():
     storage = cache[0].k.data_ptr()
     generate(model, torch.zeros(1, 1, dtype=torch.long), 40, temperature=0)
     with torch.no_grad():
-        model(torch.zeros(1, 3, dtype=torch.long), kv_cache=cache, pos=0)
+        model(torch.zeros(1, 3, dtype=torch.long), cache=cache, pos=0)
         for t in range(3, 40):
-            model(torch.zeros(1, 1, dtype=torch.long), kv_cache=cache, pos=t)
+            model(torch.zeros(1, 1, dtype=torch.long), cache=cache, pos=t)
     assert cache[0].k.data_ptr() == storage and cache[0].k.shape[2] == 16
 
 

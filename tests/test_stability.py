@@ -15,10 +15,11 @@ from lab.device import setup_runtime
 from helpers import REPO, SHAKESPEARE, TINY, compose_cfg, requires_shared
 from lab.attnstats import logit_bound
 from model import GPT, GPTConfig
-from lab.optim import build_optimizer, lr_at, set_lr, train_step, z_loss_term
+from lab.optim import build_optimizer, lr_at, set_lr
 from rules import UserError
 from lab.stability import Watch, spike_score
 from lab.config import short_name
+from train import train_step, z_loss_term
 
 CPU32 = setup_runtime("cpu", "float32")
 
@@ -317,9 +318,14 @@ def test_lr_view_computes_wortsman_sensitivity_per_seed_with_diverged_runs_at_th
     want_b = {1: statistics.fmean([2.1, 2.0, 2.05]) - 2.0, 2: statistics.fmean([2.1, 2.05, 2.1]) - 2.05}
     assert {k[0]: v for k, v in a.per_seed_sensitivity().items()} == pytest.approx(want_a)
     assert {k[0]: v for k, v in b.per_seed_sensitivity().items()} == pytest.approx(want_b)
-    lr_best, best, (lo, hi), width = b.best()
-    assert lr_best == 1e-2 and best == pytest.approx(2.025) and (lo, hi) == (1e-3, 1e-1) and width == pytest.approx(2)
-    assert a.best()[2] == (1e-2, 1e-2)  # mean 2.25 at 1e-3 is more than 0.1 above 2.05
+    lr_best, best = b.best()
+    assert lr_best == 1e-2 and best == pytest.approx(2.025)
+    assert b.edge()["whole"] == 2  # every lr within 0.1 nats of each seed's best
+    # A, seed 1: best 2.0 at 1e-2, 4.0 (diverged, counted at L0) at 1e-1: best + 0.1 crossed at
+    # log10 lr = -2 + (2.1 - 2.0) / (4.0 - 2.0); seed 2: best 2.1 at 1e-2, 3.0 at 1e-1: -2 + 0.1 / 0.9
+    logs = [-2 + 0.1 / 2.0, -2 + 0.1 / 0.9]
+    e = a.edge()
+    assert e["lr"] == pytest.approx(10 ** statistics.fmean(logs)) and e["whole"] == 0 and e["n"] == 2
     md = (tmp_path / "out" / "report.md").read_text()
     assert "## Learning-rate sweep" in md and "1 of 6" in md and "paired t" in md
     d = [want_b[s] - want_a[s] for s in (1, 2)]
@@ -334,3 +340,73 @@ def test_a_report_of_runs_with_one_lr_has_no_lr_view(tmp_path):
         make_run(tmp_path, f"r{seed}", 1e-3, False, seed, 2.0 + seed / 10)
     result = report([str(tmp_path)], out=str(tmp_path / "out"))
     assert result["lr_arms"] is None and "Learning-rate sweep" not in result["table"]
+
+
+def lr_sweep(root, rows: dict, diverged=(), min_lr_ratio=None):
+    """Runs {(qk, seed): {lr: loss}} of an lr sweep (diverged: the (qk, seed, lr) that diverged)."""
+    for (qk, seed), curve in rows.items():
+        for lr, loss in curve.items():
+            make_run(root, f"{qk}-{seed}-{lr}", lr, qk, seed, loss, diverged=(qk, seed, lr) in diverged)
+            if min_lr_ratio is not None:
+                cfg = yaml.safe_load((root / f"{qk}-{seed}-{lr}" / "config.yaml").read_text())
+                cfg["train"]["min_lr"] = lr * min_lr_ratio
+                (root / f"{qk}-{seed}-{lr}" / "config.yaml").write_text(yaml.safe_dump(cfg))
+
+
+def test_an_arm_where_every_run_diverged_has_no_sensitivity_and_says_so(tmp_path):
+    from tools.report import report
+    rows = {(False, s): {1e-2: 9.0, 1e-1: 9.0} for s in (1, 2)} | {(True, s): {1e-2: 2.0, 1e-1: 2.2} for s in (1, 2)}
+    lr_sweep(tmp_path, rows, diverged={(False, s, lr) for s in (1, 2) for lr in (1e-2, 1e-1)})
+    result = report([str(tmp_path)], out=str(tmp_path / "out"))
+    dead = next(a for a in result["lr_arms"] if "False" in a.label)
+    assert dead.per_seed_sensitivity() == {} and dead.best() == (None, None)
+    md = result["table"]
+    assert "no lr trains here (every run diverged)" in md and "0.000 ± 0.000" not in md
+    assert "no sensitivity in model.attn.qk_norm=False" in md  # no difference printed against it
+
+
+def test_an_arm_with_one_lr_has_no_sensitivity_and_no_difference_is_printed(tmp_path):
+    from tools.report import report
+    rows = {(False, s): {1e-2: 2.0 + s / 100} for s in (1, 2)} | \
+        {(True, s): {1e-3: 2.3, 1e-2: 2.0 + s / 50} for s in (1, 2)}
+    lr_sweep(tmp_path, rows)
+    result = report([str(tmp_path)], out=str(tmp_path / "out"))
+    one = next(a for a in result["lr_arms"] if "False" in a.label)
+    assert one.per_seed_sensitivity() == {} and one.unknowable().startswith("one lr (0.01)")
+    assert "1 lr in common: no comparison" in result["table"]
+
+
+def test_arms_over_different_grids_are_compared_on_their_common_lrs_and_it_is_said(tmp_path):
+    from lab.lr_view import compare_sensitivity
+    from tools.report import report
+    a = {1e-3: 2.2, 1e-2: 2.0, 1e-1: 3.0}
+    b = {1e-3: 2.1, 1e-2: 2.0, 1e-1: 2.05, 3e-1: 2.5}
+    lr_sweep(tmp_path, {(False, 1): a, (False, 2): {k: v + 0.05 for k, v in a.items()},
+                        (True, 1): b, (True, 2): {k: v + 0.02 for k, v in b.items()}})
+    result = report([str(tmp_path)], out=str(tmp_path / "out"))
+    x, y = sorted(result["lr_arms"], key=lambda arm: arm.label)
+    c = compare_sensitivity(x, y)
+    common = [1e-3, 1e-2, 1e-1]  # 3e-1 left out: by hand, each seed's sensitivity over these three
+    want = [statistics.fmean([b[lr] + d for lr in common]) - min(b[lr] + d for lr in common)
+            - (statistics.fmean([a[lr] + e for lr in common]) - min(a[lr] + e for lr in common))
+            for d, e in ((0, 0), (0.02, 0.05))]
+    assert c["diff"] == pytest.approx(statistics.fmean(want))
+    assert c["note"] == "on the common lrs only: 0.001, 0.01, 0.1" and c["note"] in result["table"]
+
+
+def test_a_per_run_floor_of_lr_over_ten_keeps_the_runs_in_one_arm(tmp_path):
+    from tools.report import report
+    lr_sweep(tmp_path, {(False, s): {1e-3: 2.2, 1e-2: 2.0 + s / 100} for s in (1, 2)}, min_lr_ratio=0.1)
+    result = report([str(tmp_path)], out=str(tmp_path / "out"))
+    assert len(result["lr_arms"]) == 1 and len(result["lr_arms"][0].points) == 4
+
+
+def test_an_lr_sweep_compares_arms_at_equal_lr_never_across_lrs(tmp_path):
+    from tools.report import report
+    rows = {(qk, s): {1e-3: 2.2 + qk / 10, 1e-2: 2.0 + s / 100} for qk in (False, True) for s in (1, 2)}
+    lr_sweep(tmp_path, rows)
+    result = report([str(tmp_path)], out=str(tmp_path / "out"))
+    lr_of = {a.label: a.runs[0].config["train.lr"] for a in result["arms"]}
+    assert result["comparisons"] and all(lr_of[c["a"]] == lr_of[c["b"]] for c in result["comparisons"])
+    assert len(result["comparisons"]) == 2  # qk_norm=True against False, at 1e-3 and at 1e-2
+

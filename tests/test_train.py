@@ -73,7 +73,7 @@ def test_gradient_accumulation_equals_bigger_batch(train_cfg, tmp_path):
     of the model before the step on all 8 rows (not the last micro-batch's)."""
     from lab.device import Runtime
     from model import GPT, GPTConfig
-    from lab.optim import train_step
+    from train import train_step
     torch.manual_seed(0)
     cfg = GPTConfig(vocab_size=30, block_size=8, n_layer=1, n_head=2, n_embd=16)
     a, b = GPT(cfg), GPT(cfg)

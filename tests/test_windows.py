@@ -31,10 +31,10 @@ def test_windowed_cache_holds_the_window_and_equals_recomputation(static):
         full = model(idx)
         cache = model.new_kv_cache(2, 64, static=static)
         assert [c.length for c in cache] == [6, 64, 6]
-        steps = [model(idx[:, :9], kv_cache=cache, pos=0)]  # a prefill longer than the window
+        steps = [model(idx[:, :9], cache=cache, pos=0)]  # a prefill longer than the window
         for t in range(9, 30):
             pos = torch.tensor([t]) if static else t
-            steps.append(model(idx[:, t:t + 1], kv_cache=cache, pos=pos))
+            steps.append(model(idx[:, t:t + 1], cache=cache, pos=pos))
     assert torch.allclose(torch.cat(steps, 1), full, atol=1e-5)
 
 

@@ -32,7 +32,7 @@ from hydra.core.config_store import ConfigStore
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as tools/X.py: the repo's modules
 
-from attention import rope_freqs  # noqa: E402
+from attention import rope_table  # noqa: E402
 from lab.counting import saved_bytes  # noqa: E402
 from lab.cli import cli, run_app  # noqa: E402
 from files import check_output_file  # noqa: E402
@@ -102,7 +102,7 @@ def step(layer, x, rope):
 def decode_step(layer, x, rope, cache, N):
     """One generated token at position N: its query against the context's cache (or the state), no grad."""
     with torch.no_grad():
-        return layer(x, rope=rope[N:N + 1], kv_cache=cache, pos=N)
+        return layer(x, rope=rope[N:N + 1], cache=cache, pos=N)
 
 
 def predicted_macs(path, c, N, batch) -> int:
@@ -132,7 +132,7 @@ def bench_attention(cfg) -> dict:
         layers = {}
         for path in cfg.paths:
             layer, c = layer_for(path, cfg, N)
-            rope = rope_freqs(c.head_dim, N + 1, c.rope_base)
+            rope = rope_table(c.head_dim, N + 1, c.rope_base)
             layers[path] = (layer, rope, c)
             memory = saved_bytes(lambda: layer(x, rope=rope[:N]))  # the forward's saved tensors, x excluded below
             step(layer, x, rope[:N])  # warm-up: the first call of a shape allocates
@@ -141,7 +141,7 @@ def bench_attention(cfg) -> dict:
             if cfg.decode and path in DECODES:  # the cache of a context of N, filled once
                 cache = layer.new_cache(cfg.batch_size, N + 1)
                 with torch.no_grad():
-                    layer(x.detach(), rope=rope[:N], kv_cache=cache, pos=0)
+                    layer(x.detach(), rope=rope[:N], cache=cache, pos=0)
                 token = x.detach()[:, -1:]
                 decode_step(layer, token, rope, cache, N)  # warm-up
                 layers[path] += (cache, token)

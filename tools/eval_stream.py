@@ -79,9 +79,9 @@ def stream_logits(model, ids, policy: str, sinks: int = 4, dtype=None) -> torch.
             logits.extend(model(chunk)[:, -1])
         return torch.stack(logits).float()
     cache = model.new_kv_cache(1, L, dtype=dtype, sinks=sinks if policy == "sinks" else 0)
-    logits = [model(ids[None, :1], kv_cache=cache, pos=0)[0, -1]]
+    logits = [model(ids[None, :1], cache=cache, pos=0)[0, -1]]
     for t in range(1, n - 1):
-        logits.append(model(ids[None, t:t + 1], kv_cache=cache, pos=t)[0, -1])
+        logits.append(model(ids[None, t:t + 1], cache=cache, pos=t)[0, -1])
     return torch.stack(logits).float()
 
 

@@ -22,12 +22,12 @@ from files import check_output_dir  # noqa: E402
 from lab.plots import plt, save_figure  # noqa: E402
 from rules import UserError  # noqa: E402
 from lab.intervals import describe  # noqa: E402
-from lab.arms import default_out, find_runs, group_arms, summarize  # noqa: E402
+from lab.arms import RunSummary, default_out, find_runs, group_arms, summarize  # noqa: E402
 
 PAIRS = "data.pairs"
 
 
-def final_recall(run) -> dict:
+def final_recall(run: RunSummary) -> dict:
     """{pairs: the last evaluation's recall} of a run: each number of pairs it trained on."""
     last = [m for m in run.metrics if "val/recall_acc" in m][-1]
     mixed = {int(k.rsplit("pairs", 1)[1]): v for k, v in last.items() if k.startswith("val/recall_acc/pairs")}

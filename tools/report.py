@@ -14,7 +14,8 @@ a verdict in words. One run per arm gives no interval, and the report says so.
 
 Runs that vary train.lr get the learning-rate view besides (lab/lr_view.py): an arm is then every setting
 but the seeds and the lr; loss against lr, the LR sensitivity with its interval, the best lr and the
-basin, diverged runs counted at their step-0 loss; loss_vs_lr.png and logit_entropy_steps.png.
+edge lr, diverged runs counted at their step-0 loss; loss_vs_lr.png and logit_entropy_steps.png. Its
+arms in the tables above are then compared at equal lr only, never across lrs.
 
 Writes into --out (default: the sweep dir when given one, else outputs/report): report.md, val_loss.png
 and attn_stats.png (mean per arm with a band over seeds), sinks.png (the top head's weight on the
@@ -36,7 +37,7 @@ from files import check_output_dir  # noqa: E402
 from rules import UserError  # noqa: E402
 from lab.plots import plot_bands, plot_head_roles_compare, series  # noqa: E402
 from lab.intervals import describe, paired_interval, welch_interval  # noqa: E402
-from lab.lr_view import lr_view  # noqa: E402
+from lab.lr_view import lr_free, lr_view  # noqa: E402
 from lab.arms import Arm, arm_key, default_out, find_runs, group_arms, newer_keys, summarize  # noqa: E402
 
 METRICS = [  # (name, column title, format)
@@ -189,8 +190,15 @@ def report(paths, out=None, baseline=None) -> dict:
     if baseline is not None and baseline not in [a.label for a in arms]:
         raise UserError(f"--baseline {baseline!r} is not an arm; the arms are: " + "; ".join(a.label for a in arms))
     base = next((a for a in arms if a.label == baseline), arms[0])
-    pairs = [(base, a) for a in arms if a is not base] if baseline or len(arms) > 5 else \
-        list(itertools.combinations(arms, 2))
+    lr_sweep = len({repr(r.config.get("train.lr")) for r in runs}) > 1
+    if lr_sweep:  # arms are compared at equal lr, each with the baseline's setting at that lr; never across lrs
+        setting = lambda a: arm_key(lr_free(a.runs[0].config), a.runs[0].dir, newer_keys([r.config for r in runs]))  # noqa: E731
+        lr_of = lambda a: repr(a.runs[0].config.get("train.lr"))  # noqa: E731
+        pairs = [(b, a) for b in arms if setting(b) == setting(base) for a in arms
+                 if a is not b and lr_of(a) == lr_of(b)]
+    else:
+        pairs = [(base, a) for a in arms if a is not base] if baseline or len(arms) > 5 else \
+            list(itertools.combinations(arms, 2))
     comparisons = [compare(a, b) for a, b in pairs]
     out.mkdir(parents=True, exist_ok=True)
     files = [plot_arm_bands(arms, out / "val_loss.png", [("val/loss", "val loss (nats/token)")])]
@@ -203,7 +211,7 @@ def report(paths, out=None, baseline=None) -> dict:
             ("attn_first/top", "top head's weight on the first token"), ("act_max/max", "largest activation")]))
     if any(a.values("recall_acc") for a in arms):  # data=mqar
         files.append(plot_arm_bands(arms, out / "recall.png", [("val/recall_acc", "recall accuracy (val)")]))
-    if len(arms) > 1:
+    if len(arms) > 1 and not lr_sweep:  # an lr sweep's differences are its pairs at equal lr (the table)
         lines = [(f"{a.label}{' (paired by seed)' if paired else ''}", 0, *curve)
                  for a in arms if a is not base for *curve, paired in [difference_curve(base, a)]]
         files.append(plot_bands(lines, out / "val_loss_diff.png",
@@ -213,12 +221,13 @@ def report(paths, out=None, baseline=None) -> dict:
                 for a in arms for r in a.runs]
         files.append(plot_head_roles_compare(rows, out / "attn_heads.png"))
     lr = None
-    if len({repr(r.config.get("train.lr")) for r in runs}) > 1:  # an lr sweep: its own view (lab/lr_view.py)
+    if lr_sweep:  # its own view (lab/lr_view.py)
         newer = newer_keys([r.config for r in runs])
-        lr = lr_view(runs, lambda r: arm_key({k: v for k, v in r.config.items() if k != "train.lr"}, r.dir, newer),
-                     out)
+        lr = lr_view(runs, lambda r: arm_key(lr_free(r.config), r.dir, newer), out)
         files += lr["files"]
+    same_lr = "Arms of an lr sweep are compared at equal lr only (the LR view below compares whole curves)."
     md = "\n\n".join(p for p in [arm_table(arms), pairs_table(comparisons) if comparisons else "",
+                                  same_lr if lr_sweep else "",
                                   "## Learning-rate sweep\n\n" + lr["table"] if lr else "", ignored_lines(arms),
                                   footnote(arms)] if p)
     (out / "report.md").write_text(md + "\n")

@@ -29,11 +29,13 @@ The tables below map each config value to its piece. model.py reads them once, a
 table's keys. A new kind is one file and one row of KINDS, nothing else: a subclass of
 mixer.Mixer (or of attention.CausalSelfAttention, for a softmax kind that overrides named methods)
 with its make_projections, forward, new_cache and its counts (params, projections, mixing_macs,
-cache_bytes or state_numbers; flags softmax, recurrent, selects; rope_width; kv_heads), which
-lab/counting.py, the probe and generation ask; a static `check(config)` that refuses, in one line, the
-options it cannot take and returns those it ignores; `effective_attention` if the maps should draw
-it. tests/test_mixer.py registers such a kind from a test file. An add-on fills a slot instead: a row
-in PATHS, BIASES, SINKS, GATES or SELECTS.
+cache_rows or state_numbers; rope_width; kv_heads) and its flags (softmax, recurrent, selects,
+takes_qk_norm, takes_gate, groups_kv, options: what the config checks ask, so a key the kind takes is
+never reported as ignored), which lab/counting.py, the probe and generation ask; a static
+`check(config)` that refuses, in one line, the options it cannot take and returns those it ignores;
+`effective_attention` if the maps should draw it. tests/test_mixer.py registers such a kind from a
+test file. An add-on fills a slot instead: a row in PATHS, BIASES, SINKS, GATES or SELECTS; the
+pieces count their own parameters and bytes (a gate's params, a sink's, an int8 cache's token_bytes).
 """
 from dataclasses import dataclass
 from functools import partial
@@ -42,7 +44,7 @@ from typing import ClassVar, List, Optional
 import torch
 import torch.nn.functional as F
 
-from attention import CausalSelfAttention, Mask, reference_attention
+from attention import CausalSelfAttention, Mask, reference_attention, sdpa_attention
 from kv_cache import KVCache, StaticKVCache
 from rules import Needs, OneOf, Range, Rule, UserError, positive_number
 from variants.alibi import ALiBi
@@ -59,7 +61,7 @@ from variants.oracle import Oracle
 from variants.positions import LearnedPositions, SinusoidalPositions
 from variants.rope_scaling import ROPE_SCALINGS  # noqa: F401  (model.rope_scaling: none, linear, ntk, yarn)
 from variants.sink_cache import SinkKVCache
-from variants.sinks import learned_sink, sdpa_with_sink, zero_sink
+from variants.sinks import LearnedSink, ZeroSink
 from variants.selected import gathered_attention
 from variants.tiled import tiled_attention
 
@@ -68,12 +70,12 @@ from variants.tiled import tiled_attention
 KINDS = {"softmax": CausalSelfAttention, "linear": LinearAttention, "mla": LatentAttention,  # model.attn.kind,
          "gdn": GatedDeltaNet, "mamba2": Mamba2}  # or each layer's: model.attn.layer_kinds
 PATHS = {  # model.attn.impl: the path, given the tile size (model.attn.block)
-    "sdpa": lambda block: sdpa_with_sink,  # attention.sdpa_attention, or with a sink its key added (variants/sinks.py)
+    "sdpa": lambda block: sdpa_attention,  # a layer with a sink: the sink's wrap (variants/sinks.py)
     "reference": lambda block: reference_attention,
     "tiled": lambda block: partial(tiled_attention, block=block),
     "gathered": lambda block: gathered_attention,  # with select=moba: only the chosen blocks (variants/selected.py)
 }
-SINKS = {"none": None, "zero": zero_sink, "learned": learned_sink}  # model.attn.sink
+SINKS = {"none": None, "zero": ZeroSink, "learned": LearnedSink}  # model.attn.sink
 GATES = {"none": None, "head": HeadGate, "channel": ChannelGate}  # model.attn.gate
 SELECTS = {"none": None, "moba": MoBA, "oracle": Oracle, "indexer": Indexer}  # model.attn.select
 POSITIONS = {"rope": None, "none": None, "alibi": None,  # model.pos: a table added to the embeddings,
@@ -130,15 +132,17 @@ class AttnConfig:
     SOFTMAX: ClassVar[Needs] = Needs(lambda a: softmax_kinds(a), "a layer is softmax or mla ({p}kind "
                                      "or {p}layer_kinds: the others have no softmax, no logits, no N x N table)")
     QK_NORM: ClassVar[Needs] = Needs(lambda a: a.qk_norm, "{p}qk_norm=true")
-    MLA: ClassVar[Needs] = Needs(lambda a: "mla" in kinds(a), "a layer is mla ({p}kind or {p}layer_kinds)")
     NEEDS: ClassVar[dict] = {
         "impl": SOFTMAX, "scale": SOFTMAX, "window": SOFTMAX, "sink": SOFTMAX, "softcap": SOFTMAX, "qk_norm_type": QK_NORM,
-        "qk_norm_gain": QK_NORM, "kv_lora_rank": MLA, "q_lora_rank": MLA, "rope_head_dim": MLA,
-        "qk_norm": Needs(lambda a: kinds(a) & {"softmax", "linear"}, "a layer is softmax or linear ({p}kind or "
-                         "{p}layer_kinds: MLA's keys come from its latent, gdn normalises q and k itself)"),
-        "gate": Needs(lambda a: kinds(a) & {"softmax", "linear", "mla"}, "a layer is softmax, linear or mla "
-                      "({p}kind or {p}layer_kinds: gdn and mamba2 gate their output themselves)"),
-        "state_dim": Needs(lambda a: "mamba2" in kinds(a), "a layer is mamba2 ({p}kind or {p}layer_kinds)"),
+        "qk_norm_gain": QK_NORM,
+        "qk_norm": Needs(lambda a: taking(a, "takes_qk_norm"), "a layer's kind takes it ({p}kind or {p}layer_kinds: "
+                         + ", ".join(k for k in KINDS if KINDS[k].takes_qk_norm) + "; MLA's keys come from its latent, "
+                         "gdn normalises q and k itself)"),
+        "gate": Needs(lambda a: taking(a, "takes_gate"), "a layer's kind takes it ({p}kind or {p}layer_kinds: "
+                      + ", ".join(k for k in KINDS if KINDS[k].takes_gate) + "; gdn and mamba2 gate their output themselves)"),
+        **{key: Needs(lambda a, key=key: [k for k in kinds(a) if key in KINDS[k].options],
+                      "a layer is " + " or ".join(k for k in KINDS if key in KINDS[k].options) + " ({p}kind or {p}layer_kinds)")
+           for key in sorted({o for kind in KINDS.values() for o in kind.options})},  # a kind's own options
         "kind": Needs(lambda a: not a.layer_kinds, "{p}layer_kinds is unset (it names every layer's kind)"),
         "block": Needs(lambda a: a.impl == "tiled", "{p}impl=tiled"),
         "window_pattern": Needs(lambda a: a.window is not None, "{p}window=W"),
@@ -148,6 +152,11 @@ class AttnConfig:
         **dict.fromkeys(("indexer_heads", "indexer_dim", "indexer_kl"), Needs(lambda a: a.select == "indexer",
                                                                             "{p}select=indexer")),
     }
+
+
+def taking(a, flag: str) -> set:
+    """The kinds the layers have whose class sets `flag` (takes_qk_norm, takes_gate, groups_kv, ...)."""
+    return {k for k in kinds(a) if getattr(KINDS[k], flag)}
 
 
 def kinds(a) -> set:
@@ -173,9 +182,10 @@ def layer_kind(a, layer: int) -> str:
 def make_attention(config, layer: int):
     """Layer `layer`'s mixer: its kind, with its slots filled from the table."""
     a, kind = config.attn, KINDS[layer_kind(config.attn, layer)]
-    return kind(config, layer, path=PATHS[a.impl](a.block), bias=BIASES.get(config.pos),
-                sink=SINKS[a.sink] if kind.softmax else None, gate=GATES[a.gate],
-                select=SELECTS[a.select] if kind.selects else None)
+    sink = SINKS[a.sink] if kind.softmax else None
+    path = PATHS[a.impl](a.block)
+    return kind(config, layer, path=sink.wrap(path) if sink else path, bias=BIASES.get(config.pos), sink=sink,
+                gate=GATES[a.gate] if kind.takes_gate else None, select=SELECTS[a.select] if kind.selects else None)
 
 
 def check(config) -> list:
@@ -185,10 +195,12 @@ def check(config) -> list:
     if config.attn.impl in ("tiled", "gathered") and config.dropout > 0:
         raise UserError(f"model.attn.impl={config.attn.impl} does not drop attention weights: set model.dropout=0 "
                         f"(now {config.dropout}) or use impl=sdpa")
-    if "mla" in used and used & {"softmax", "linear"} and config.pos == "rope":
-        raise UserError(f"model.attn.layer_kinds={list(config.attn.layer_kinds)} mixes mla with softmax or linear "
-                        "layers, whose RoPE rotates a whole head while MLA's rotates its own small part: not "
-                        "implemented; mix mla with gdn or mamba2, or use model.pos=none")
+    rotating = {k: KINDS[k].rotates_heads for k in used if KINDS[k].rope_width(config) is not None}
+    if config.pos == "rope" and len(set(rotating.values())) > 1:  # RoPE of a whole head beside a part of one
+        whole, part = (sorted(k for k, v in rotating.items() if v == w) for w in (True, False))
+        raise UserError(f"model.attn.layer_kinds={list(config.attn.layer_kinds)} mixes {' and '.join(part)} with "
+                        f"{' and '.join(whole)} layers, whose RoPE rotates a whole head while {part[0]}'s rotates its "
+                        f"own small part: not implemented; mix {part[0]} with kinds without RoPE, or use model.pos=none")
     if config.attn.select != "none" and selecting_kinds(config.attn):
         taken = {"a window": config.attn.window is not None, "ALiBi": config.pos == "alibi",
                  "the tiled path": config.attn.impl == "tiled"}
@@ -219,12 +231,16 @@ def check(config) -> list:
     if config.attn.impl == "gathered" and config.attn.select != "moba" and selecting_kinds(config.attn):  # sdpa's mask then
         ignored.append(f"model.attn.impl='gathered' has no effect unless model.attn.select=moba (the blocks it reads; "
                        f"now {config.attn.select!r}): ignored (its default is 'sdpa')")
+    if config.n_kv_head not in (None, config.n_head) and not taking(a, "groups_kv"):
+        first = layer_kind(a, 0)
+        ignored.append(f"model.n_kv_head={config.n_kv_head} has no effect on a {first} layer "
+                       f"({KINDS[first].ungrouped}): ignored")
     for name in sorted(used):
         ignored += getattr(KINDS[name], "check", lambda c: [])(config)
     return list(dict.fromkeys(ignored))
 
 
-def kv_cache(dtype=None, static: bool = False, sinks: int = 0, theta=None):
+def cache_maker(dtype=None, static: bool = False, sinks: int = 0, theta=None):
     """The KV cache sample.py's settings ask for, as a maker for new_cache: StaticKVCache for a
     compiled decode step, Int8KVCache for dtype=torch.int8, SinkKVCache keeping `sinks` first tokens
     (theta: RoPE's frequencies, to move its keys), else KVCache."""
@@ -243,4 +259,9 @@ def attention(q, k, v, scale: float, *, impl: str = "sdpa", block: int = 128, ca
     hs) and k, v (B, n_kv, Tk, hs), M causal (the queries the last Tq positions; within `window` if
     given) or nothing (causal=False); keys: what else every path takes (bias, sink, dropout_p)."""
     mask = Mask(q.size(-2), k.size(-2), window) if causal else None
-    return PATHS[impl](block)(q, k, v, scale=scale, mask=mask, **keys)
+    path = PATHS[impl](block)
+    if keys.get("sink") is not None:
+        path = ZeroSink.wrap(path)
+    elif "sink" in keys:
+        del keys["sink"]  # no sink: the paths' own signature
+    return path(q, k, v, scale=scale, mask=mask, **keys)

@@ -19,6 +19,11 @@ class HeadGate(nn.Linear):
     def width(config) -> int:
         return 1
 
+    @classmethod
+    def params(cls, c) -> int:
+        """W_g's weights: n_embd inputs, n_head * width outputs (lab/counting.py adds them to the layer's)."""
+        return c.n_embd * c.n_head * cls.width(c)
+
     def transform(self, x, y):
         """y (B, T, nh, hs) gated by sigmoid(x W_g) (B, T, nh, 1 or hs)."""
         return y * torch.sigmoid(self(x)).view(*y.shape[:3], -1)

@@ -33,16 +33,6 @@ from mixer import Mixer
 CONV = 4  # the short convolution's kernel
 
 
-def ignores_kv_heads(kind: str, why: str):
-    """The check(config) of a kind without grouped keys and values: model.n_kv_head is ignored, and said,
-    unless a softmax or linear layer of a hybrid uses it."""
-    def check(config) -> list:
-        grouped = {"softmax", "linear"} & set(config.attn.layer_kinds or [config.attn.kind])
-        return [] if config.n_kv_head == config.n_head or grouped else [
-            f"model.n_kv_head={config.n_kv_head} has no effect on a {kind} layer ({why}): ignored"]
-    return staticmethod(check)
-
-
 class GatedRMSNorm(nn.Module):
     """The output gate: RMSNorm(y) * SiLU(x W_g), per head (the norm's weight shared by the heads, as
     the paper's), or, with gate_first (Mamba-2's order), RMSNorm(y * SiLU(x W_g)) over all heads."""
@@ -138,12 +128,11 @@ class GatedDeltaNet(Mixer):
     """A sibling of softmax attention under mixer.Mixer: its hooks (hook_q, hook_k, hook_v after the
     convolution and the L2 norm; hook_z), its own output gate in the gate slot, a recurrent state."""
     recurrent = True  # a constant-size state, no KV cache (no softmax weights: the probe has no statistics)
+    ungrouped = "its q, k and v have n_head heads each"  # why model.n_kv_head does nothing here
     chunk = 64  # positions per chunk of the training form
 
     def __init__(self, config, layer: int, **slots):  # the softmax slots (path, bias, sink, select) do not apply
         super().__init__(config, layer, gate=GatedRMSNorm)  # its own output gate
-
-    check = ignores_kv_heads("gdn", "its q, k and v have n_head heads each")
 
     @classmethod
     def projections(cls, c) -> dict:
@@ -234,20 +223,20 @@ class GatedDeltaNet(Mixer):
         return RecurrentState(batch_size, self.n_head, self.head_dim, self.head_dim, 3 * self.n_head * self.head_dim,
                               device, torch.promote_types(dtype, torch.float32))
 
-    def forward(self, x, *, rope=None, kv_cache=None, pos=0, window=None, ve=None):
-        """x (B, T, C) -> (B, T, C); kv_cache: this layer's RecurrentState, continued from where it was."""
+    def forward(self, x, *, rope=None, cache=None, pos=0, window=None, ve=None):
+        """x (B, T, C) -> (B, T, C); cache: this layer's RecurrentState, continued from where it was."""
         B, T, _ = x.shape
-        qkv = self.conv(self.c_attn(x), None if kv_cache is None else kv_cache.conv)
+        qkv = self.conv(self.c_attn(x), None if cache is None else cache.conv)
         q, k, v = qkv.view(B, T, 3, self.n_head, self.head_dim).unbind(2)
         q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
         acc = torch.promote_types(x.dtype, torch.float32)  # the recurrence in at least fp32
         q, k, v = (h(t).transpose(1, 2).to(acc) for h, t in ((self.hook_q, q), (self.hook_k, k), (self.hook_v, v)))
         beta, log_alpha = self.gates(x)
-        if kv_cache is not None and T == 1:  # a decode step: the recurrence
-            o, S = gated_delta_step(q[:, :, 0], k[:, :, 0], v[:, :, 0], beta[..., 0], log_alpha[..., 0], kv_cache.S)
+        if cache is not None and T == 1:  # a decode step: the recurrence
+            o, S = gated_delta_step(q[:, :, 0], k[:, :, 0], v[:, :, 0], beta[..., 0], log_alpha[..., 0], cache.S)
             o = o.unsqueeze(2)
         else:  # training, a prefill or a segment: the chunked form
-            o, S = chunked_gated_delta(q, k, v, beta, log_alpha, None if kv_cache is None else kv_cache.S, self.chunk)
-        if kv_cache is not None:
-            kv_cache.S.copy_(S)
+            o, S = chunked_gated_delta(q, k, v, beta, log_alpha, None if cache is None else cache.S, self.chunk)
+        if cache is not None:
+            cache.S.copy_(S)
         return self.project(x, o.transpose(1, 2).to(x.dtype))

@@ -52,7 +52,7 @@ from variants.rope_scaling import ROPE_SCALINGS
 
 def turn(x, pos, theta, sign: int = 1):
     """x (..., T, d) rotated as RoPE rotates it at positions pos (T,): by pos·theta_j on channel pair j
-    (sign -1: by minus that, undoing the rotation). pos·theta is the product attention.rope_freqs forms,
+    (sign -1: by minus that, undoing the rotation). pos·theta is the product attention.rope_table forms,
     so the angles are the model's to the bit."""
     angles = pos.to(torch.float32)[:, None] * theta  # (T, d/2)
     return apply_rope(x, torch.stack((angles.cos(), sign * angles.sin()), dim=-1))
@@ -81,7 +81,7 @@ class Indexer(nn.Module, Selection):
         self.wk = nn.Linear(config.n_kv_head * config.head_dim, self.dim, bias=False)  # k^I
         self.theta = self.own_theta = None  # without RoPE there is no rotation to undo, and none of its own
         if config.pos == "rope":
-            # the frequencies GPT.rope_frequencies gives the layers
+            # the frequencies GPT.rope_theta gives the layers
             scaling = ROPE_SCALINGS[config.rope_scaling if config.rope_scaling_factor != 1 else "none"]
             self.theta = partial(scaling, config.rope_dim, config.rope_base, config.rope_scaling_factor,
                                  config.rope_original_length)

@@ -12,8 +12,15 @@ import torch
 
 from kv_cache import KVCache
 
+SCALE_BYTES = 4  # each row's fp32 scale
+
 
 class Int8KVCache(KVCache):
+    @staticmethod
+    def token_bytes(rows: list, dtype_bytes: int = 1) -> int:
+        """Bytes one token adds: each row (a kind's cache_rows) a byte per element and its scale."""
+        return sum(rows) + SCALE_BYTES * len(rows)
+
     def __init__(self, batch_size, n_kv_head, length, head_dim, device=None, dtype=torch.float32, v_dim=None):
         super().__init__(batch_size, n_kv_head, length, head_dim, device, torch.int8, v_dim)
         self.k_scale = torch.zeros(batch_size, n_kv_head, length, 1, device=device, dtype=torch.float32)

@@ -69,8 +69,8 @@ class LinearAttention(CausalSelfAttention):
         return c.n_kv_head * hs * (hs + 1) + local, c.n_head * hs * (hs + 1) + local
 
     @classmethod
-    def cache_bytes(cls, c, dtype_bytes: int = 4, int8: bool = False, n_kv_head=None) -> int:
-        return 0
+    def cache_rows(cls, c, n_kv_head=None) -> list:
+        return []  # a recurrent state, nothing per token
 
     @classmethod
     def state_numbers(cls, c) -> int:
@@ -112,8 +112,8 @@ class LinearAttention(CausalSelfAttention):
         keep a float state)."""
         return LinearState(batch_size, self.n_kv_head, self.head_dim, device, torch.promote_types(dtype, torch.float32))
 
-    def forward(self, x, *, rope=None, kv_cache=None, pos=0, window=None, ve=None):
-        """x (B, T, C) -> (B, T, C); kv_cache: this layer's LinearState (prefill or one decode step)."""
+    def forward(self, x, *, rope=None, cache=None, pos=0, window=None, ve=None):
+        """x (B, T, C) -> (B, T, C); cache: this layer's LinearState (prefill or one decode step)."""
         B, T, C = x.shape
         (qn, qd), (kn, kd), v = self.features(x, rope, ve)  # numerator (rotated) and denominator features
         g = self.n_head // self.n_kv_head
@@ -122,13 +122,13 @@ class LinearAttention(CausalSelfAttention):
         kn, kd, v = kn.to(acc), kd.to(acc), v.to(acc)
         z = torch.cumsum(kd, dim=2)  # (B, n_kv, T, hs): z_i, a prefix sum
         S0 = None
-        if kv_cache is not None:  # start from the state before this input (prefill or decode)
-            S0, z = kv_cache.S, z + kv_cache.z.unsqueeze(2)
+        if cache is not None:  # start from the state before this input (prefill or decode)
+            S0, z = cache.S, z + cache.z.unsqueeze(2)
         num, S = self.chunked_numerator(qn, kn, v, S0)  # φ(q_i)ᵀ S_i (B, n_kv, g, T, hs) and S_T
         den = torch.einsum("bkgtd,bktd->bkgt", qd, z)  # φ(q_i)ᵀ z_i > 0
-        if kv_cache is not None:  # the recurrent form's state, for the next step
-            kv_cache.S.copy_(S)
-            kv_cache.z.copy_(z[:, :, -1])
+        if cache is not None:  # the recurrent form's state, for the next step
+            cache.S.copy_(S)
+            cache.z.copy_(z[:, :, -1])
         y = (num / den.unsqueeze(-1)).to(x.dtype).reshape(B, self.n_head, T, -1)
         return self.project(x, y.transpose(1, 2))
 

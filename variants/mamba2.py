@@ -27,7 +27,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from mixer import Mixer
-from variants.gdn import CONV, GatedRMSNorm, RecurrentState, ShortConv, ignores_kv_heads
+from variants.gdn import CONV, GatedRMSNorm, RecurrentState, ShortConv
 
 
 def chunked_ssd(x, a, Bm, Cm, h0=None, chunk: int = 64):
@@ -67,12 +67,12 @@ class Mamba2(Mixer):
     """A sibling of softmax attention under mixer.Mixer: hook_z, its own output gate in the gate slot,
     a recurrent state."""
     recurrent = True  # a constant-size state, no KV cache (no softmax weights: the probe has no statistics)
+    ungrouped = "B and C are shared by every head"  # why model.n_kv_head does nothing here
+    options = ("state_dim",)
     chunk = 64  # positions per chunk of the training form
 
     def __init__(self, config, layer: int, **slots):  # the softmax slots (path, bias, sink, select) do not apply
         super().__init__(config, layer, gate=partial(GatedRMSNorm, gate_first=True))
-
-    check = ignores_kv_heads("mamba2", "B and C are shared by every head")
 
     @staticmethod
     def state_width(c) -> int:
@@ -167,15 +167,15 @@ class Mamba2(Mixer):
                               self.n_head * self.head_dim + 2 * self.state_dim, device,
                               torch.promote_types(dtype, torch.float32))
 
-    def forward(self, x, *, rope=None, kv_cache=None, pos=0, window=None, ve=None):
-        """x (B, T, C) -> (B, T, C); kv_cache: this layer's RecurrentState, continued from where it was."""
-        xs, dt, a, Bm, Cm = self.mixer_inputs(x, None if kv_cache is None else kv_cache.conv)
-        if kv_cache is not None and x.size(1) == 1:  # a decode step: the recurrence
-            y, h = ssd_step(xs[:, :, 0] * dt[..., :1], a[..., 0], Bm[:, 0], Cm[:, 0], kv_cache.S)
+    def forward(self, x, *, rope=None, cache=None, pos=0, window=None, ve=None):
+        """x (B, T, C) -> (B, T, C); cache: this layer's RecurrentState, continued from where it was."""
+        xs, dt, a, Bm, Cm = self.mixer_inputs(x, None if cache is None else cache.conv)
+        if cache is not None and x.size(1) == 1:  # a decode step: the recurrence
+            y, h = ssd_step(xs[:, :, 0] * dt[..., :1], a[..., 0], Bm[:, 0], Cm[:, 0], cache.S)
             y = y.unsqueeze(2)
         else:  # training, a prefill or a segment: the chunked form
-            y, h = chunked_ssd(xs * dt.unsqueeze(-1), a, Bm, Cm, None if kv_cache is None else kv_cache.S, self.chunk)
-        if kv_cache is not None:
-            kv_cache.S.copy_(h)
+            y, h = chunked_ssd(xs * dt.unsqueeze(-1), a, Bm, Cm, None if cache is None else cache.S, self.chunk)
+        if cache is not None:
+            cache.S.copy_(h)
         y = y + self.D.view(1, -1, 1, 1) * xs  # (B, nh, T, hs)
         return self.project(x, y.transpose(1, 2).to(x.dtype))

@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 
 from attention import CausalSelfAttention, Mask, apply_rope, resolve_scale
-from kv_cache import INT8_SCALE_BYTES, KVCache
+from kv_cache import KVCache
 from rules import UserError
 
 
@@ -33,6 +33,9 @@ class LatentAttention(CausalSelfAttention):
     turns each head's weighted latent into its output): the cache is read, never expanded."""
     rotates_heads = False  # RoPE rotates its own decoupled part (model.attn.rope_head_dim), not the heads
     selects = False  # a key selection over latents is not implemented
+    takes_qk_norm = groups_kv = False  # its keys come from the latent, which every head reads
+    ungrouped = "every head reads the one shared latent"  # why model.n_kv_head does nothing here
+    options = ("kv_lora_rank", "q_lora_rank", "rope_head_dim")
 
     @staticmethod
     def dims(c) -> tuple:
@@ -66,23 +69,22 @@ class LatentAttention(CausalSelfAttention):
 
     @classmethod
     def params(cls, c) -> dict:
-        """Its projections and the slots' parameters (the gate, a learned sink); q_down, q_up, kv_down and
-        c_proj's biases, the latent's norm (and the query latent's)."""
+        """Its projections; q_down, q_up, kv_down and c_proj's biases, the latent's norm (and the query
+        latent's). The slots count their own (lab/counting.py)."""
         nh, hs, d = c.n_head, c.head_dim, c.n_embd
         d_c, d_r, rq = cls.dims(c)
-        slots = cls.slot_params(c)
-        return {"matrices": sum(cls.projections(c).values()) + slots["matrices"],
-                "other": int(c.bias) * ((rq + nh * (hs + d_r)) + (d_c + d_r) + d) + d_c + rq + slots["other"]}
+        return {"matrices": sum(cls.projections(c).values()),
+                "other": int(c.bias) * ((rq + nh * (hs + d_r)) + (d_c + d_r) + d) + d_c + rq}
 
     @classmethod
     def mixing_macs(cls, c, seq_len, keys) -> tuple:
         return keys * c.n_head * (c.head_dim + cls.dims(c)[1]), keys * c.n_head * c.head_dim  # keys carry k_R too
 
     @classmethod
-    def cache_bytes(cls, c, dtype_bytes: int = 4, int8: bool = False, n_kv_head=None) -> int:
-        """The latent and the RoPE key, shared by every head; int8: a byte each and a scale for each."""
+    def cache_rows(cls, c, n_kv_head=None) -> list:
+        """The latent and the RoPE key, shared by every head (an int8 cache scales each: two rows)."""
         d_c, d_r, _ = cls.dims(c)
-        return d_c + d_r + 2 * INT8_SCALE_BYTES if int8 else (d_c + d_r) * dtype_bytes
+        return [d_c, d_r]
 
     @staticmethod
     def check(config) -> list:
@@ -96,9 +98,6 @@ class LatentAttention(CausalSelfAttention):
         if config.pos == "rope" and config.rope_dim % 2:
             raise UserError(f"MLA's RoPE part (model.attn.rope_head_dim, else head_dim/2) is {config.rope_dim}, odd, "
                             "but RoPE rotates pairs of channels: set model.attn.rope_head_dim to an even number")
-        if config.n_kv_head != config.n_head:  # every head reads the one shared latent (kv_heads; GPTConfig sets it)
-            return [f"model.n_kv_head={config.n_kv_head} has no effect with model.attn.kind=mla (every head reads the "
-                    "one shared latent): ignored"]
         return []
 
     def make_projections(self, config):
@@ -151,19 +150,19 @@ class LatentAttention(CausalSelfAttention):
         cache.absorbed = absorbed
         return cache
 
-    def forward(self, x, *, rope=None, kv_cache=None, pos=0, window=None, ve=None):
+    def forward(self, x, *, rope=None, cache=None, pos=0, window=None, ve=None):
         B, T, C = x.shape
         window = self.window if window is None else min(window, self.window or window)
         qc, qr = self.queries(x, rope)
         kr, c = self.latents(x, rope)
         mask = Mask(T, T, window)
-        if kv_cache is not None:  # a decode step sees all the cache holds: one window at most
-            kr, c, written = kv_cache.update(pos, kr, c)  # (B, 1, n, d_r), (B, 1, n, d_c)
+        if cache is not None:  # a decode step sees all the cache holds: one window at most
+            kr, c, written = cache.update(pos, kr, c)  # (B, 1, n, d_r), (B, 1, n, d_c)
             mask = Mask(T, c.size(2), window if T > 1 else None, written)
         kr, c = kr.to(qc.dtype), c.to(qc.dtype)
-        kw = dict(scale=self.scale, mask=mask, sink=self.sink_logit, dropout_p=self.dropout if self.training else 0.0,
-                  bias=None if self.bias is None else self.bias(*self.positions(pos, T, kv_cache, c.size(2))))
-        if kv_cache is not None and kv_cache.absorbed:
+        kw = dict(scale=self.scale, mask=mask, **self.sink_key(), dropout_p=self.dropout if self.training else 0.0,
+                  bias=None if self.bias is None else self.bias(*self.positions(pos, T, cache, c.size(2))))
+        if cache is not None and cache.absorbed:
             # absorbed: q̃_h = W_uk,hᵀ q_C,h against the latents, shared by every head (one kv head)
             w_uk = self.k_up.weight.view(self.n_head, self.head_dim, self.d_c)  # k_C,h = W_uk,h c
             q = self.hook_q(torch.cat([torch.einsum("bthd,hdc->bthc", qc, w_uk), qr], dim=-1))  # (B, T, nh, d_c + d_r)

@@ -2,7 +2,7 @@
 contexts longer than the model was trained at.
 
 Fills the model's RoPE frequencies (GPT.rope_table builds its table from the theta and the
-temperature these return; attention.rope_freqs). Each turns RoPE's theta_j = base^(-2j/d) into the
+temperature these return; attention.rope_table). Each turns RoPE's theta_j = base^(-2j/d) into the
 frequencies for positions `factor` times longer than the `original` length trained on:
 - linear, position interpolation (Chen et al. 2023, arXiv 2306.15595): theta_j / factor;
 - ntk, "NTK-aware" (bloc97, 2023): the base raised to base * factor^(d / (d - 2)), so the lowest

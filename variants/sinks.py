@@ -15,14 +15,34 @@ import torch.nn.functional as F
 from attention import float_mask, sdpa_attention
 
 
-def zero_sink(config):
+class ZeroSink:
     """A fixed zero logit per head (a buffer: nothing to learn, nothing saved)."""
-    return torch.zeros(config.n_head)
+
+    @staticmethod
+    def make(config):
+        return torch.zeros(config.n_head)
+
+    @staticmethod
+    def params(c) -> int:
+        return 0
+
+    @staticmethod
+    def wrap(path):
+        """The path of a layer with a sink: the fused kernel over one more key (sdpa_with_sink); the
+        written-out and tiled paths take the sink as it is."""
+        return sdpa_with_sink if path is sdpa_attention else path
 
 
-def learned_sink(config):
+class LearnedSink(ZeroSink):
     """A trained logit per head, starting at zero (GPT.init_weights)."""
-    return nn.Parameter(torch.zeros(config.n_head))
+
+    @staticmethod
+    def make(config):
+        return nn.Parameter(torch.zeros(config.n_head))
+
+    @staticmethod
+    def params(c) -> int:
+        return c.n_head
 
 
 def with_sink(q, k, v, sink, scale: float, mask):
@@ -40,7 +60,8 @@ def with_sink(q, k, v, sink, scale: float, mask):
 
 def sdpa_with_sink(q, k, v, *, scale: float, mask=None, bias=None, sink=None, dropout_p: float = 0.0):
     """attention.sdpa_attention's path for a layer with a sink: the fused kernel over one more key
-    (with_sink), the bias and mask as an additive float mask; without a sink, sdpa_attention itself."""
+    (with_sink), the bias and mask as an additive float mask; without a sink (the gathered path's
+    fallback), sdpa_attention itself."""
     if sink is None:
         return sdpa_attention(q, k, v, scale=scale, mask=mask, bias=bias, dropout_p=dropout_p)
     q, k, v, logits = with_sink(q, k, v, sink, scale, float_mask(q, k, mask, bias))

@@ -19,7 +19,7 @@ from rules import UserError
 from helpers import (SHAKESPEARE, TIKTOKEN_CACHE, compose_cfg, corpus_text, export_chars, export_model, load_export,
                      requires_shared, run_export, write_checkpoint)
 from data.prepare import prepare
-from attention import apply_rope, rope_freqs
+from attention import apply_rope, rope_table
 from model import GPT, GPTConfig
 from sample import generate
 from data.tokenizer import EOT, tokenizer_from_dict
@@ -149,7 +149,7 @@ def test_rope_permutation_turns_pairs_into_halves():
     hs, T, base = 16, 40, 500.0
     x = torch.randn(T, hs)  # one head's q at positions 0..T-1
     halves = lambda t: export_hf.rope_halves(t.T, 1, hs).T  # noqa: E731  the export's permutation, (T, hs)
-    ours = apply_rope(x, rope_freqs(hs, T, base))  # (T, hs)
+    ours = apply_rope(x, rope_table(hs, T, base))  # (T, hs)
     config = transformers.LlamaConfig(hidden_size=hs, num_attention_heads=1, head_dim=hs,
                                       rope_parameters={"rope_type": "default", "rope_theta": base})
     cos, sin = LlamaRotaryEmbedding(config)(x, torch.arange(T).unsqueeze(0))  # (1, T, hs)

@@ -142,7 +142,9 @@ def test_arms_with_other_seeds_are_compared_by_welch_and_lone_runs_get_no_interv
     for i in range(3):
         fake_run(tmp_path / "s1", f"a{i}", cfg(False, i + 1), a[i])
         fake_run(tmp_path / "s2", f"c{i}", cfg(True, i + 4), c[i])  # other seeds: nothing to pair
-    fake_run(tmp_path, "lone", cfg(False, 1, lr=3e-3), 1.5)  # another config, one run
+    lone_cfg = cfg(False, 1)
+    lone_cfg["model"]["n_layer"] = 3
+    fake_run(tmp_path, "lone", lone_cfg, 1.5)  # another config (at the same lr: an lr sweep compares at equal lr), one run
     r = report([str(tmp_path / "s1"), str(tmp_path / "s2"), str(tmp_path / "lone")], out=tmp_path / "out")
     labels = [arm.label for arm in r["arms"]]
     assert len(labels) == 3 and sum(len(arm.runs) for arm in r["arms"]) == 7
@@ -151,7 +153,7 @@ def test_arms_with_other_seeds_are_compared_by_welch_and_lone_runs_get_no_interv
     assert welch["df"] == pytest.approx(4) and welch["diff"] == pytest.approx(-0.08)
     assert welch["half"] == pytest.approx(T975[4] * math.sqrt(2e-4 / 3))
     assert f"lower by 0.0800 ± {T975[4] * math.sqrt(2e-4 / 3):.4f}" in r["table"]
-    lone = [x for x in r["comparisons"] if "lr=0.003" in x["a"] + x["b"]]
+    lone = [x for x in r["comparisons"] if "n_layer=3" in x["a"] + x["b"]]
     assert lone and all(x["half"] is None for x in lone) and "no interval can be given" in r["table"]
     assert "one run: none" in r["table"]
 

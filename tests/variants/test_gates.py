@@ -3,7 +3,7 @@ held at one is the model without it."""
 import pytest
 import torch
 
-from attention import rope_freqs
+from attention import rope_table
 from helpers import plain_attention
 from helpers import variant_model as make
 
@@ -13,7 +13,7 @@ def test_a_gate_scales_each_head_output_by_sigmoid_of_the_layer_input(gate):
     model = make(attn={"gate": gate})
     attn = model.blocks[0].attn
     x = torch.randn(2, 9, 32)
-    rope = rope_freqs(8, 9, 10000.0)
+    rope = rope_table(8, 9, 10000.0)
     with torch.no_grad():
         q, k, v = (t.transpose(1, 2) for t in attn.qkv(x, rope))
         y = plain_attention(q, k, v, attn.scale).float().transpose(1, 2)  # (B, T, nh, hs)

@@ -35,7 +35,7 @@ def test_int8_decoding_follows_the_fp32_cache():
         out = {}
         for dtype in (torch.float32, torch.int8):
             cache = model.new_kv_cache(2, 16, dtype=dtype)
-            steps = [model(seq[:, :3], kv_cache=cache, pos=0)[:, -1]]
-            steps += [model(seq[:, t:t + 1], kv_cache=cache, pos=t)[:, -1] for t in range(3, 40)]
+            steps = [model(seq[:, :3], cache=cache, pos=0)[:, -1]]
+            steps += [model(seq[:, t:t + 1], cache=cache, pos=t)[:, -1] for t in range(3, 40)]
             out[dtype] = torch.stack(steps)
     assert (out[torch.int8] - out[torch.float32]).abs().max() < 0.05 * out[torch.float32].abs().max()

@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from attention import apply_rope, rope_freqs
+from attention import apply_rope, rope_table
 from helpers import variant_model as make
 from model import GPT, GPTConfig
 from variants.linear import LinearState
@@ -46,7 +46,7 @@ def test_linear_attention_parallel_and_recurrent_forms_equal_the_causal_formula(
     attn = model.blocks[0].attn
     attn.chunk = chunk
     x = torch.randn(2, 12, 32)
-    rope = rope_freqs(8, 12, 10000.0) if pos == "rope" else None
+    rope = rope_table(8, 12, 10000.0) if pos == "rope" else None
     with torch.no_grad():
         q, k, v = attn.qkv(x, None)  # unrotated: φ comes first
         want = linear_formula(q, k, v, rope)  # (B, h, T, hs), before the output projection
@@ -54,9 +54,9 @@ def test_linear_attention_parallel_and_recurrent_forms_equal_the_causal_formula(
         project = lambda y: attn.c_proj(y.transpose(1, 2).reshape(B, -1, C).float())  # noqa: E731
         parallel = attn(x, rope=rope)
         state = attn.new_cache(2, 12, device=x.device, dtype=x.dtype)
-        steps = [attn(x[:, :4], rope=None if rope is None else rope[:4], kv_cache=state, pos=0)]
+        steps = [attn(x[:, :4], rope=None if rope is None else rope[:4], cache=state, pos=0)]
         for t in range(4, 12):
-            steps.append(attn(x[:, t:t + 1], rope=None if rope is None else rope[t:t + 1], kv_cache=state, pos=t))
+            steps.append(attn(x[:, t:t + 1], rope=None if rope is None else rope[t:t + 1], cache=state, pos=t))
     assert torch.allclose(parallel, project(want), atol=1e-5)
     assert torch.allclose(torch.cat(steps, 1), project(want), atol=1e-5)
 
@@ -69,7 +69,7 @@ def test_linear_attention_gradients_equal_the_causal_formulas(chunk):
     attn = model.blocks[0].attn
     attn.chunk = chunk
     x = torch.randn(2, 12, 32, dtype=torch.float64, requires_grad=True)
-    rope = rope_freqs(8, 12, 10000.0).double()
+    rope = rope_table(8, 12, 10000.0).double()
     w = torch.randn(2, 12, 32, dtype=torch.float64)
     grads = []
     for formula in (False, True):

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from attention import apply_rope, rope_freqs
+from attention import apply_rope, rope_table
 from lab.counting import count_params, kv_cache_bytes
 from helpers import plain_attention
 from helpers import variant_model as make
@@ -22,7 +22,7 @@ def test_mla_equals_attention_from_the_latent_with_its_up_projections_written_ou
     attn = model.blocks[0].attn
     B, T, C, nh, hs, dc, dr = 2, 11, 32, 4, 8, 12, 4
     x = torch.randn(B, T, C)
-    rope = rope_freqs(dr, T, 10000.0)
+    rope = rope_table(dr, T, 10000.0)
     with torch.no_grad():
         h = attn.q_norm(attn.q_down(x)) if q_lora else x
         q = (h @ attn.q_up.weight.T).view(B, T, nh, hs + dr)
@@ -44,8 +44,8 @@ def decode(model, idx, prefill, **cache_options):
     """The logits of idx decoded through a cache: a prefill of `prefill` tokens, then one at a time."""
     cache = model.new_kv_cache(idx.size(0), idx.size(1), **cache_options)
     static = cache_options.get("static", False)
-    steps = [model(idx[:, :prefill], kv_cache=cache, pos=0)]
-    steps += [model(idx[:, t:t + 1], kv_cache=cache, pos=torch.tensor([t]) if static else t)
+    steps = [model(idx[:, :prefill], cache=cache, pos=0)]
+    steps += [model(idx[:, t:t + 1], cache=cache, pos=torch.tensor([t]) if static else t)
               for t in range(prefill, idx.size(1))]
     return torch.cat(steps, 1)
 
@@ -83,7 +83,7 @@ def test_an_int8_latent_cache_stays_within_its_rounding(absorbed):
     with torch.no_grad():
         caches = model.new_kv_cache(2, 32, dtype=torch.int8, absorbed=absorbed)
         assert all(isinstance(c, Int8KVCache) and c.k.dtype == c.v.dtype == torch.int8 for c in caches)
-        kr, c = model.blocks[0].attn.latents(model.wte(idx[:, :7]), rope_freqs(4, 7, 10000.0))
+        kr, c = model.blocks[0].attn.latents(model.wte(idx[:, :7]), rope_table(4, 7, 10000.0))
         got_kr, got_c, _ = caches[0].update(0, kr, c)
         for x, got, scale in ((kr, got_kr, caches[0].k_scale[:, :, :7]), (c, got_c, caches[0].v_scale[:, :, :7])):
             assert torch.allclose(scale, x.abs().amax(-1, keepdim=True) / 127)
@@ -112,8 +112,8 @@ def test_latent_options_that_cannot_work_are_refused(attn, needle):
 
 
 @pytest.mark.parametrize("attn,n_kv,line", [
-    ({"kind": "mla"}, 2, "model.n_kv_head=2 has no effect with model.attn.kind=mla (every head reads the one shared "
-                         "latent): ignored"),
+    ({"kind": "mla"}, 2, "model.n_kv_head=2 has no effect on a mla layer (every head reads the one shared latent): "
+                         "ignored"),
     ({"kv_lora_rank": 8}, None, "model.attn.kv_lora_rank=8 has no effect unless a layer is mla (model.attn.kind or "
                                 "model.attn.layer_kinds): ignored (its default is None)"),
 ])

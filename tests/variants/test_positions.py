@@ -39,4 +39,4 @@ def test_nope_one_layer_ignores_the_order_of_earlier_tokens():
 
 def test_absolute_positions_refuse_positions_past_their_table():
     with pytest.raises(ValueError, match="table of 16"):
-        make(pos="learned")(torch.randint(40, (1, 4)), kv_cache=make(pos="learned").new_kv_cache(1, 20), pos=14)
+        make(pos="learned")(torch.randint(40, (1, 4)), cache=make(pos="learned").new_kv_cache(1, 20), pos=14)

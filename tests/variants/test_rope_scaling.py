@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from attention import rope_freqs
+from attention import rope_table
 from helpers import save_tiny_checkpoint
 from helpers import variant_model as make
 from rules import UserError
@@ -26,7 +26,7 @@ def test_each_rope_scaling_is_its_formula_and_factor_one_is_none():
         yarn.append(gamma * t + (1 - gamma) * t / s)
     yarn_theta, temperature = rope_scaling.yarn(d, base, s, L)
     assert torch.allclose(yarn_theta, torch.tensor(yarn)) and temperature == pytest.approx(0.1 * math.log(s) + 1)
-    cos_sin = rope_freqs(d, 5, base, theta=yarn_theta, mscale=temperature)
+    cos_sin = rope_table(d, 5, base, theta=yarn_theta, mscale=temperature)
     assert torch.allclose(cos_sin.square().sum(-1).sqrt(), torch.full((5, d // 2), temperature))  # on top of a rotation
     plain = make(block_size=16).rope
     for kind in ("linear", "ntk", "yarn"):
@@ -75,7 +75,7 @@ def test_sample_py_generates_with_a_scaled_rope_over_the_longer_context(tmp_path
     assert model.config.block_size == 64 and model.config.rope_original_length == 16
     d = model.config.head_dim
     base = model.config.rope_base * 4 ** (d / (d - 2))
-    assert torch.allclose(model.rope_frequencies()[0], 1.0 / base ** (torch.arange(0, d, 2).float() / d))
+    assert torch.allclose(model.rope_theta()[0], 1.0 / base ** (torch.arange(0, d, 2).float() / d))
     chars = sorted(" .abcdefghijklmnopqrstuvwxyz")
     idx = torch.tensor([[chars.index(ch) for ch in "the quick"]])
     with torch.no_grad():

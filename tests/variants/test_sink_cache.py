@@ -22,9 +22,9 @@ def test_sink_eviction_equals_attention_over_exactly_the_kept_positions(variant)
     cache = model.new_kv_cache(1, 12, sinks=4)
     assert all(isinstance(c, SinkKVCache) for c in cache)
     with torch.no_grad():
-        model(ids[:, :3], kv_cache=cache, pos=0)
+        model(ids[:, :3], cache=cache, pos=0)
         for t in range(3, 50):
-            got = model(ids[:, t:t + 1], kv_cache=cache, pos=t)[0, -1]
+            got = model(ids[:, t:t + 1], cache=cache, pos=t)[0, -1]
             kept = list(range(t + 1)) if t < 12 else [0, 1, 2, 3] + list(range(t - 7, t + 1))
             want = model(ids[:, kept])[0, -1]
             assert torch.allclose(got, want, atol=1e-5), t
@@ -67,7 +67,7 @@ def test_eval_stream_compares_cache_dtypes_against_a_recomputation(tmp_path):
     with torch.no_grad():
         for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16), ("int8", torch.int8)):
             cache = model.new_kv_cache(1, 16, dtype=dtype)
-            logits[name] = torch.stack([model(ids[None, t:t + 1], kv_cache=cache, pos=t)[0, -1] for t in range(59)])
+            logits[name] = torch.stack([model(ids[None, t:t + 1], cache=cache, pos=t)[0, -1] for t in range(59)])
             assert rows[name]["bytes"] == kv_cache_bytes(model.config, 16, 1, dtype.itemsize if name != "int8" else 1,
                                                          int8=name == "int8")
     greedy = {n: generate(model, ids[None, :8], 40, temperature=0, kv_dtype=d)[0, 8:]
