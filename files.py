@@ -1,14 +1,11 @@
 """Files and directories a command writes: output paths checked before any work, permission bits
 no looser than the sources', the temporary names of atomic writes and the clean-up of killed ones,
-a file's checksum, and a run dir that a refused command made and may remove again."""
+and a file's checksum."""
 import os
 import platform
-import time
 from pathlib import Path
 
 from rules import UserError
-
-STARTED = time.time()  # this process's start, as near as an import gets: what it created is newer
 
 
 def check_output_dir(path, key: str) -> Path:
@@ -36,6 +33,25 @@ def check_output_file(path, key: str) -> Path:
         raise UserError(f"{key}={path} is a directory: name a file")
     check_can_write(p.parent, key, path)
     return p
+
+
+OUTPUT_TIME = "%Y-%m-%d_%H-%M-%S-%f"  # a new output dir's name: the time to the microsecond, as configs/config.yaml's run dirs
+
+
+def default_output(name: str, file: str = "") -> str:
+    """A Hydra command's output when not told one (its schema's default): a new directory per call,
+    outputs/<name>/<time>/ (then `file` in it), as training runs get outputs/runs/<time>/, so that no call
+    replaces an earlier call's files; the newest directory is the latest call's (`ls outputs/<name> | tail -1`).
+    Written as Hydra's `${now:...}`: its value is cached in the composed config, so every read of the key in
+    one call gives the same time, and each composition a new one."""
+    return f"outputs/{name}/${{now:{OUTPUT_TIME}}}" + (f"/{file}" if file else "")
+
+
+def new_output_dir(parent) -> Path:
+    """The same for a command that parses its own options (argparse): `parent`/<time>, the time now."""
+    from datetime import datetime
+
+    return Path(parent) / datetime.now().strftime(OUTPUT_TIME)
 
 
 def check_can_write(p: Path, key: str, given):
@@ -125,31 +141,3 @@ def pid_alive(pid: int) -> bool:
     except PermissionError:  # alive, another user's
         return True
     return True
-
-
-def new_run_dir(out_dir: Path) -> bool:
-    """True if the run dir is absent, or empty and made since this process started (Hydra makes a
-    command's run dir before the command runs): a refused run may then remove it again."""
-    try:
-        return not any(out_dir.iterdir()) and out_dir.stat().st_mtime >= STARTED
-    except FileNotFoundError:
-        return True
-    except OSError:
-        return False
-
-
-def remove_new_run_dir(out_dir: Path, locked: bool = False):
-    """Undo a refused run's new dir: its lock file if this process holds the lock (`locked`; another
-    process's lock stays, and so then does the dir), the dir, then each parent below the working
-    directory that is left empty (Hydra's outputs/runs/ of a first run). Never the working directory
-    or one above it."""
-    run_dir, here = out_dir.resolve(), Path.cwd().resolve()
-    if run_dir == here or run_dir in here.parents:
-        return
-    if locked:
-        (out_dir / ".lock").unlink(missing_ok=True)
-    for d in [run_dir] + [p for p in run_dir.parents if here in p.parents]:
-        try:
-            d.rmdir()  # only ever an empty one
-        except OSError:
-            break

@@ -108,7 +108,7 @@ def examples_per_split(examples: int, pairs: list) -> dict:
     return {"train": -(-examples // len(pairs)), "val": max(256, examples // 10 // len(pairs))}
 
 
-def check_memory(examples: int, pairs: list, block_size: int):
+def check_examples_memory(examples: int, pairs: list, block_size: int):
     """Refuse, before anything is drawn, a set of examples larger than half the memory this machine
     has available (x and y, int64, and generation's working copy)."""
     per = examples_per_split(examples, pairs)
@@ -149,7 +149,7 @@ def check_config(cfg, block_size: int):
                             f"{(vocab - 1) // 2}: raise data.vocab_size")
     if len(set(pairs)) != len(pairs):
         raise UserError(f"data.pairs={pairs} names a number twice: give each once")
-    check_memory(cfg.examples, pairs, block_size)
+    check_examples_memory(cfg.examples, pairs, block_size)
 
 
 class MQARData:
@@ -162,14 +162,12 @@ class MQARData:
     what_differs = "other data.pairs / vocab_size / examples / split_seed"  # as TokenData's
 
     def __init__(self, cfg, block_size: int):
-        check_config(cfg, block_size)
+        check_config(cfg, block_size)  # the memory the examples take too
         self.label = f"the mqar examples (data.pairs={list(cfg.pairs)}, data.examples={cfg.examples})"
         pairs, vocab = list(cfg.pairs), cfg.vocab_size or 256
         per = examples_per_split(cfg.examples, pairs)
         self.block_size, self.bos, self.pairs = block_size, None, pairs
         self.tokenizer, self.vocab_size = MQARTokenizer(vocab), vocab
-        check_memory(cfg.examples, pairs, block_size)
-        per = examples_per_split(cfg.examples, pairs)
         self.examples, self.groups = {}, {}
         for i, split in enumerate(per):
             parts = [generate(per[split], block_size, p, vocab, cfg.split_seed + 2 * i + 1000 * j)

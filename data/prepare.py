@@ -17,6 +17,7 @@ token file is checked against its length and checksum: one cut short, edited or 
 meta.json missing or unreadable) is reported in one line and prepared again.
 """
 import glob
+import gzip
 import hashlib
 import json
 import logging
@@ -24,6 +25,7 @@ import os
 import shutil
 import sys
 import time
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -41,15 +43,30 @@ SHARDS = 64  # a tokenized split is written in this many pieces (memory: one pie
 MIN_SPLIT_TOKENS = 2  # each split needs at least one (input, target) pair
 STREAMED_VAL_SHARE = 100  # a streamed source's own val split is read up to budget / this
 LEARNED_TOKENIZERS = ("char", "bpe")  # fitted on the corpus; any other name is a tiktoken encoding
+PYTHON_DOCS = REPO / "data" / "python_docs.txt.gz"  # the default corpus (data=python_docs), gzip
+PYTHON_DOCS_SHA256 = "2a95af4ac93f5b719944030ce3769070ddf827d847cba42192afa8da989e5dc4"  # of its text
 
 
 # ----------------------------------------------------------------------------- sources
 
 def python_docs_text() -> str:
-    """The embedded corpus: the prose of Python's own documentation (pydoc topics), which ships
-    with CPython, so the default run needs no download. Its content follows the Python version."""
-    from pydoc_data.topics import topics
-    return "\n".join(topics[k] for k in sorted(topics))
+    """The embedded corpus: the prose of Python's own documentation, shipped in the repo as
+    data/python_docs.txt.gz (CPython 3.11.7's pydoc_data.topics, joined in key order; licence beside
+    it), so the default run needs no download and trains on the same text under any Python
+    (pydoc_data itself differs between versions: 3.11.2 has 466,097 characters, 3.11.7 465,048).
+    Checked against PYTHON_DOCS_SHA256: a damaged or edited file is a one-line UserError."""
+    restore = "restore it with `git checkout data/python_docs.txt.gz`"
+    try:
+        with gzip.open(PYTHON_DOCS, "rb") as f:
+            raw = f.read()
+    except FileNotFoundError:
+        raise UserError(f"{PYTHON_DOCS} is missing (the default corpus, data=python_docs): {restore}") from None
+    except (OSError, EOFError, zlib.error) as e:  # not gzip, or cut short
+        raise UserError(f"{PYTHON_DOCS} is damaged ({type(e).__name__}): {restore}") from None
+    if hashlib.sha256(raw).hexdigest() != PYTHON_DOCS_SHA256:
+        raise UserError(f"{PYTHON_DOCS} is not the shipped corpus (its text's sha256 is not "
+                        f"{PYTHON_DOCS_SHA256[:12]}...): {restore}")
+    return raw.decode("utf-8")
 
 
 def repeated_spans_text(n_lines: int = 40000, seed: int = 0) -> str:
@@ -89,8 +106,8 @@ def source_of(data_cfg):
         return "url", data_cfg.url
     if data_cfg.hub:
         return "hub", data_cfg.hub
-    if data_cfg.name == "python_docs":
-        return "python_docs", sys.version.split()[0]
+    if data_cfg.name == "python_docs":  # shipped in the repo
+        return "python_docs", PYTHON_DOCS.name
     if data_cfg.name == "repeated_spans":  # synthetic, generated here
         return "repeated_spans", "generated"
     raise UserError(f"data={data_cfg.name!r} has no source: set data.path=FILE, data.url=URL or data.hub=NAME")

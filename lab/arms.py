@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 import yaml
 
+from files import new_output_dir
 from rules import UserError
 from lab.tracking import read_metrics
 
@@ -19,13 +20,17 @@ IGNORED = ("out_dir", "resume", "device", "logger.", "data.cache_dir", "data.num
            "train.peak_flops", "train.keep_ckpts", "train.ckpt_interval")
 
 
-def default_out(paths, name: str) -> str:
-    """Where a tool reading runs writes by default: the one sweep directory it was given, else outputs/<name>."""
-    return paths[0] if len(paths) == 1 and not (Path(paths[0]) / "metrics.jsonl").is_file() else f"outputs/{name}"
+def default_out(paths, name: str) -> Path:
+    """Where a tool reading runs writes by default: a new directory per call (files.new_output_dir), inside
+    the one sweep directory it was given (<sweep>/<name>/<time>/), else outputs/<name>/<time>/; a second
+    report of the same sweep keeps the first one's files."""
+    sweep = len(paths) == 1 and not (Path(paths[0]) / "metrics.jsonl").is_file()
+    return new_output_dir(Path(paths[0]) / name if sweep else Path("outputs") / name)
 
 
 def find_runs(paths) -> list:
-    """Run dirs (those holding metrics.jsonl) among the paths and their subdirectories."""
+    """Run dirs (those holding metrics.jsonl) among the paths and their subdirectories, each once (the same
+    dir given twice, or a sweep dir and one of its jobs, is one run, not two seeds' worth)."""
     runs = []
     for p in map(Path, paths):
         if (p / "metrics.jsonl").is_file():
@@ -36,7 +41,7 @@ def find_runs(paths) -> list:
             raise UserError(f"{p} is not a run dir or a sweep dir")
     if not runs:
         raise UserError(f"no metrics.jsonl under {' '.join(map(str, paths))}: pass run or sweep dirs")
-    return runs
+    return list({run.resolve(): run for run in reversed(runs)}.values())[::-1]  # the first mention of each
 
 
 def flat_config(run: Path) -> dict:

@@ -1,21 +1,25 @@
 """How a command ends and stops (nanochat keeps the same in nanochat/common.py): `run_app` and `cli`
 wrap every entry point so that the one error type (rules.UserError), Hydra's own errors and running
 out of memory end in one line `error: ...` and exit status 1, Ctrl-C or SIGTERM in one line and 130 or
-143, never a traceback; `StopRequest` lets a training finish its step and checkpoint first."""
+143, never a traceback, and a refused command leaves no run dir it made behind (new_run_dir,
+remove_new_run_dir); `StopRequest` lets a training finish its step and checkpoint first (and a sweep
+end there: end_sweep_on_signal)."""
 import functools
 import logging
 import os
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 
 from lab.device import is_oom
-from files import new_run_dir, remove_new_run_dir
 from lab.parallel import all_ranks_agree
 from rules import UserError, first_line
 
 log = logging.getLogger("attnlab")
+
+STARTED = time.time()  # this process's start, as near as an import gets: what it created is newer
 
 
 class JobFailed(Exception):
@@ -96,6 +100,14 @@ def cli(main):
     return wrapper
 
 
+def end_sweep_on_signal(stopped, sweep: bool):
+    """A signal (`stopped`: its name, or None) stops a whole `sweep`, not only this run: exit 0 once the
+    run has saved its checkpoint, the jobs after it not started."""
+    if stopped and sweep:
+        print("sweep stopped: the runs after this one were not started", file=sys.stderr)
+        sys.exit(0)
+
+
 def in_sweep() -> bool:
     """Is this a job of a Hydra multirun (`-m`)?"""
     from hydra.core.hydra_config import HydraConfig
@@ -157,8 +169,37 @@ def forget_hydra_run_dir():
             remove_new_run_dir(out_dir)
 
 
+def new_run_dir(out_dir: Path) -> bool:
+    """True if the run dir is absent, or empty and made since this process started (Hydra makes a
+    command's run dir before the command runs): a refused run may then remove it again."""
+    try:
+        return not any(out_dir.iterdir()) and out_dir.stat().st_mtime >= STARTED
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
+
+
+def remove_new_run_dir(out_dir: Path, locked: bool = False):
+    """Undo a refused run's new dir: its lock file if this process holds the lock (`locked`; another
+    process's lock stays, and so then does the dir), the dir, then each parent below the working
+    directory that is left empty (Hydra's outputs/runs/ of a first run). Never the working directory
+    or one above it."""
+    run_dir, here = out_dir.resolve(), Path.cwd().resolve()
+    if run_dir == here or run_dir in here.parents:
+        return
+    if locked:
+        (out_dir / ".lock").unlink(missing_ok=True)
+    for d in [run_dir] + [p for p in run_dir.parents if here in p.parents]:
+        try:
+            d.rmdir()  # only ever an empty one
+        except OSError:
+            break
+
+
 class StopRequest:
-    """SIGTERM or SIGINT: finish the current step, checkpoint, exit 0. A second SIGINT exits now."""
+    """SIGTERM or SIGINT: finish the current step, checkpoint, exit 0. A second SIGINT exits now. As a
+    context manager, the previous handlers are restored on the way out."""
 
     def __init__(self):
         self.signal = None
@@ -178,6 +219,17 @@ class StopRequest:
         if all_ranks_agree(self.signal is not None, device, world) and self.signal is None:
             self.signal = "SIGTERM"
 
+    def tell(self, step: int, checkpoint: Path, run_dir: Path):
+        """Where a stopped training stands and how to resume it, on stderr."""
+        print(f"stopped by {self.signal} at step {step}; checkpoint {checkpoint}\nresume with: "
+              f"python train.py hydra.run.dir={run_dir} resume=true (and the same overrides)", file=sys.stderr)
+
     def restore(self):
         for sig, handler in self.previous.items():
             signal.signal(sig, handler)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.restore()

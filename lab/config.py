@@ -25,6 +25,7 @@ from lab.device import DTYPES
 from lab.parallel import PARALLEL
 from lab.tracking import WANDB_MODES, check_wandb_mode
 
+INDEPENDENT_DECAY_WARN = 1e-3  # an lr-independent decay above this per step shrinks weights faster than they learn
 DTYPE_NAMES = ("auto", *DTYPES)  # "auto": the device's own choice (device.pick_dtype)
 
 # ----------------------------------------------------------------------------- a sweep job's directory name
@@ -294,11 +295,23 @@ def check_train_config(cfg) -> list:
     if t.lr_decay_iters is not None and t.lr_decay_iters <= t.warmup_iters:
         raise UserError(f"train.lr_decay_iters={t.lr_decay_iters} is not past train.warmup_iters={t.warmup_iters}: the "
                         "lr would drop from its peak straight to train.min_lr when the warmup ends; set "
-                        "lr_decay_iters > warmup_iters (or leave it unset: train.max_iters)")
-    if t.weight_decay_mode == "independent" and t.weight_decay >= 1:
-        raise UserError(f"train.weight_decay={t.weight_decay} with train.weight_decay_mode=independent is >= 1: each "
-                        "step would zero or flip every weight at the schedule's peak; use weight_decay < 1 "
-                        "(Wortsman et al. use about 1e-4)")
+                        f"lr_decay_iters > warmup_iters, or a shorter warmup (e.g. train.warmup_iters="
+                        f"{max(t.lr_decay_iters // 10, 0)})")
+    decays = (t.lr_decay_iters or t.max_iters) - t.warmup_iters  # steps of the decay
+    if decays <= 0 and t.max_iters > 0:
+        warn_ignored([f"train.max_iters={t.max_iters} ends before train.warmup_iters={t.warmup_iters} does: the lr "
+                      f"never reaches train.lr={t.lr} (it ends at {t.max_iters / (t.warmup_iters + 1):.0%} of it) and "
+                      f"never decays; set a shorter warmup, e.g. train.warmup_iters={t.max_iters // 10}"])
+    for key, wd in (("weight_decay", t.weight_decay), ("muon_weight_decay", t.muon_weight_decay)):
+        if t.weight_decay_mode != "independent" or wd is None:
+            continue
+        if wd >= 1:
+            raise UserError(f"train.{key}={wd} with train.weight_decay_mode=independent is >= 1: each step would zero "
+                            f"or flip every weight at the schedule's peak; use {key} < 1 (Wortsman et al. use about 1e-4)")
+        if wd > INDEPENDENT_DECAY_WARN:
+            warn_ignored([f"train.{key}={wd} with train.weight_decay_mode=independent shrinks every matrix by "
+                          f"{wd:.1%} per step at the schedule's peak (the decay is not multiplied by the lr): "
+                          f"Wortsman et al. use about 1e-4; set train.{key}=1e-4"])
     if t.weight_decay_mode == "coupled" and t.lr * t.weight_decay >= 1:
         raise UserError(f"train.weight_decay={t.weight_decay} times train.lr={t.lr} is >= 1: AdamW would zero or "
                         "flip every weight each step; use weight_decay < 1/lr, or train.weight_decay_mode=independent (the decay "

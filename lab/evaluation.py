@@ -1,7 +1,7 @@
 """A training run's evaluation: the loss on a fixed set of batches (the same tokens at every evaluation
 and in every run with the same data seed, so curves and runs compare), and at its end the loss over
 the whole val split. Both take the parts of a run they read (its model, data, config, runtime and
-processes); train.evaluate logs them."""
+processes); train.evaluate logs them. The attention probe reads a fixed val batch too (probe_batch)."""
 import math
 
 import torch
@@ -10,6 +10,7 @@ import torch.nn as nn
 from omegaconf import DictConfig
 
 from data.loader import TokenData
+from lab.attnstats import AttentionProbe
 from lab.config import data_seed
 from lab.device import Runtime
 from lab.parallel import Dist
@@ -63,3 +64,15 @@ def full_val_loss(model: GPT, data: TokenData, tcfg: DictConfig, rt: Runtime, di
     if dist_.world > 1:
         dist.all_reduce(total)
     return (total[0] / total[1]).item(), int(total[1].item())
+
+
+def probe_every(tcfg: DictConfig) -> int:
+    """Steps between attention probes: train.log_attn_interval, else train.eval_interval (0: never)."""
+    return tcfg.eval_interval if tcfg.log_attn_interval is None else tcfg.log_attn_interval
+
+
+def probe_batch(data: TokenData, batch_size: int, block_size: int, seed: int, device: torch.device) -> AttentionProbe:
+    """The attention probe on a fixed val batch, drawn once from the data seed (`seed`): its statistics
+    compare across evaluations and runs, as the losses do."""
+    x, _ = data.get_batch("val", batch_size, block_size, torch.Generator().manual_seed(seed + 7))
+    return AttentionProbe(x.to(device), bos=data.bos is not None)

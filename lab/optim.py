@@ -13,7 +13,8 @@ Muon's Newton-Schulz iteration runs in `train.muon_ns_dtype` (optim.Muon): torch
 casts to bf16, right on GPUs with bf16 matrix units, but on a CPU without them (no AMX) a bf16 matmul
 is slower than an fp32 one, so `auto` picks fp32 there.
 The lr schedule (lr_at) gives train.lr's curve; every group follows it as a multiple of its own base lr
-(its `lr_scale`: muon_lr / lr for Muon's group, 1 for AdamW's).
+(its `lr_scale`: muon_lr / lr for Muon's group, 1 for AdamW's). A step's micro-batches (micro_batches) and
+the norm of what it changed (params_now, update_norm) are here too.
 """
 import math
 
@@ -56,6 +57,33 @@ def build_optimizer(model, tcfg, device):
                               {"params": no_decay, "weight_decay": 0.0}],
                              lr=tcfg.lr, betas=(tcfg.beta1, tcfg.beta2), fused=fused)
     return MuonAdamW(muon, rest, tcfg.muon_momentum_start, tcfg.muon_momentum_warmup)
+
+
+def micro_batches(tcfg, world: int) -> int:
+    """Micro-batches per step over all `world` processes: train.grad_accum, an equal share for each."""
+    grad_accum = tcfg.grad_accum or world  # unset: one micro-batch per process
+    if grad_accum % world:
+        raise UserError(f"train.grad_accum={grad_accum} must be a multiple of the {world} processes: "
+                        "each process takes an equal share of the micro-batches (or leave it unset)")
+    return grad_accum
+
+
+def params_now(model: nn.Module) -> list:
+    """A copy of the parameters as the optimizer sees them. Under FSDP an eval's forward (no backward)
+    leaves the root's parameters gathered; resharding first makes every copy a shard like the params."""
+    if hasattr(model, "reshard"):
+        model.reshard()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def update_norm(before: list, model: nn.Module) -> float:
+    """The global L2 norm of what the optimizer step changed, ||theta_after - theta_before|| (under
+    FSDP each process holds a shard: the squares are summed over processes)."""
+    total = 0.0
+    for old, p in zip(before, model.parameters()):
+        sq = (p.detach() - old).float().pow(2).sum()
+        total = total + (sq.full_tensor() if hasattr(sq, "full_tensor") else sq)
+    return math.sqrt(float(total))
 
 
 WEIGHT_DECAY_MODES = ("coupled", "independent")

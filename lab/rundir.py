@@ -2,10 +2,13 @@
 work, chosen (this command's, or the run's own when resuming), locked while the run lasts, cleaned of
 what killed writes left, and removed again when the run is refused and this command made it; then the
 record of what the run is (train.log, config.yaml, run_info.json, Hydra's overrides), and at its end
-its figures. Only rank 0 writes here. The checkpoints in it are lab/checkpoint.py's."""
+its results and figures, or, when it runs out of memory, the one line that names its last good
+checkpoint (out_of_memory). Only rank 0 writes here. The checkpoints in it are lab/checkpoint.py's."""
 import fcntl
 import json
 import logging
+import logging.handlers
+import math
 import os
 import platform
 import subprocess
@@ -19,12 +22,14 @@ from omegaconf import OmegaConf
 
 from data.loader import TokenData
 from lab.attnstats import AttentionProbe
-from lab.checkpoint import latest_checkpoint
-from lab.device import Runtime
-from lab.tracking import Tracker
-from files import check_output_dir, dir_mode, new_run_dir, remove_new_run_dir, remove_stale_temps
+from lab.cli import new_run_dir, remove_new_run_dir
+from lab.checkpoint import TrainState, last_good_checkpoint, latest_checkpoint, prune_checkpoints, save_checkpoint
+from lab.device import Runtime, is_oom
+from lab.stability import Watch, diverged_line
+from lab.tracking import Tracker, log_metrics
+from files import check_output_dir, dir_mode, remove_stale_temps
 from model import GPT
-from rules import UserError
+from rules import UserError, first_line
 
 log = logging.getLogger("attnlab")
 
@@ -38,6 +43,8 @@ class RunDir:
         self.made = self.given is not None and new_run_dir(self.given)  # by this command (or Hydra for it)
         self.path = self.given
         self.lock = None  # held by rank 0 from open() until the run is closed
+        self.log_file = None  # train.log's handler (rank 0), from open_log() until the run is closed
+        self.file_mode = None  # permission bits of its checkpoints (those of the data's source files; restrict())
         self.master = True  # rank 0, the one process that writes here (set once the processes are known)
 
     def check(self, cache_dir=None):
@@ -81,9 +88,19 @@ class RunDir:
         return latest_checkpoint(self.path)
 
     def restrict(self, file_mode):
-        """No more readable than the data the run learns from (`file_mode`: its source files' bits)."""
+        """No more readable than the data the run learns from (`file_mode`: its source files' bits), the
+        dir and the checkpoints save() writes in it."""
+        self.file_mode = file_mode
         if self.master and file_mode is not None:
             os.chmod(self.path, self.path.stat().st_mode & dir_mode(file_mode))
+
+    def save(self, contents: dict, name: str, keep: Optional[int] = None):
+        """Write a checkpoint's `contents` as `name` (rank 0 alone); with `keep`, then delete all but the
+        newest `keep` periodic checkpoints."""
+        if self.master:
+            save_checkpoint(self.path / name, contents, self.file_mode)
+            if keep is not None:
+                prune_checkpoints(self.path, keep)
 
     def write_record(self, cfg, info: dict, overrides=None):
         """What this run is, before it starts: the resolved config, code version and hardware (`info`),
@@ -111,7 +128,44 @@ class RunDir:
         for line in earlier:
             handler.handle(line)
         logging.getLogger().addHandler(handler)
+        self.log_file = handler
         return handler
+
+    def close(self):
+        """Let go of train.log and the lock."""
+        if self.log_file is not None:
+            logging.getLogger().removeHandler(self.log_file)
+            self.log_file.close()
+        if self.lock is not None:
+            self.lock.close()
+
+
+@contextmanager
+def held_log():
+    """Every log line while inside, held (up to 10^4) for train.log, which opens only once the run is
+    accepted (RunDir.open_log): yields the list of them."""
+    held = logging.handlers.MemoryHandler(10**4, flushLevel=logging.CRITICAL + 1)
+    logging.getLogger().addHandler(held)
+    try:
+        yield held.buffer
+    finally:
+        logging.getLogger().removeHandler(held)
+
+
+@contextmanager
+def out_of_memory(tcfg, block_size: int, out_dir: Optional[Path] = None):
+    """A training that runs out of memory inside, as one line that says what to lower (`tcfg`: its train
+    config) and, once the run has its dir (`out_dir`), the last good checkpoint there."""
+    try:
+        yield
+    except RuntimeError as e:
+        if not is_oom(e):
+            raise
+        saved = f"; last good checkpoint: {last_good_checkpoint(out_dir) or 'none'}" if out_dir else ""
+        raise UserError(f"out of memory ({first_line(e, 120)}) at train.batch_size={tcfg.batch_size} x "
+                        f"train.grad_accum={tcfg.grad_accum or 1} micro-batches x model.block_size={block_size}: "
+                        "lower train.batch_size (raising train.grad_accum keeps the tokens per step), "
+                        f"model.block_size or the model size{saved}") from None
 
 
 def lock_run_dir(out_dir: Path):
@@ -151,7 +205,59 @@ def run_info(device, world: int) -> dict:
             "world_size": world}
 
 
-# ----------------------------------------------------------------------------- the run's figures
+# ----------------------------------------------------------------------------- the run's results and figures
+
+def record_results(watch: Watch, state: TrainState, tracker: Tracker, out_dir: Path, master: bool, lr: float) -> dict:
+    """The run's results (its stability figures beside its losses) in results.json, the W&B summary
+    and, when it diverged, one metrics line that says where."""
+    results = watch.results()
+    if results["diverged"]:
+        good = last_good_checkpoint(out_dir, state.step) if master else None
+        results["last_good_checkpoint"] = str(good) if good else None
+        results["lr"] = lr
+        log_metrics(tracker, watch, state.step, {"diverged": 1, "diverged_step": results["diverged_step"],
+                                                 **({"last_finite_loss": results["diverged_last_finite_loss"]}
+                                                    if results["diverged_last_finite_loss"] is not None else {})})
+    tracker.summarize({"val_loss": state.evals.get("val"), "val_loss_full": state.evals.get("val_full"),
+                       "best_val_loss": state.best_val if math.isfinite(state.best_val) else None,
+                       "steps": state.step, **results})
+    return results
+
+
+def already_finished(state: TrainState, run_dir: RunDir, watch: Watch, compiled: bool) -> dict:
+    """A run resumed at its train.max_iters: say so and change nothing (its record, metrics, plots and
+    W&B run stay as they are); what train() returns for it."""
+    val = state.evals["val"]
+    log.warning("nothing to do: the run in %s is already at step %d = train.max_iters (val loss %s, best %.4f); "
+                "pass train.max_iters > %d to train on", run_dir.path, state.step,
+                "unknown" if val is None else f"{val:.4f}", state.best_val, state.step)
+    return {**summary(state, run_dir, compiled, [], {}), **watch.results()}
+
+
+def summary(state: TrainState, run_dir: RunDir, compiled: bool, attn: list, metrics: dict, tokens_per_sec=None,
+            stopped=None, wall_s=0.0, train_s=0.0, probe_s=0.0) -> dict:
+    """What train() returns: losses, steps, throughput, paths (`attn`: the probes' statistics by step,
+    `metrics`: the data's own at the latest evaluation)."""
+    evals = state.evals
+    return {"out_dir": str(run_dir.path), "steps": state.step, "best_val_loss": state.best_val,
+            "train_loss": evals.get("train"), "val_loss": evals.get("val"),
+            "val_loss_full": evals.get("val_full"), "tokens_per_sec": tokens_per_sec, "stopped": stopped,
+            "compiled": compiled, "ckpt": str(run_dir.latest_checkpoint()), "wall_s": wall_s,
+            "train_s": train_s, "probe_s": probe_s, "attn": attn, **metrics}
+
+
+def log_end(result: dict, updated: bool):
+    """The last line of a run's log (`result`: what train() returns): where it diverged, or its val
+    loss and the attention probes' share of the training time (`updated`: it took an optimizer step)."""
+    if result["diverged"]:
+        log.warning("%s; run dir %s", diverged_line(result), result["out_dir"])
+        return
+    probe_s, train_s = result["probe_s"], result["train_s"]
+    share = f" ({100 * probe_s / train_s:.2f}% of training time)" if train_s > 0 and updated else ""
+    log.info("done: val loss %.4f (best %.4f) after %d steps; run dir %s; attention probes took %.2f s%s",
+             result["val_loss"] or math.nan, result["best_val_loss"], result["steps"], result["out_dir"], probe_s,
+             share)
+
 
 def write_plots(out_dir: Path, step: int, model: GPT, probe: Optional[AttentionProbe], data: TokenData,
                 tracker: Tracker, rt: Runtime, master: bool):

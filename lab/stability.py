@@ -7,7 +7,7 @@ none of these ends a run with an error:
   evaluations in a row gave a val loss at or above the step-0 one (the run learned nothing, or
   unlearned it). The run stops early and records `diverged` (the step, why, the last finite loss)
   in results.json, metrics.jsonl and the W&B summary; a lone run then exits non-zero with one line,
-  a sweep goes on with its next job (lab/sweep.py counts them).
+  a sweep goes on with its next job (report_divergence; lab/sweep.py counts them).
 - Attention collapse (Zhai et al. 2023, arXiv 2303.06296): a layer's mean attention entropy on the
   probe batch falls below train.collapse_entropy nats (default 0.1: about one key per query).
   Warned once per layer with the step and what usually prevents it; recorded, not an error. Without
@@ -19,12 +19,19 @@ none of these ends a run with an error:
   (in large runs the update norm's spikes come before the loss's).
 
 The loop hands every metrics line it logs to Watch.see (evaluations, probes, norms) and each step's
-loss and gradient norm to Watch.step, and ends when Watch.stop is set.
+loss and gradient norm to Watch.step, and ends when Watch.stop is set. A non-finite loss the freshly
+initialised model already gives is no divergence but an error (nonfinite_error): its config is at fault.
+One remedy lives here too: PaLM's z-loss (z_loss_term, train.z_loss), which keeps the output softmax's
+normaliser from drifting.
 """
 import logging
 import math
+import sys
 from collections import deque
+from pathlib import Path
 from typing import Optional
+
+from rules import UserError
 
 log = logging.getLogger("attnlab")
 
@@ -32,6 +39,17 @@ DIVERGED_EVALS = 3  # evaluations in a row at or above the step-0 val loss
 SPIKE_WINDOW, SPIKE_SIGMA = 100, 7.0  # OLMo 2 uses 1000 steps; our runs are a few hundred to a few thousand
 COLLAPSE_HINT = ("QK-Norm (model.attn.qk_norm=true), a lower train.lr, a longer train.warmup_iters or an "
                  "attention soft-cap (model.attn.softcap) usually prevent it")
+
+
+def z_loss_term(logits, targets) -> tuple:
+    """PaLM's auxiliary z-loss (Chowdhery et al. 2022, arXiv 2204.02311): the mean over predicted
+    positions of (log Z)^2, Z = sum_v exp(logit_v), which pulls the softmax's normaliser toward 1 (log Z
+    toward 0) without changing which token wins. Returns ((log Z)^2, log Z), both means over positions
+    whose target is not -1."""
+    log_z = logits.float().logsumexp(dim=-1)
+    keep = (targets != -1).float()
+    n = keep.sum().clamp(min=1)
+    return (log_z.square() * keep).sum() / n, (log_z.detach() * keep).sum() / n
 
 
 def spike_score(values, window: int = SPIKE_WINDOW, sigma: float = SPIKE_SIGMA) -> Optional[float]:
@@ -160,3 +178,25 @@ def diverged_line(results: dict) -> str:
             f"{'none' if last is None else f'{last:.4f}'}; last good checkpoint: "
             f"{results.get('last_good_checkpoint') or 'none'}; lower train.lr (now {results.get('lr')}), raise "
             "train.warmup_iters, or turn on model.attn.qk_norm")
+
+
+def nonfinite_error(step: int, loss: float, good: Optional[Path], fresh: bool, lr: float) -> UserError:
+    """Name the likely cause of a non-finite loss at `step` (`good`: the last good checkpoint, or None):
+    before any update (`fresh`) the learning rate has not acted yet, so the model config (or the data)
+    is at fault; after updates, a step size (`lr`) too large for the model."""
+    where = f"non-finite loss or gradients at step {step} (loss {loss}); last good checkpoint: {good or 'none yet'}"
+    if fresh:
+        return UserError(f"{where}; the freshly initialised model already gives it, so the learning rate is not "
+                         "the cause: check the model.* values (one out of its sensible range?) and the data")
+    return UserError(f"{where}; the usual cause is a step too large for this model: lower train.lr (now {lr}) "
+                     "or raise train.warmup_iters, or set train.skip_nonfinite=K to skip such steps")
+
+
+def report_divergence(result: dict, sweep: bool):
+    """A diverged run (`result`: what train() returns) is a result: a job of a `sweep` says so on stderr
+    and the sweep goes on with its next job; a lone run ends with the one-line error."""
+    if result["diverged"]:
+        line = f"{diverged_line(result)}; run dir {result['out_dir']}"
+        if not sweep:
+            raise UserError(line)
+        print(line, file=sys.stderr)

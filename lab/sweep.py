@@ -71,6 +71,17 @@ def refused_jobs(config) -> list:
     return refused
 
 
+def repeated_jobs(config) -> list:
+    """The overrides of each job that the sweep would run more than once (the same settings in any order)."""
+    seen, twice = set(), []
+    for job in sweep_jobs(config):
+        key = tuple(sorted(job))
+        if key in seen:
+            twice.append(list(job))
+        seen.add(key)
+    return twice
+
+
 def outcome(job_return) -> dict:
     """A finished job's outcome, from its results.json: {"diverged": bool, ...}, or {} without one."""
     out_dir = job_return.cfg.get("out_dir") or job_return.hydra_cfg.hydra.runtime.output_dir
@@ -88,6 +99,12 @@ class SweepReport(Callback):
         self.finished, self.diverged, self.failed = [], [], []
 
     def on_multirun_start(self, config, **kwargs):
+        twice = repeated_jobs(config)
+        if twice:
+            print(f"error: the sweep would run the same job twice ({' '.join(twice[0])}): a repeated value (say "
+                  "train.lr=1e-3,1e-3) counts one run as two seeds' worth; list each value once. No job was started",
+                  file=sys.stderr)
+            sys.exit(1)
         refused = refused_jobs(config)
         if refused:
             for i, job, line in refused:
@@ -116,6 +133,8 @@ class SweepReport(Callback):
             self.finished.append(name)
 
     def on_multirun_end(self, config, **kwargs):
+        if not (self.finished or self.diverged or self.failed):  # a launcher that runs the jobs in processes of
+            self.count_from_disk(Path(config.hydra.sweep.dir))  # their own (submitit): their callbacks ran there
         n = len(self.finished) + len(self.diverged) + len(self.failed)
         parts = [f"{len(self.finished)} finished", f"{len(self.diverged)} diverged", f"{len(self.failed)} failed"]
         print(f"sweep done: {n} jobs: {', '.join(parts)}"
@@ -124,3 +143,13 @@ class SweepReport(Callback):
               file=sys.stderr)
         if self.failed:
             sys.exit(1)
+
+    def count_from_disk(self, sweep_dir: Path):
+        """The outcomes of a sweep's jobs read from their dirs (results.json; a job dir without one failed)."""
+        for job in sorted(p for p in sweep_dir.iterdir() if p.is_dir() and (p / ".hydra").is_dir()):
+            try:
+                result = json.loads((job / "results.json").read_text())
+            except (OSError, ValueError):
+                self.failed.append((f"job {job.name}", "no results.json"))
+                continue
+            (self.diverged if result.get("diverged") else self.finished).append(f"job {job.name}")

@@ -1,4 +1,5 @@
-"""Where metrics go: `metrics.jsonl` in the run dir (always) and Weights & Biases (offline by default).
+"""Where metrics go: `metrics.jsonl` in the run dir (always) and Weights & Biases (offline by default),
+and what a training run logs there besides its evaluations: each logged step's line (log_progress).
 
 W&B never prompts and never needs the network unless the user asks: the mode is the user's
 choice (`logger.wandb.mode` or WANDB_MODE), else offline. Its files go inside the run dir.
@@ -6,10 +7,17 @@ choice (`logger.wandb.mode` or WANDB_MODE), else offline. Its files go inside th
 import json
 import logging
 import os
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Optional
 
+import torch
+import torch.distributed as dist
 from omegaconf import OmegaConf
 
+from lab.device import Throughput
+from lab.stability import Watch
 from rules import UserError
 
 log = logging.getLogger("attnlab")
@@ -137,3 +145,46 @@ def truncate_metrics(path: Path, step: int):
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     tmp.write_text("".join(json.dumps(m) + "\n" for m in keep))
     os.replace(tmp, path)
+
+
+# ----------------------------------------------------------------------------- a training run's lines
+
+def log_metrics(tracker: Tracker, watch: Watch, step: int, line: dict):
+    """One metrics line of a run's `step`: to metrics.jsonl and W&B, and to the run's stability watch."""
+    tracker.log(line, step)
+    watch.see(step, line)
+
+
+@dataclass
+class StepStats:
+    """What one optimizer step reports (train.optimizer_step), for log_progress."""
+    loss: torch.Tensor  # the mean loss of the step's global batch
+    grad_norm: torch.Tensor
+    lr: float
+    aux: dict = field(default_factory=dict)  # this process's auxiliary losses (mixer.aux_metrics: an indexer's KL)
+    log_z: Optional[torch.Tensor] = None  # train.z_loss > 0: the mean log Z of the output softmax
+    update_norm: Optional[float] = None  # ||theta_after - theta_before||, on the steps that are logged
+
+
+def log_progress(tracker: Tracker, watch: Watch, meter: Throughput, step: int, max_iters: int, stats: StepStats, *,
+                 world: int, flops: Optional[float] = None, peak: Optional[float] = None):
+    """The metrics line and the log line of training step `step` (of `max_iters`): loss, lr, norms,
+    throughput, MFU (`flops` per token against a GPU's `peak`) and the auxiliary losses, each the mean
+    over the `world` processes (every process calls it)."""
+    loss = stats.loss.item()  # waits for the device, so the time read next covers its work
+    tok_s, ms = meter.read()
+    line = {"train/loss": loss, "lr": stats.lr, "grad_norm": stats.grad_norm.item(), "tokens_per_sec": tok_s,
+            "ms_per_iter": ms, **({"update_norm": stats.update_norm} if stats.update_norm is not None else {}),
+            **({"train/log_z": stats.log_z.item()} if stats.log_z is not None else {})}
+    if peak:  # tokens_per_sec counts every process's tokens; MFU is per GPU
+        line["mfu"] = flops * tok_s / (peak * world)
+    for name, value in stats.aux.items():  # the mean over processes too, as the loss is
+        value = value.clone()
+        if world > 1:
+            dist.all_reduce(value)
+        line[f"aux/{name}"] = value.item() / world
+    log_metrics(tracker, watch, step, line)
+    eta = (max_iters - step) * ms / 1000
+    log.info("step %d/%d | loss %.4f%s | lr %.2e | %.0f tok/s | %.1f ms/iter%s | ETA %s", step, max_iters, loss,
+             "".join(f" | {name} {line[f'aux/{name}']:.4f}" for name in stats.aux), stats.lr, tok_s, ms,
+             f" | MFU {100 * line['mfu']:.1f}%" if peak else "", time.strftime("%H:%M:%S", time.gmtime(eta)))

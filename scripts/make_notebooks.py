@@ -269,6 +269,16 @@ def main():
     parser.add_argument("--outputs", type=Path, metavar="IPYNB",
                         help="with --html: take the outputs of this executed notebook instead of executing")
     args = parser.parse_args()
+    if args.outputs is not None:  # before anything is written: a missing or unreadable notebook is one line
+        try:
+            if args.outputs.suffix != ".ipynb":
+                raise ValueError("not an .ipynb file")
+            nbformat.read(args.outputs, as_version=4)
+        except (OSError, ValueError, nbformat.reader.NotJSONError) as e:
+            raise SystemExit(f"error: --outputs {args.outputs}: not a readable notebook ({type(e).__name__}: "
+                             f"{str(e).splitlines()[0] if str(e) else ''}); give an executed .ipynb")
+        if not args.html:
+            raise SystemExit("error: --outputs takes effect with --html only: add --html")
     books = notebooks()
     stale = []
     for lang, nb in books.items():

@@ -4,6 +4,12 @@
 # runs the fast tier three times (about 10 minutes on 2 cores). Run it before a stop.
 #   bash scripts/test_orders.sh            # PYTHON=... picks the interpreter (default python3)
 set -uo pipefail
+if [ $# -gt 0 ]; then  # it takes no arguments: say so, instead of starting ten minutes of tests
+  case "$1" in
+    -h|--help) sed -n '2,5p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    *) echo "error: scripts/test_orders.sh takes no arguments (got: $*); PYTHON=... picks the interpreter" >&2; exit 2 ;;
+  esac
+fi
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 mapfile -t files < <(find tests -name 'test_*.py' | sort)

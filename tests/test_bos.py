@@ -52,7 +52,8 @@ def test_the_bos_tokenizer_round_trips_and_decodes_without_it(kind):
 
 
 def test_a_bos_model_trains_probes_samples_streams_and_resumes(train_cfg, sample_cfg, tmp_path):
-    from sample import sample, start_ids
+    from lab.sampling import start_ids
+    from sample import sample
     from tools.eval_stream import eval_stream
     from train import train
     train(train_cfg("data.bos=true", "train.max_iters=10", "train.log_attn_interval=5", "logger.plots=true"))

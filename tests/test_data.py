@@ -1,4 +1,6 @@
-"""Data preparation: tokenization, caching, atomicity, splits, batches."""
+"""Data preparation: the shipped corpus, tokenization, caching, atomicity, splits, batches."""
+import gzip
+import hashlib
 import json
 import sys
 
@@ -8,7 +10,8 @@ import torch
 
 from helpers import SHAKESPEARE, compose_cfg, requires_shared
 from data.loader import TokenData
-from data.prepare import prepare, python_docs_text, token_dtype
+import data.prepare as dp
+from data.prepare import PYTHON_DOCS, PYTHON_DOCS_SHA256, prepare, python_docs_text, token_dtype
 from rules import UserError
 from data.tokenizer import CharTokenizer
 
@@ -18,16 +21,66 @@ def data_cfg(tmp_path, *overrides):
 
 
 def test_python_docs_is_the_embedded_corpus(tmp_path):
-    from pydoc_data.topics import topics
     text = python_docs_text()
-    assert len(text) > 300_000 and set(topics[sorted(topics)[0]]) <= set(text)
+    assert len(text) == 465_048  # the shipped text (CPython 3.11.7's pydoc topics), under any Python
     d = TokenData(prepare(data_cfg(tmp_path)))
     # the stored ids decode back to the corpus: train then val, in order
     ids = np.concatenate([d.splits["train"], d.splits["val"]])
     assert d.tokenizer.decode(ids) == text
-    assert d.meta["source"]["location"] == sys.version.split()[0]
+    assert d.meta["source"] == {"kind": "python_docs", "location": "python_docs.txt.gz"}
     assert 80 <= d.vocab_size <= 200 and d.splits["train"].dtype == np.uint16
     assert len(d.splits["val"]) == int(len(ids) * 0.1)
+
+
+def test_shipped_corpus_is_read_without_pydoc_data_and_matches_its_digest(monkeypatch):
+    """The default corpus is the repo's file, the same under any Python: pydoc_data (which differs
+    between Python versions) cannot be imported here, and the text still reads, with the recorded digest."""
+    monkeypatch.setitem(sys.modules, "pydoc_data", None)  # None in sys.modules: any import of it fails
+    monkeypatch.setitem(sys.modules, "pydoc_data.topics", None)
+    with pytest.raises(ImportError):
+        import pydoc_data.topics  # noqa: F401
+    text = python_docs_text()
+    assert hashlib.sha256(text.encode()).hexdigest() == PYTHON_DOCS_SHA256
+    raw = PYTHON_DOCS.read_bytes()
+    assert hashlib.sha256(gzip.decompress(raw)).hexdigest() == PYTHON_DOCS_SHA256  # an independent read
+    # a deterministic gzip: no file name (FLG 0) and mtime 0 in the header; well under 1 MiB
+    assert raw[:3] == b"\x1f\x8b\x08" and raw[3] == 0 and raw[4:8] == b"\0\0\0\0" and len(raw) < 2 ** 20
+    assert (PYTHON_DOCS.parent / "python_docs.LICENSE.txt").is_file()
+
+
+def _damaged_copy(tmp_path, monkeypatch, data: bytes):
+    bad = tmp_path / "python_docs.txt.gz"
+    bad.write_bytes(data)
+    monkeypatch.setattr(dp, "PYTHON_DOCS", bad)
+    with pytest.raises(UserError) as e:
+        python_docs_text()
+    message = str(e.value)
+    assert str(bad) in message and "git checkout data/python_docs.txt.gz" in message and "\n" not in message
+    return message
+
+
+def test_damaged_or_edited_corpus_is_one_line_error(tmp_path, monkeypatch):
+    raw = PYTHON_DOCS.read_bytes()
+    flipped = bytearray(raw)
+    flipped[len(raw) // 2] ^= 0x01  # one byte changed in the compressed stream
+    assert "damaged" in _damaged_copy(tmp_path, monkeypatch, bytes(flipped))
+    assert "damaged" in _damaged_copy(tmp_path, monkeypatch, raw[: len(raw) // 2])  # cut short
+    # a well-formed gzip of an edited text: only the digest tells
+    edited = gzip.compress(gzip.decompress(raw).replace(b"Python", b"Pithon", 1), mtime=0)
+    assert "not the shipped corpus" in _damaged_copy(tmp_path, monkeypatch, edited)
+    missing = tmp_path / "nowhere.txt.gz"
+    monkeypatch.setattr(dp, "PYTHON_DOCS", missing)
+    with pytest.raises(UserError, match="is missing.*git checkout data/python_docs.txt.gz"):
+        python_docs_text()
+
+
+@pytest.mark.skipif(sys.version_info[:3] != (3, 11, 7), reason="the shipped text is CPython 3.11.7's pydoc_data")
+def test_shipped_corpus_is_python_3_11_7_pydoc_topics():
+    """The shipped text is what the code read from pydoc_data.topics before it shipped (topics joined by
+    newlines in key order). Only CPython 3.11.7 has this text (3.11.2's is 1,049 characters longer), so
+    the test is skipped on any other Python: there a difference is expected, not a fault."""
+    from pydoc_data.topics import topics
+    assert python_docs_text() == "\n".join(topics[k] for k in sorted(topics))
 
 
 def test_char_tokenizer_round_trip_and_unknown_characters():

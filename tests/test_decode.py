@@ -158,7 +158,7 @@ def test_bf16_kv_cache_follows_the_reference_to_bf16_rounding(static):
 
 def test_kv_dtype_auto_is_the_autocast_dtype_else_fp32():
     from lab.device import Runtime
-    from sample import kv_cache_dtype
+    from lab.sampling import kv_cache_dtype
     cpu, cuda, mps = torch.device("cpu"), torch.device("cuda"), torch.device("mps")
     f32, bf16, f16 = torch.float32, torch.bfloat16, torch.float16
     auto = lambda device, dtype, n=1: kv_cache_dtype("auto", Runtime(device, dtype), n)
@@ -192,7 +192,7 @@ def test_sample_kv_dtype(run_dir, sample_cfg, monkeypatch):
 
 def test_column_major_weights_decode_the_same_tokens():
     """sample.py's CPU layout changes only where the Linear weights' bytes sit, not what they hold."""
-    from sample import decode_layout
+    from lab.sampling import decode_layout
     model = tiny()
     prompt = torch.randint(model.config.vocab_size, (3, 5))
     before = generate(model, prompt, 30, temperature=0)

@@ -15,7 +15,6 @@ from lab import parallel
 import train as train_module
 from lab.checkpoint import load_checkpoint, rng_state, set_rng_state, step_name
 from lab.device import Runtime, peak_flops_for, pick_dtype
-from lab.parallel import Dist
 from helpers import compose_cfg, poison_training_loss
 from model import GPT, GPTConfig
 from train import train, train_step
@@ -54,13 +53,13 @@ def test_mfu_is_per_gpu_when_tokens_per_sec_counts_every_process():
     config = GPTConfig(vocab_size=64, n_layer=2, n_head=2, n_embd=32, block_size=16)
     # 6N (per block 12 d² of matrices and two norms' d weights; ln_f; the tied head) + attention's 12 L T d
     flops = 6 * (2 * (12 * 32 * 32 + 2 * 32) + 32 + 64 * 32) + 12 * 2 * 16 * 32
-    run = types.SimpleNamespace(model=types.SimpleNamespace(config=config), step=10, aux={},
-                                update_norm=None, log_z=None, watch=train_module.Watch(),
-                                dist=Dist(0, 4), tracker=types.SimpleNamespace(log=lambda line, step: logged.append(line)),
-                                cfg=types.SimpleNamespace(train=types.SimpleNamespace(max_iters=100)))
+    from lab.counting import flops_per_token
+    from lab.tracking import StepStats, log_progress
+    tracker = types.SimpleNamespace(log=lambda line, step: logged.append(line))
     meter = train_module.Throughput(tokens_per_step=4 * 8 * 1024)  # the global batch: 4 processes' tokens
     meter.steps = 10
-    train_module.log_progress(run, meter, torch.tensor(3.0), torch.tensor(1.0), 1e-3, peak=1e12)
+    log_progress(tracker, train_module.Watch(), meter, 10, 100, StepStats(torch.tensor(3.0), torch.tensor(1.0), 1e-3),
+                 world=4, flops=flops_per_token(config), peak=1e12)
     line = logged[0]
     assert line["mfu"] == pytest.approx(flops * line["tokens_per_sec"] / (4 * 1e12), rel=1e-12)
 

@@ -150,17 +150,36 @@ def test_a_run_dir_hydra_cannot_make_is_one_line(tmp_path, script, place, cli):
 
 # ----------------------------------------------------------------------------- where a command writes by default
 
-# (command, the key of its output path): each writes under outputs/<command>/ unless told otherwise, so the
-# README's commands leave `git status` clean (outputs/ is in .gitignore)
-DEFAULT_OUTPUTS = [("ablate", "out"), ("lens", "out"), ("needle", "out"), ("patch", "out"), ("visualize", "out"),
-                   ("cost", "plot"), ("bench_attention", "out"), ("eval_lengths", "out"), ("eval_stream", "out")]
+# (command, the key of its output path, the file it names or None for a directory): each writes under
+# outputs/<command>/ unless told otherwise, so the README's commands leave `git status` clean (outputs/ is in
+# .gitignore), and into a new directory per call, outputs/<command>/<time>/, so that no call replaces an
+# earlier call's files (`tools/ablate.py ckpt=A; tools/ablate.py ckpt=B` keeps A's)
+DEFAULT_OUTPUTS = [("ablate", "out", None), ("lens", "out", None), ("needle", "out", None), ("patch", "out", None),
+                   ("visualize", "out", None), ("cost", "plot", "cost.png"),
+                   ("bench_attention", "out", "attention_n2.png"), ("eval_lengths", "out", "lengths.png"),
+                   ("eval_stream", "out", "stream.png")]
 
 
-@pytest.mark.parametrize("command,key", DEFAULT_OUTPUTS, ids=[c for c, _ in DEFAULT_OUTPUTS])
-def test_every_command_writes_under_outputs_by_default(command, key):
+@pytest.mark.parametrize("command,key,file", DEFAULT_OUTPUTS, ids=[c for c, _, _ in DEFAULT_OUTPUTS])
+def test_every_command_writes_into_a_new_dir_under_outputs_by_default(command, key, file):
+    """Two compositions of a command's config (two calls) give two directories under outputs/<command>/,
+    each named by its time to the microsecond; within one call every read of the key gives the same path."""
+    import time
+    from datetime import datetime
+    from files import OUTPUT_TIME
+
     importlib.import_module(f"tools.{command}")  # registers the command's schema
-    default = compose_cfg(command, ["model=debug"] if command == "cost" else [])[key]
-    assert Path(default).parts[:2] == ("outputs", command), default
+    first, second = (compose_cfg(command, ["model=debug"] if command == "cost" else []) for _ in range(2))
+    paths = []
+    for cfg in (first, second):
+        path = Path(cfg[key])
+        time.sleep(0.001)
+        assert cfg[key] == str(path) and "$" not in str(path), path  # resolved, once per composed config
+        d = path.parent if file else path
+        assert d.parent == Path("outputs", command) and (file is None or path.name == file), path
+        datetime.strptime(d.name, OUTPUT_TIME)  # a time, as configs/config.yaml's run dirs
+        paths.append(d)
+    assert paths[0] != paths[1] and sorted(paths) == paths  # the newest (`ls | tail -1`) is the latest call's
 
 
 def a_run(root: Path, name: str, config: dict, metrics: dict) -> str:
@@ -176,7 +195,7 @@ def a_run(root: Path, name: str, config: dict, metrics: dict) -> str:
 
 def test_report_and_recall_write_under_outputs_by_default(tmp_path, monkeypatch):
     """Given run dirs (not one sweep dir, where they write beside the runs), report.py and recall.py write
-    into outputs/report/ and outputs/recall/ of the working directory."""
+    into a new outputs/report/<time>/ and outputs/recall/<time>/ of the working directory."""
     from tools.recall import recall
     from tools.report import report
 
@@ -185,6 +204,34 @@ def test_report_and_recall_write_under_outputs_by_default(tmp_path, monkeypatch)
     monkeypatch.chdir(tmp_path)
     report(runs)
     recall(runs)
-    assert (tmp_path / "outputs" / "report" / "report.md").is_file()
-    assert (tmp_path / "outputs" / "recall" / "recall.md").is_file()
+    assert len(list((tmp_path / "outputs" / "report").glob("*/report.md"))) == 1
+    assert len(list((tmp_path / "outputs" / "recall").glob("*/recall.md"))) == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == ["outputs", "runs"]
+
+
+def test_a_second_report_of_a_sweep_keeps_the_first(tmp_path, monkeypatch, capsys):
+    """report.py and recall.py on one sweep dir, twice, with no --out: each call writes a new
+    SWEEP/report/<time>/ (SWEEP/recall/<time>/), names it on stderr, and the first call's files are kept;
+    the runs found in the sweep are the same the second time (the reports hold no metrics.jsonl)."""
+    from tools.recall import recall
+    from tools.report import report
+
+    sweep = tmp_path / "sweep"
+    for seed in (1, 2):
+        a_run(sweep, f"s{seed}", {"seed": seed, "data": {"name": "mqar", "pairs": 4}},
+              {"val/loss": 2.0 + seed / 10, "val/recall_acc": 0.5})
+    monkeypatch.chdir(tmp_path)
+    first = report([str(sweep)])
+    md = first["files"][-1]
+    assert md.name == "report.md" and md.parent.parent == sweep / "report"
+    written = {f: f.stat().st_mtime_ns for f in first["files"]}
+    second = report([str(sweep)])
+    assert second["files"][-1].parent != md.parent and second["table"] == first["table"]
+    assert sorted(p.parent.name for p in (sweep / "report").glob("*/report.md")) == \
+        [md.parent.name, second["files"][-1].parent.name]
+    assert {f: f.stat().st_mtime_ns for f in first["files"]} == written  # the first call's files, untouched
+    recall([str(sweep)])
+    recall([str(sweep)])
+    made = sorted((sweep / "recall").glob("*/recall.md"))
+    assert len(made) == 2 and f"wrote {made[0]}" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["sweep"]  # nothing under outputs/

@@ -201,19 +201,20 @@ def test_sample_stop_string_and_stream(train_cfg, sample_cfg, tmp_path):
                                                                   (8, False, 4, 4)])
 def test_decode_threads_are_one_for_a_cached_sequence_and_every_core_for_a_batch_or_a_recompute(
         num_samples, kv_cache, cores, want):
-    from sample import decode_threads
+    from lab.sampling import decode_threads
     assert decode_threads(num_samples, kv_cache, cores) == want
 
 
 def test_sample_sets_the_chosen_threads_and_an_explicit_value_wins(tmp_path, monkeypatch):
     """sample() on a CPU runs with decode_threads' choice (or threads=N) and leaves torch's count as found."""
+    import lab.sampling
     import sample as sample_module
     from helpers import compose_cfg, save_tiny_checkpoint
     ckpt = save_tiny_checkpoint(tmp_path)
     seen = []
     real = sample_module.generate
     monkeypatch.setattr(sample_module, "generate", lambda *a, **k: seen.append(torch.get_num_threads()) or real(*a, **k))
-    monkeypatch.setattr(sample_module, "cpu_cores", lambda: 2)  # this machine's count may be anything
+    monkeypatch.setattr(lab.sampling, "cpu_cores", lambda: 2)  # this machine's count may be anything
     before = torch.get_num_threads()
     for over, want in ((["num_samples=1"], 1), (["num_samples=8"], 2), (["num_samples=1", "threads=2"], 2)):
         sample_module.sample(compose_cfg("sample", [f"ckpt={ckpt}", "device=cpu", "max_new_tokens=3", "prompt=ab", *over]))

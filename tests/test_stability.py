@@ -17,9 +17,9 @@ from lab.attnstats import logit_bound
 from model import GPT, GPTConfig
 from lab.optim import build_optimizer, lr_at, set_lr
 from rules import UserError
-from lab.stability import Watch, spike_score
+from lab.stability import Watch, spike_score, z_loss_term
 from lab.config import short_name
-from train import train_step, z_loss_term
+from train import train_step
 
 CPU32 = setup_runtime("cpu", "float32")
 
@@ -259,6 +259,8 @@ def test_a_sweep_refuses_a_bad_arm_before_any_job_and_goes_past_a_failing_one(cl
             f"hydra.sweep.dir={tmp_path / 'sweep'}", f"data.cache_dir={tmp_path / 'cache'}", timeout=300)
     assert r.returncode == 1 and "job 1" in r.stderr and "no job was started" in r.stderr
     assert not list((tmp_path / "sweep").glob("*/metrics.jsonl"))
+    r = cli("train.py", "-m", *TINY, "train.lr=1e-3,1e-3", f"hydra.sweep.dir={tmp_path / 'twice'}", timeout=300)
+    assert r.returncode == 1 and "the same job twice (train.lr=0.001)" in r.stderr and not (tmp_path / "twice").exists()
     # a job that fails once running (its data file is missing; the check needs no file) does not end the sweep
     r = cli("train.py", "-m", *TINY, "compile=false", "data=text", f"data.path={tmp_path / 'absent.txt'},"
             f"{tmp_path / 'absent2.txt'}", f"hydra.sweep.dir={tmp_path / 'sweep2'}",
@@ -266,6 +268,32 @@ def test_a_sweep_refuses_a_bad_arm_before_any_job_and_goes_past_a_failing_one(cl
     assert r.returncode == 1, r.stderr[-2000:]
     assert r.stderr.count("error: ") >= 2  # both jobs ran and failed, each with its line
     assert "sweep done: 2 jobs: 0 finished, 0 diverged, 2 failed" in r.stderr
+
+
+@pytest.mark.slow
+def test_a_sweep_through_the_submitit_launcher_runs_its_jobs(cli, tmp_path):
+    """The cluster route: Hydra's submitit launcher pickles the task as its SLURM mode does (its local mode
+    runs each job in a process of its own); two jobs finish and the sweep's last line counts them."""
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher")  # requirements-eval.txt installs it
+    r = cli("train.py", "-m", "hydra/launcher=submitit_local", *TINY, "compile=false", "seed=1,2",
+            f"hydra.sweep.dir={tmp_path / 'sweep'}", f"data.cache_dir={tmp_path / 'cache'}", timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    runs = sorted(p.parent for p in (tmp_path / "sweep").glob("*/results.json"))
+    assert len(runs) == 2 and all(json.loads((p / "results.json").read_text())["steps"] == 20 for p in runs)
+    assert "sweep done: 2 jobs: 2 finished, 0 diverged, 0 failed" in r.stderr
+
+
+def test_a_sweep_that_would_run_the_same_job_twice_is_found_before_any_job():
+    from omegaconf import OmegaConf
+
+    from lab.sweep import repeated_jobs
+
+    def config(task, params=None):
+        return OmegaConf.create({"hydra": {"sweeper": {"params": params}, "overrides": {"task": task}}})
+    assert repeated_jobs(config(["train.lr=1e-3,0.001", "seed=1,2"])) == [["train.lr=0.001", "seed=1"],
+                                                                          ["train.lr=0.001", "seed=2"]]  # one value
+    assert repeated_jobs(config(["train.lr=1e-3,3e-3", "seed=1,2"])) == []
+    assert repeated_jobs(config(["seed=1"], {"train.lr": "1e-3,1e-3"})) == [["train.lr=0.001", "seed=1"]]  # a grid's
 
 
 def test_job_directory_names_stay_short_and_apart(monkeypatch):

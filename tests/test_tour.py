@@ -26,6 +26,7 @@ import re
 import subprocess
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
@@ -412,11 +413,18 @@ def test_the_html_copy_shows_the_outputs_of_the_pages_commands(lang):
 
 @pytest.mark.slow
 def test_in_a_venv_that_already_holds_torch_the_install_downloads_no_torch(tmp_path):
-    """As in Colab: torch is there before the notebook runs (this machine's, through --system-site-packages).
+    """As in Colab: torch is there before the notebook runs (the environment this suite runs in, whether the
+    machine's Python or a virtual environment: its site-packages joined to the new venv's by a .pth file).
     The first cell's install() must neither download nor replace it."""
+    import sysconfig
+
     venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True)
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     python = venv / "bin" / "python"
+    where = [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"]
+    site = Path(subprocess.run(where, capture_output=True, text=True, check=True).stdout.strip())
+    ours = dict.fromkeys(sysconfig.get_paths()[k] for k in ("purelib", "platlib"))  # this suite's packages
+    (site / "suite.pth").write_text("".join(f"{p}\n" for p in ours))
     script = tmp_path / "install.py"
     script.write_text(setup_definitions() + f"\ninstall(Path({str(REPO)!r}), quiet=False)\n", encoding="utf-8")
     version = [str(python), "-c", "import torch; print(torch.__version__, torch.__file__)"]

@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as tools/X.p
 from lab.checkpoint import find_checkpoint, load_checkpoint, model_from_checkpoint  # noqa: E402
 from lab.cli import cli, run_app  # noqa: E402
 from lab.device import pick_device  # noqa: E402
-from files import check_output_dir  # noqa: E402
+from files import check_output_dir, default_output  # noqa: E402
 from lab.interventions import Ablation, head_means, measure  # noqa: E402
 from rules import POSITIVE, Rule, UserError, check_values  # noqa: E402
 from lab.heldout import stream_tokens, windows  # noqa: E402
@@ -54,7 +54,7 @@ class AblateConfig:
     batches: int = 4  # forward passes of batch_size windows each, the same windows for every ablation
     batch_size: int = 8  # windows of block_size tokens per pass
     device: str = "cpu"
-    out: Optional[str] = "outputs/ablate"  # a directory for ablate.json, ablate.csv and ablate.png; null: print only
+    out: Optional[str] = default_output("ablate")  # a dir for ablate.json, .csv, .png (a new one per call); null: print only
 
     RULES: ClassVar[dict] = {"heads": HEAD, "batches": POSITIVE, "batch_size": POSITIVE}
 

@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as tools/X.p
 from attention import rope_table  # noqa: E402
 from lab.counting import saved_bytes  # noqa: E402
 from lab.cli import cli, run_app  # noqa: E402
-from files import check_output_file  # noqa: E402
+from files import check_output_file, default_output  # noqa: E402
 from rules import POSITIVE, Needs, OneOf, Range, UserError, check_values  # noqa: E402
 from lab.counting import attention_macs, attention_variants, selected_macs  # noqa: E402
 from model import GPTConfig  # noqa: E402
@@ -63,7 +63,7 @@ class BenchAttentionConfig:
     repeats: int = 3  # timed rounds (interleaved); the median is reported
     max_seconds: float = 20.0  # a path whose one step takes longer stops being timed at longer N
     threads: Optional[int] = None  # intra-op CPU threads; unset: torch's default
-    out: Optional[str] = "outputs/bench_attention/attention_n2.png"  # the plot; null: none
+    out: Optional[str] = default_output("bench_attention", "attention_n2.png")  # the plot (a new dir per call); null: none
 
     RULES: ClassVar[dict] = {
         "lengths": POSITIVE, "paths": OneOf(PATHS), "n_embd": POSITIVE, "n_head": POSITIVE, "batch_size": POSITIVE,

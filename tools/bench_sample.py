@@ -36,7 +36,8 @@ from lab.counting import decode_bytes  # noqa: E402
 from lab.device import DTYPES, Timer, setup_runtime  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 from rules import POSITIVE, SEED, Needs, OneOf, Range, UserError, check_values  # noqa: E402
-from sample import cpu_cores, decode_layout, decode_threads, generate, kv_cache_dtype  # noqa: E402
+from lab.sampling import cpu_cores, decode_layout, decode_threads, kv_cache_dtype  # noqa: E402
+from sample import generate  # noqa: E402
 from lab.cli import cli, run_app  # noqa: E402
 
 

@@ -36,6 +36,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run as tools/X.py: the repo's modules
 
 from claims import markdown_table, run_claims, text_table  # noqa: E402
+from files import check_output_dir, check_output_file  # noqa: E402
 from lab.cli import cli  # noqa: E402
 from rules import UserError  # noqa: E402
 
@@ -54,7 +55,9 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.seed < 0:
         raise UserError(f"--seed {args.seed}: a seed is a non-negative integer")
-    out = Path(args.out) if args.out else None
+    out = check_output_dir(args.out, "--out") if args.out else None  # before minutes of checks
+    if args.json:
+        check_output_file(args.json, "--json")
     if out is None and not args.quick:
         out = REPO / "outputs" / "claims" / time.strftime("%Y-%m-%d_%H-%M-%S")
     if out is not None:
@@ -69,6 +72,7 @@ def main(argv=None) -> int:
     print(text)
     for path, content in ((args.json, report), (out and out / "claims.json", report)):
         if path:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
             Path(path).write_text(json.dumps(content, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
     if out is not None:
         (out / "claims.md").write_text(markdown_table(rows) + "\n", encoding="utf-8")

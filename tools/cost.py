@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as tools/X.p
 
 from lab.cli import cli, run_app  # noqa: E402
 from lab.device import DTYPES  # noqa: E402
-from files import check_output_file  # noqa: E402
+from files import check_output_file, default_output  # noqa: E402
 from rules import POSITIVE, Needs, OneOf, Range, check_values  # noqa: E402
 from lab.counting import (ADAMW_BYTES_PER_PARAM, RECURRENT, all_attention, attention_variants, cache_table, count_params, crossovers,
                       kv_cache_bytes, layer_table, macs_per_token, memory_breakdown, mlp_matrices, per_gpu_bytes,
@@ -41,7 +41,7 @@ class CostConfig:
     dtype: str = "bfloat16"  # bytes per weight, activation and cached K/V: bfloat16 | float16 | float32
     vocab_size: int = 50304  # used when model.vocab_size is unset: GPT-2's BPE padded to a multiple of 64
     format: str = "text"  # text | json (one JSON object on stdout)
-    plot: Optional[str] = "outputs/cost/cost.png"  # the figure's path; null: no figure
+    plot: Optional[str] = default_output("cost", "cost.png")  # the figure (a new dir per call); null: none
     train_tokens: Optional[float] = None  # tokens one training run sees (steps x batch x block): its FLOPs and time
     peak_flops: float = 989e12  # the GPU's peak FLOP/s for that estimate (H100 SXM, bf16 dense)
     mfu: float = 0.2  # the fraction of peak a run reaches (small models reach less than large ones)
@@ -124,8 +124,8 @@ def cost(cfg) -> dict:
                   f"{r['seconds'] / 60:.1f} minutes of compute (evaluations, compilation and start-up come on top)")
     if cfg.plot:
         plot_cost(c, N, cfg.batch_size, cfg.dtype, x, mem, cfg.plot)
-        if cfg.format == "text":
-            print(f"wrote {cfg.plot}: per-layer MACs against N with the crossovers, memory at N={N:,}")
+        print(f"wrote {cfg.plot}: per-layer MACs against N with the crossovers, memory at N={N:,}",
+              file=sys.stdout if cfg.format == "text" else sys.stderr)  # stdout stays one JSON object
     return result
 
 

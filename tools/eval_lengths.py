@@ -40,7 +40,7 @@ from lab.attnstats import copy_losses  # noqa: E402
 from lab.checkpoint import find_checkpoint, load_checkpoint, model_from_checkpoint, with_rope_scaling, with_selection  # noqa: E402
 from lab.cli import cli, run_app  # noqa: E402
 from lab.device import pick_device  # noqa: E402
-from files import check_output_file  # noqa: E402
+from files import check_output_file, default_output  # noqa: E402
 from rules import POSITIVE, OneOf, Range, UserError, check_values  # noqa: E402
 from data.tokenizer import tokenizer_from_dict  # noqa: E402
 from lab.heldout import stream_tokens, window_losses  # noqa: E402
@@ -60,7 +60,7 @@ class EvalLengthsConfig:
     select_block: Optional[int] = None  # with select=moba: keys per block; unset: its own
     batch_size: int = 8  # windows per forward pass
     device: str = "cpu"
-    out: Optional[str] = "outputs/eval_lengths/lengths.png"  # the plot; null: none
+    out: Optional[str] = default_output("eval_lengths", "lengths.png")  # the plot (a new dir per call); null: none
 
     RULES: ClassVar[dict] = {"lengths": Range(2, 2**20), "tokens": Range(2), "rope_scaling": OneOf(tuple(ROPE_SCALINGS)),
                              "rope_scaling_factor": Range(1, why="1 is no scaling"), "batch_size": POSITIVE,

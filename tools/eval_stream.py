@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as tools/X.p
 from lab.checkpoint import find_checkpoint, load_checkpoint, model_from_checkpoint  # noqa: E402
 from lab.cli import cli, run_app  # noqa: E402
 from lab.device import pick_device  # noqa: E402
-from files import check_output_file  # noqa: E402
+from files import check_output_file, default_output  # noqa: E402
 from rules import POSITIVE, OneOf, Range, UserError, check_values  # noqa: E402
 from lab.heldout import stream_tokens  # noqa: E402
 from lab.tracking import read_metrics  # noqa: E402
@@ -59,7 +59,7 @@ class EvalStreamConfig:
     kv_dtypes: List[str] = field(default_factory=lambda: ["float32"])  # cache dtypes compared (float32 | bfloat16 | int8)
     greedy: int = 512  # tokens generated greedily with each cache dtype (with kv_dtypes beyond float32)
     device: str = "cpu"
-    out: Optional[str] = "outputs/eval_stream/stream.png"  # the plot; null: none
+    out: Optional[str] = default_output("eval_stream", "stream.png")  # the plot (a new dir per call); null: none
 
     RULES: ClassVar[dict] = {"tokens": Range(2), "policies": OneOf(POLICIES), "sinks": POSITIVE,
                              "kv_dtypes": OneOf(KV_DTYPES), "greedy": POSITIVE}

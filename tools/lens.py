@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as tools/X.p
 from lab.checkpoint import find_checkpoint, load_checkpoint, model_from_checkpoint  # noqa: E402
 from lab.cli import cli, run_app  # noqa: E402
 from lab.device import pick_device  # noqa: E402
-from files import check_output_dir  # noqa: E402
+from files import check_output_dir, default_output  # noqa: E402
 from data.tokenizer import tokenizer_from_dict  # noqa: E402
 from lab.interventions import POST_LN, attribute, layer_names, lens_losses, logit_lens  # noqa: E402
 from rules import POSITIVE, Range, UserError, check_values  # noqa: E402
@@ -61,7 +61,7 @@ class LensConfig:
     batches: int = 1  # forward passes of batch_size val windows for the loss per layer
     batch_size: int = 8  # windows of block_size tokens per pass
     device: str = "cpu"
-    out: Optional[str] = "outputs/lens"  # a directory for lens.json and lens.png; null: print only
+    out: Optional[str] = default_output("lens")  # a dir for lens.json and lens.png (a new one per call); null: print only
 
     RULES: ClassVar[dict] = {"position": Range(-2**31, 2**31), "top": POSITIVE, "batches": POSITIVE,
                              "batch_size": POSITIVE}

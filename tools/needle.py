@@ -42,7 +42,7 @@ from lab.checkpoint import (find_checkpoint, latest_checkpoint, load_checkpoint,
                         with_selection)
 from lab.cli import cli, run_app  # noqa: E402
 from lab.device import pick_device  # noqa: E402
-from files import check_output_dir  # noqa: E402
+from files import check_output_dir, default_output  # noqa: E402
 from data.mqar import MQARTokenizer  # noqa: E402
 from lab.needle_probe import probe, reach, with_window  # noqa: E402
 from rules import POSITIVE, SEED, OneOf, Range, UserError, check_values  # noqa: E402
@@ -64,7 +64,7 @@ class NeedleConfig:
     select_block: Optional[int] = None  # with select=moba: keys per block; unset: its own
     batch_size: int = 64  # sequences per forward pass
     device: str = "cpu"
-    out: Optional[str] = "outputs/needle"  # a directory for needle.json, needle.md and needle.png; null: print only
+    out: Optional[str] = default_output("needle")  # a dir for needle.json, .md, .png (a new one per call); null: print only
 
     RULES: ClassVar[dict] = {"distances": Range(2, 2**20, why="the needle's key is at least one pair before its "
                                                 "query"), "needles": POSITIVE, "kv_pairs": POSITIVE, "seed": SEED,

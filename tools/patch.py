@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as tools/X.p
 from lab.checkpoint import find_checkpoint, load_checkpoint, model_from_checkpoint  # noqa: E402
 from lab.cli import cli, run_app  # noqa: E402
 from lab.device import pick_device  # noqa: E402
-from files import check_output_dir  # noqa: E402
+from files import check_output_dir, default_output  # noqa: E402
 from data.tokenizer import tokenizer_from_dict  # noqa: E402
 from lab.interventions import Prompts, drawn_prompts, patch_all  # noqa: E402
 from rules import POSITIVE, SEED, Needs, OneOf, Range, UserError, check_values  # noqa: E402
@@ -66,7 +66,7 @@ class PatchConfig:
     metric: str = "loss"  # loss (the clean prompt's second half) | logit_diff (clean minus corrupted next token)
     top: int = 8  # rows printed per kind of component
     device: str = "cpu"
-    out: Optional[str] = "outputs/patch"  # a directory for patch.json and patch.png; null: print only
+    out: Optional[str] = default_output("patch")  # a dir for patch.json and patch.png (a new one per call); null: print only
 
     RULES: ClassVar[dict] = {"n": POSITIVE, "span": Range(2, why="a copy needs a token after its first to score"),
                              "seed": SEED, "metric": OneOf(METRICS), "top": POSITIVE}

@@ -3,7 +3,7 @@ at each number of key-value pairs, the mean ± sd over its seeds with a 95% inte
 (Student t), and recall against pairs, one line per arm with its interval as error bars.
 
     python train.py -m experiment=recall_cpu
-    python tools/recall.py outputs/multirun/2026-12-03_09-00-00            # writes recall.md, recall.png
+    python tools/recall.py outputs/multirun/2026-12-03_09-00-00            # recall.md, recall.png in its recall/<time>/
     python tools/recall.py RUN_DIR ... --out outputs/recall/mine
 
 An arm is what tools/report.py calls one (runs whose configs differ only in their seeds) with
@@ -127,8 +127,8 @@ def recall(dirs, out=None):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("dirs", nargs="+", help="run dirs or sweep (multirun) dirs of data=mqar runs")
-    parser.add_argument("--out", default=None, help="where to write recall.md and recall.png (default: the "
-                        "sweep dir when given one, else outputs/recall)")
+    parser.add_argument("--out", default=None, help="where to write recall.md and recall.png (default: a new "
+                        "dir per call, SWEEP/recall/<time> when given one sweep dir, else outputs/recall/<time>)")
     args = parser.parse_args(argv)
     recall(args.dirs, args.out)
 

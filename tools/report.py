@@ -17,7 +17,8 @@ but the seeds and the lr; loss against lr, the LR sensitivity with its interval,
 edge lr, diverged runs counted at their step-0 loss; loss_vs_lr.png and logit_entropy_steps.png. Its
 arms in the tables above are then compared at equal lr only, never across lrs.
 
-Writes into --out (default: the sweep dir when given one, else outputs/report): report.md, val_loss.png
+Writes into --out (default: a new directory per call, SWEEP/report/<time>/ when given one sweep dir, else
+outputs/report/<time>/; the newest is the latest call's): report.md, val_loss.png
 and attn_stats.png (mean per arm with a band over seeds), sinks.png (the top head's weight on the
 first token and the largest activation over training), val_loss_diff.png (each arm minus the
 baseline over training, with its interval) and attn_heads.png (when the runs were probed for head
@@ -242,7 +243,8 @@ def report(paths, out=None, baseline=None) -> dict:
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("dirs", nargs="+", help="run dirs or sweep (multirun) dirs")
-    parser.add_argument("--out", default=None, help="where to write the PNGs and report.md")
+    parser.add_argument("--out", default=None, help="where to write the PNGs and report.md (default: a new dir per "
+                        "call, SWEEP/report/<time> when given one sweep dir, else outputs/report/<time>)")
     parser.add_argument("--baseline", default=None, help="compare every arm with this one (its label as printed)")
     args = parser.parse_args(argv)
     result = report(args.dirs, args.out, args.baseline)

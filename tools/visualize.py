@@ -32,8 +32,8 @@ from lab.plots import format_top_keys, write_views
 from lab.checkpoint import find_checkpoint, load_checkpoint, model_from_checkpoint
 from lab.cli import cli, run_app  # noqa: E402
 from lab.device import pick_device  # noqa: E402
-from files import check_output_dir  # noqa: E402
-from sample import read_prompt  # noqa: E402
+from files import check_output_dir, default_output  # noqa: E402
+from lab.sampling import read_prompt  # noqa: E402
 from rules import POSITIVE, Needs, Range, UserError, check_values  # noqa: E402
 from data.tokenizer import tokenizer_from_dict
 
@@ -47,7 +47,7 @@ class VisualizeConfig:
     prompt_file: Optional[str] = None  # read the prompt from this file instead (whitespace kept as is)
     query: Optional[int] = None  # the query token whose top keys are printed and shown first; default the last; <0 counts from the end
     top_k: int = 5  # keys printed per head
-    out: str = "outputs/visualize"  # directory for attention.png and attention.html
+    out: str = default_output("visualize")  # directory for attention.png and attention.html (a new one per call)
     device: str = "cpu"  # one forward pass of at most block_size tokens: the CPU takes seconds
 
     RULES: ClassVar[dict] = {"top_k": POSITIVE, "query": Range(-2**31, 2**31)}
@@ -59,7 +59,7 @@ ConfigStore.instance().store(name="base_visualize", node=VisualizeConfig)
 
 
 def prompt_of(cfg) -> str:
-    """The prompt to map (common.read_prompt); an empty one is an error here."""
+    """The prompt to map (lab.sampling.read_prompt); an empty one is an error here."""
     prompt = read_prompt(cfg)
     if not prompt:
         raise UserError('no prompt: pass prompt="some text" or prompt_file=FILE')

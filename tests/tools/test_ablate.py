@@ -2,6 +2,7 @@
 of the output projection changed by hand (zero: the columns zeroed; mean: zeroed, with what they added
 on average moved into the bias), and the loss and in-context gain recomputed from the logits."""
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -120,6 +121,27 @@ def test_a_head_the_model_does_not_have_is_one_line(run):
     with pytest.raises(UserError, match=r"heads: L2H0 is not in this model \(2 layers of 4 heads\)") as e:
         ablate(compose_cfg("ablate", [f"ckpt={ckpt}", f"text={text}", "heads=[L2H0]", "out=null"]))
     assert "\n" not in str(e.value)
+
+
+def test_a_second_call_with_the_default_out_keeps_the_first_calls_files(run, tmp_path, monkeypatch, capsys):
+    """`python tools/ablate.py ckpt=A; python tools/ablate.py ckpt=B` with no out=: each call writes into
+    a new outputs/ablate/<time>/ and names it; A's files are still there, unchanged, after B's call."""
+    from tools.ablate import ablate
+    ckpt, text = run
+    other = save_tiny_checkpoint(tmp_path / "b", block_size=16, bias=True, n_kv_head=2, seed=1)
+    monkeypatch.chdir(tmp_path)
+    base = [f"text={text}", "batches=1", "batch_size=2", "heads=[L0H0]"]
+    first = ablate(compose_cfg("ablate", [f"ckpt={ckpt}", *base]))
+    made = sorted((tmp_path / "outputs" / "ablate").iterdir())
+    assert len(made) == 1 and f"wrote {Path('outputs', 'ablate', made[0].name, 'ablate.json')}" in capsys.readouterr().err
+    kept = {f.name: f.read_bytes() for f in made[0].iterdir()}
+    second = ablate(compose_cfg("ablate", [f"ckpt={other}", *base]))
+    assert first["rows"] != second["rows"]  # two models: the second call's files would differ
+    dirs = sorted((tmp_path / "outputs" / "ablate").iterdir())
+    assert len(dirs) == 2 and dirs[0] == made[0]  # the newest (`ls outputs/ablate | tail -1`) is the latest call's
+    assert {f.name: f.read_bytes() for f in dirs[0].iterdir()} == kept
+    assert json.loads((dirs[0] / "ablate.json").read_text())["ckpt"] == str(ckpt)
+    assert json.loads((dirs[1] / "ablate.json").read_text())["ckpt"] == str(other)
 
 
 @pytest.mark.parametrize("variant", [{}, {"n_kv_head": 2}, {"attn": {"kind": "mla"}}, {"attn": {"sink": "learned"}},

@@ -127,3 +127,23 @@ def test_trained_checks_run_end_to_end_at_a_tiny_size(tmp_path, monkeypatch):
     assert (tmp_path / "claims_entropy.png").stat().st_size > 0 and (tmp_path / "claims_qk_norm.png").is_file()
     with pytest.raises(claims.UserError, match="exists"):  # runs are never overwritten
         claims.run_claims(quick=False, out=tmp_path, only=["C7"])
+
+
+@pytest.mark.parametrize("flag,where", [("--out", "a_file"), ("--json", "a_dir"), ("--json", "/proc/claims.json"),
+                                        ("--out", "/proc/claims")])
+def test_output_paths_are_checked_before_any_claim_runs(tmp_path, capsys, monkeypatch, flag, where):
+    """A bad --out or --json is one line before the checks run (they take minutes with training), and
+    nothing is written; a --json into a folder not made yet is made."""
+    (tmp_path / "a_file").write_text("keep me\n")
+    (tmp_path / "a_dir").mkdir()
+    ran = []
+    monkeypatch.setattr("tools.claims.run_claims", lambda *a, **k: ran.append(1) or [])
+    path = where if where.startswith("/") else str(tmp_path / where)
+    with pytest.raises(SystemExit) as e:
+        main(["--quick", "--only", "A2", flag, path])
+    assert e.value.code == 1 and not ran
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: {flag}=")
+    assert (tmp_path / "a_file").read_text() == "keep me\n" and not list((tmp_path / "a_dir").iterdir())
+    main(["--quick", "--only", "A2", "--json", str(tmp_path / "new" / "deeper" / "c.json")])
+    assert json.loads((tmp_path / "new" / "deeper" / "c.json").read_text())["quick"] is True

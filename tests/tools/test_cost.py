@@ -106,8 +106,8 @@ def test_cli_prints_one_line_errors(tmp_path, cli):
 
 
 def test_cli_llama3_8b_json(tmp_path, cli):
-    """The README's command, in JSON, through the real CLI; the figure lands in outputs/cost/ under the working
-    directory."""
+    """The README's command, in JSON, through the real CLI; the figure lands in a new outputs/cost/<time>/ under
+    the working directory, named on stderr (stdout is the JSON alone)."""
     r = cli("tools/cost.py", "model=llama3_8b_shape", "seq_len=8192", "format=json", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
@@ -115,7 +115,8 @@ def test_cli_llama3_8b_json(tmp_path, cli):
     assert out["macs_per_token"] == {"proj": 41_943_040, "attn": 67_108_864, "mlp": 176_160_768,
                                      "lm_head": 525_336_576}
     assert out["memory_bytes"]["attn_weights_per_layer"] == 32 * 8192**2 * 2  # 4 GiB for one layer
-    assert (tmp_path / "outputs" / "cost" / "cost.png").is_file()
+    (png,) = (tmp_path / "outputs" / "cost").glob("*/cost.png")
+    assert f"wrote {png.relative_to(tmp_path)}" in r.stderr
 
 
 # ----------------------------------------------------------------------------- the N² wall: each attention kind's report and benchmarks

@@ -50,9 +50,11 @@ def test_two_run_sweep_then_report(tmp_path, cli):
     assert f"{(finals[2] + finals[3]) / 2:.4f}" in table_rows[1]  # the arm's mean of its seeds' final loss
     (c,) = result["comparisons"]
     assert c["test"] == "paired t" and c["diff"] == pytest.approx((finals[2] - finals[0] + finals[3] - finals[1]) / 2)
+    out = result["files"][-1].parent  # the default: a new SWEEP/report/<time>/ per call
+    assert out.parent == sweep / "report"
     for name in ("val_loss.png", "attn_stats.png", "val_loss_diff.png", "report.md"):
-        assert (sweep / name).is_file()
-    w, h = png_size(sweep / "val_loss.png")
+        assert (out / name).is_file()
+    w, h = png_size(out / "val_loss.png")
     assert w >= 600 and h >= 400
 
 
@@ -134,7 +136,8 @@ def test_arms_means_intervals_and_the_paired_test_by_hand(tmp_path):
     assert c["p"] == pytest.approx(1 - abs(t) / math.sqrt(2 + t * t), rel=1e-9)
     assert "within noise (-0.0267 ± 0.0379)" in r["table"] and "paired t, n=3" in r["table"]
     assert "Student t" in r["table"] and "Welch" in r["table"]  # the footnote names the tests
-    assert (sweep / "val_loss_diff.png").is_file() and (sweep / "val_loss.png").is_file()
+    out = r["files"][-1].parent  # the default: a new SWEEP/report/<time>/
+    assert out.parent == sweep / "report" and (out / "val_loss_diff.png").is_file() and (out / "val_loss.png").is_file()
 
 
 def test_arms_with_other_seeds_are_compared_by_welch_and_lone_runs_get_no_interval(tmp_path):
@@ -219,7 +222,8 @@ def test_the_report_gives_each_arms_first_token_mass_and_largest_activation(tmp_
     sd = lambda v: abs(v[0] - v[1]) / math.sqrt(2)  # noqa: E731 (the sd of two values)
     assert (f"| {sum(means) / 2:.3f} ± {sd(means):.3f} / {sum(tops) / 2:.3f} ± {sd(tops):.3f} | "
             f"100.0 ± {sd(list(acts.values())):.1f} |") in row
-    assert (sweep / "sinks.png").is_file() and png_size(sweep / "sinks.png")[0] >= 600
+    sinks = result["files"][-1].parent / "sinks.png"  # in the default SWEEP/report/<time>/
+    assert sinks in result["files"] and png_size(sinks)[0] >= 600
 
 
 def test_runs_started_from_each_seeds_own_parent_are_one_arm_apart_from_scratch_runs():
@@ -261,3 +265,13 @@ def test_an_arms_label_leaves_out_keys_that_could_not_act_in_it():
     assert "model.attn.select_block=8" in labels[1] and "model.attn.select_topk=1" in labels[1]
     assert "select_block" not in labels[2] and "model.attn.kind" not in labels[2]  # layer_kinds names the kinds
     assert "rope_base" not in labels[3] and "model.pos=none" in labels[3]  # no RoPE: its base does nothing
+
+
+def test_a_run_given_twice_or_within_its_sweep_dir_is_counted_once(tmp_path):
+    for i, loss in enumerate((1.80, 1.78)):
+        fake_run(tmp_path / "sweep", f"a{i}", cfg(False, i + 1), loss)
+    one = tmp_path / "sweep" / "a0"
+    r = report([str(tmp_path / "sweep"), str(one), str(one) + "/"], out=tmp_path / "out")
+    assert [len(arm.runs) for arm in r["arms"]] == [2]  # not 4: n = 2, the interval over two seeds
+    from lab.arms import find_runs
+    assert find_runs([str(one), str(tmp_path / "sweep" / ".." / "sweep" / "a0")]) == [one]
