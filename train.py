@@ -14,6 +14,7 @@ import logging
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Optional
 
 import hydra
@@ -379,7 +380,7 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batches
     return loss.detach(), grad_norm.detach(), finite
 
 
-@hydra.main(version_base="1.3", config_path="configs", config_name="config")
+@hydra.main(version_base="1.3", config_path=str(Path(__file__).resolve().parent / "configs"), config_name="config")
 @cli
 def main(cfg):
     from hydra.core.hydra_config import HydraConfig
@@ -395,5 +396,6 @@ def main(cfg):
     return result["best_val_loss"]  # also when stopped
 
 
-if __name__ == "__main__":
-    run_app(main)
+if __name__ == "__main__":  # the task by its importable name: a launcher that pickles it (submitit) needs one
+    from train import main as task
+    run_app(task)

@@ -72,14 +72,17 @@ def refused_jobs(config) -> list:
 
 
 def repeated_jobs(config) -> list:
-    """The overrides of each job that the sweep would run more than once (the same settings in any order)."""
-    seen, twice = set(), []
-    for job in sweep_jobs(config):
-        key = tuple(sorted(job))
-        if key in seen:
-            twice.append(list(job))
-        seen.add(key)
-    return twice
+    """The values a sweep lists more than once for a key (`train.lr=0.001` of train.lr=1e-3,0.001), each
+    as key=value: the jobs they make would run twice."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    params = [f"{k}={v}" for k, v in (config.hydra.sweeper.get("params") or {}).items()]
+    repeated = []
+    for o in OverridesParser.create().parse_overrides([*params, *config.hydra.overrides.task]):
+        if o.is_sweep_override():
+            values = list(o.sweep_string_iterator())
+            repeated += [f"{o.get_key_element()}={v}" for v in dict.fromkeys(values) if values.count(v) > 1]
+    return repeated
 
 
 def outcome(job_return) -> dict:
@@ -101,7 +104,7 @@ class SweepReport(Callback):
     def on_multirun_start(self, config, **kwargs):
         twice = repeated_jobs(config)
         if twice:
-            print(f"error: the sweep would run the same job twice ({' '.join(twice[0])}): a repeated value (say "
+            print(f"error: the sweep would run the same job twice ({', '.join(twice)} listed more than once): a repeated value (say "
                   "train.lr=1e-3,1e-3) counts one run as two seeds' worth; list each value once. No job was started",
                   file=sys.stderr)
             sys.exit(1)
