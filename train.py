@@ -141,7 +141,9 @@ def finish(run: Run, stop: StopRequest) -> dict:
         stop.tell(run.step, run.out_dir / step_name(run.step), run.out_dir)
     if run.cfg.logger.plots:  # on every rank: see write_plots
         write_plots(run.out_dir, run.step, run.model, run.probe, run.data, run.tracker, run.rt, run.dist.master)
-    return record_results(run.watch, run.state, run.tracker, run.out_dir, run.dist.master, run.cfg.train.lr)
+    unigram = run.data.unigram_loss() if hasattr(run.data, "unigram_loss") else None  # generated data has none
+    return record_results(run.watch, run.state, run.tracker, run.out_dir, run.dist.master, run.cfg.train.lr,
+                          unigram, stop.signal)
 
 
 def diverged(run: Run) -> bool:

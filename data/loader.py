@@ -59,6 +59,17 @@ class TokenData:
             raise UserError(f"the prepared data in {self.dir} is damaged ({damage}): delete that directory and it is "
                             "prepared again")
 
+    def unigram_loss(self, most: int = 1 << 24) -> float:
+        """The val split's cross-entropy (nats per token) under the train split's token frequencies (each
+        count plus one, so no token is impossible): what a model that learned only how often each token
+        comes scores. A split longer than `most` tokens is read at an even stride."""
+        def counted(split):
+            ids = self.splits[split]
+            return np.asarray(ids[::max(1, len(ids) // most)], dtype=np.int64)
+        counts = np.bincount(counted("train"), minlength=self.vocab_size).astype(np.float64) + 1.0
+        logp = np.log(counts / counts.sum())
+        return float(-logp[counted("val")].mean())
+
     def bits_per_char_factor(self):
         """nats/token -> bits/character (what compares runs with different tokenizers), or None."""
         chars = self.meta.get("val_characters")

@@ -96,10 +96,24 @@ class RunSummary:
     final: dict
     replicate: tuple  # (seed, data seed): which runs of two arms pair up
     ignored: list = field(default_factory=list)  # settings without effect in its config (run_info.json)
+    outcome: dict = field(default_factory=dict)  # results.json's outcome, outcome_why, outcome_step ({}: unknown)
 
     @property
     def seed(self):
         return self.replicate[0]
+
+    @property
+    def unfinished(self):
+        """A word for a run that did not end as trained (diverged, stopped, at the unigram loss), else None:
+        from results.json's outcome, else from its metrics (a run that stopped before writing results)."""
+        kind = self.outcome.get("outcome")
+        if kind is None:
+            kind = "diverged" if any(m.get("diverged") for m in self.metrics) else \
+                "stopped" if not (self.dir / "results.json").is_file() else "finished"
+        if kind == "finished":
+            return None
+        step = self.outcome.get("outcome_step", self.final.get("steps"))
+        return f"{kind} at step {step}" if step is not None else kind
 
 
 @dataclass
@@ -109,6 +123,12 @@ class Arm:
 
     def values(self, name) -> list:
         return [r.final[name] for r in self.runs if r.final[name] is not None]
+
+    def outcomes(self) -> str:
+        """Its runs' outcomes in a few words: 'all finished', or '2 finished; seed 3 stopped at step 2801'."""
+        odd = [f"seed {r.seed} {r.unfinished}" for r in self.runs if r.unfinished]
+        done = len(self.runs) - len(odd)
+        return "all finished" if not odd else "; ".join([f"{done} finished"] * bool(done) + odd)
 
     @property
     def ignored(self) -> list:
@@ -138,8 +158,12 @@ def summarize(run: Path) -> RunSummary:
     config, metrics = flat_config(run), with_top_sink(read_metrics(run))
     seed = config.get("seed")
     data_seed = config.get("train.data_seed")
+    try:
+        results = json.loads((run / "results.json").read_text())
+    except (OSError, ValueError):
+        results = {}
     return RunSummary(run, config, metrics, final_values(metrics), (seed, seed if data_seed is None else data_seed),
-                      ignored_settings(run))
+                      ignored_settings(run), {k: v for k, v in results.items() if k.startswith("outcome")})
 
 
 def arm_key(config: dict, run: Path, newer=()):

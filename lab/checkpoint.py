@@ -13,6 +13,7 @@ previous checkpoint intact.
 """
 import dataclasses
 import logging
+import json
 import math
 import os
 import pickle
@@ -202,18 +203,34 @@ def check_layout(state, path):
                         "or of another layout")
 
 
+def step0_loss(run_dir) -> float:
+    """The run's step-0 val loss from its metrics.jsonl (what a model learned nothing scores); inf unknown."""
+    try:
+        with open(Path(run_dir) / "metrics.jsonl") as f:
+            for line in f:
+                m = json.loads(line) if line.strip() else {}
+                if m.get("step") == 0 and "val/loss" in m:
+                    return float(m["val/loss"])
+    except (OSError, ValueError):
+        pass
+    return math.inf
+
+
 def last_good_checkpoint(run_dir, before_step=None):
-    """The newest periodic checkpoint that loads, holds finite weights and, where it recorded
-    one, a finite val loss; only those at or before `before_step` (a resumed run's later ones
-    belong to the abandoned timeline). None if there is none."""
-    for p in reversed(step_checkpoints(run_dir)):
-        if before_step is not None and int(p.stem[5:]) > before_step:
+    """The newest periodic checkpoint that loads, holds finite weights and whose val loss was below the
+    run's step-0 val loss (a checkpoint of a run that learned nothing, or unlearned it, is no place to
+    resume from), else best.pt if it is; only those at or before `before_step` (a resumed run's later
+    ones belong to the abandoned timeline). None if there is none."""
+    below = step0_loss(run_dir)
+    best = Path(run_dir) / BEST_NAME
+    for p in [*reversed(step_checkpoints(run_dir)), *([best] if best.is_file() else [])]:
+        if before_step is not None and p != best and int(p.stem[5:]) > before_step:
             continue
         try:
             val = load_checkpoint(p).get("val_loss")
         except UserError:
             continue
-        if val is None or math.isfinite(val):
+        if val is None and math.isinf(below) or val is not None and math.isfinite(val) and val < below:
             return p
     return None
 

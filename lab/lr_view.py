@@ -54,6 +54,12 @@ class Point:
     logit_max: Optional[float]
     entropy_min: Optional[float]
     metrics: list = field(default_factory=list, repr=False)
+    outcome: str = "finished"  # results.json's: finished, diverged, stopped or unigram (lab/rundir.outcome)
+
+    @property
+    def learned(self) -> bool:
+        """Did this run learn more than how often each token comes (neither diverged nor at the unigram loss)?"""
+        return not self.diverged and self.outcome != "unigram"
 
     @property
     def counted(self) -> Optional[float]:
@@ -85,7 +91,7 @@ def point(run: RunSummary) -> Point:
                  loss0=res.get("val_loss_step0", step0), diverged=diverged,
                  logit_max=res.get("attn_logit_max_run", max(logits) if logits else None),
                  entropy_min=res.get("attn_entropy_min_run", min(entropies) if entropies else None),
-                 metrics=run.metrics)
+                 metrics=run.metrics, outcome=res.get("outcome", "diverged" if diverged else "finished"))
 
 
 def finite(v) -> bool:
@@ -96,7 +102,7 @@ def sensitivity(points: list) -> Optional[float]:
     """Wortsman et al.'s LR sensitivity of one seed's runs over the grid: mean of min(L, L0) - L*; None
     where it cannot be known (fewer than two lrs, a loss missing, or no run trained)."""
     counted = [p.counted for p in points]
-    if len({p.lr for p in points}) < 2 or any(c is None for c in counted) or all(p.diverged for p in points):
+    if len({p.lr for p in points}) < 2 or any(c is None for c in counted) or not any(p.learned for p in points):
         return None
     return statistics.fmean(counted) - min(counted)
 
@@ -149,8 +155,8 @@ class LrArm:
         """Why this arm has no LR sensitivity or edge, in words; None where it has them."""
         if len(self.lrs) < 2:
             return f"one lr ({self.lrs[0]:g}): an LR sensitivity needs two or more" if self.lrs else "no runs"
-        if all(p.diverged for p in self.points):
-            return "no lr trains here (every run diverged): no sensitivity, best lr or edge"
+        if not any(p.learned for p in self.points):
+            return "no lr trains here (every run diverged or ended at the unigram loss): no sensitivity, best lr or edge"
         return None
 
     def edge(self) -> dict:
@@ -171,10 +177,13 @@ class LrArm:
         return [(lr, describe([p.counted for p in self.at(lr) if p.counted is not None]),
                  sum(p.diverged for p in self.at(lr)), len(self.at(lr))) for lr in self.lrs]
 
+    def unigram_at(self, lr) -> int:
+        return sum(p.outcome == "unigram" for p in self.at(lr))
+
     def best(self):
         """(best lr, its mean loss) by the mean over seeds; Nones without any loss or where no lr trains."""
         means = [(lr, d["mean"]) for lr, d, _, _ in self.curve() if d["mean"] is not None]
-        if not means or all(p.diverged for p in self.points):
+        if not means or not any(p.learned for p in self.points):
             return None, None
         return min(means, key=lambda x: x[1])
 
@@ -231,16 +240,19 @@ def tables(arms: list) -> str:
     grid = sorted({lr for a in arms for lr in a.lrs})
     head = "| arm | " + " | ".join(f"lr {lr:g}" for lr in grid) + " |"
     lines = ["Final val loss per lr (mean ± 95% half-interval over seeds; a diverged run counts at its step-0 "
-             "loss, † marks how many diverged):", "", head, "|---|" + "---|" * len(grid)]
+             "loss, † marks how many diverged, ‡ how many ended at the val split's unigram loss: they learned "
+             "token frequencies only):", "", head, "|---|" + "---|" * len(grid)]
     for a in arms:
-        cells = {lr: interval(d) + (" †" * div if div <= 3 else f" †×{div}") for lr, d, div, _ in a.curve()}
+        cells = {lr: interval(d) + (" †" * div if div <= 3 else f" †×{div}") + (" ‡" * a.unigram_at(lr))
+                 for lr, d, div, _ in a.curve()}
         lines.append(f"| {a.label} | " + " | ".join(cells.get(lr, "-") for lr in grid) + " |")
     lines += ["", "| arm | seeds | LR sensitivity (mean ± 95%) | best lr | best loss | edge lr within "
-              f"{EDGE_NATS} nats (95%) | diverged runs | largest logit (max over runs) |",
+              f"{EDGE_NATS} nats (95%) | diverged / unigram runs | largest logit (max over runs) |",
               "|---|---|---|---|---|---|---|---|"]
     for a in arms:
         logits = [p.logit_max for p in a.points if p.logit_max is not None]
-        tail = f"{sum(p.diverged for p in a.points)} of {len(a.points)} | {fmt(max(logits) if logits else None, '.4g')} |"
+        tail = (f"{sum(p.diverged for p in a.points)} / {sum(p.outcome == 'unigram' for p in a.points)} of "
+                f"{len(a.points)} | {fmt(max(logits) if logits else None, '.4g')} |")
         why = a.unknowable()
         if why:
             lines.append(f"| {a.label} | {len(a.seeds())} | {why} | - | - | - | " + tail)

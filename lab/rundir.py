@@ -207,10 +207,31 @@ def run_info(device, world: int) -> dict:
 
 # ----------------------------------------------------------------------------- the run's results and figures
 
-def record_results(watch: Watch, state: TrainState, tracker: Tracker, out_dir: Path, master: bool, lr: float) -> dict:
-    """The run's results (its stability figures beside its losses) in results.json, the W&B summary
-    and, when it diverged, one metrics line that says where."""
+UNIGRAM_MARGIN = 0.05  # nats either side of the unigram loss: a run that ended there learned token frequencies only
+
+
+def outcome(results: dict, final: Optional[float], unigram: Optional[float], stopped: Optional[str], step: int) -> dict:
+    """The one outcome of a run: diverged (stability.Watch), stopped (a signal), unigram (its last val loss
+    within UNIGRAM_MARGIN of the val split's unigram cross-entropy) or finished; why, and at which step."""
+    if results["diverged"]:
+        return {"outcome": "diverged", "outcome_why": results.get("diverged_reason") or "diverged",
+                "outcome_step": results.get("diverged_step", step)}
+    if stopped:
+        return {"outcome": "stopped", "outcome_why": f"stopped by {stopped}", "outcome_step": step}
+    if unigram is not None and final is not None and abs(final - unigram) <= UNIGRAM_MARGIN:
+        return {"outcome": "unigram", "outcome_step": step,
+                "outcome_why": f"val loss {final:.3f} within {UNIGRAM_MARGIN} nats of the val split's unigram loss "
+                               f"{unigram:.3f}: it learned how often each token comes, and little else"}
+    return {"outcome": "finished", "outcome_why": None, "outcome_step": step}
+
+
+def record_results(watch: Watch, state: TrainState, tracker: Tracker, out_dir: Path, master: bool, lr: float,
+                   unigram: Optional[float] = None, stopped: Optional[str] = None) -> dict:
+    """The run's results (its stability figures beside its losses, its outcome, the val split's unigram
+    loss) in results.json, the W&B summary and, when it diverged, one metrics line that says where."""
     results = watch.results()
+    final = state.evals.get("val_full") or state.evals.get("val")
+    results.update(unigram_loss=unigram, **outcome(results, final, unigram, stopped, state.step))
     if results["diverged"]:
         good = last_good_checkpoint(out_dir, state.step) if master else None
         results["last_good_checkpoint"] = str(good) if good else None

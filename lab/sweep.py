@@ -99,7 +99,7 @@ class SweepReport(Callback):
     job, and ends with one line that counts them."""
 
     def __init__(self):
-        self.finished, self.diverged, self.failed = [], [], []
+        self.finished, self.diverged, self.failed, self.unigram, self.stopped = [], [], [], [], []
 
     def on_multirun_start(self, config, **kwargs):
         twice = repeated_jobs(config)
@@ -130,18 +130,25 @@ class SweepReport(Callback):
             if not isinstance(error, JobFailed):  # its line is printed already; anything else is not
                 print(f"error: {name} failed: {type(error).__name__}: {error}", file=sys.stderr)
             job_return.status, job_return.return_value = JobStatus.COMPLETED, None  # the next jobs run
-        elif outcome(job_return).get("diverged"):
-            self.diverged.append(name)
         else:
-            self.finished.append(name)
+            self.count(name, outcome(job_return))
+
+    def count(self, name: str, result: dict):
+        """A job that ran, by its recorded outcome (lab/rundir.outcome; older runs: the diverged flag)."""
+        kind = result.get("outcome") or ("diverged" if result.get("diverged") else "finished")
+        {"diverged": self.diverged, "unigram": self.unigram, "stopped": self.stopped}.get(kind, self.finished).append(name)
 
     def on_multirun_end(self, config, **kwargs):
-        if not (self.finished or self.diverged or self.failed):  # a launcher that runs the jobs in processes of
+        if not (self.finished or self.diverged or self.failed or self.unigram or self.stopped):  # jobs run in processes of
             self.count_from_disk(Path(config.hydra.sweep.dir))  # their own (submitit): their callbacks ran there
-        n = len(self.finished) + len(self.diverged) + len(self.failed)
+        n = sum(map(len, (self.finished, self.diverged, self.failed, self.unigram, self.stopped)))
         parts = [f"{len(self.finished)} finished", f"{len(self.diverged)} diverged", f"{len(self.failed)} failed"]
+        parts += [f"{len(self.unigram)} at the unigram loss"] * bool(self.unigram)
+        parts += [f"{len(self.stopped)} stopped"] * bool(self.stopped)
         print(f"sweep done: {n} jobs: {', '.join(parts)}"
               + (f"; diverged: {'; '.join(self.diverged)}" if self.diverged else "")
+              + (f"; at the unigram loss (learned token frequencies only): {'; '.join(self.unigram)}"
+                 if self.unigram else "")
               + (f"; failed: {'; '.join(f'{j} ({e})' for j, e in self.failed)}" if self.failed else ""),
               file=sys.stderr)
         if self.failed:
@@ -155,4 +162,4 @@ class SweepReport(Callback):
             except (OSError, ValueError):
                 self.failed.append((f"job {job.name}", "no results.json"))
                 continue
-            (self.diverged if result.get("diverged") else self.finished).append(f"job {job.name}")
+            self.count(f"job {job.name}", result)

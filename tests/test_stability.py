@@ -354,7 +354,7 @@ def test_lr_view_computes_wortsman_sensitivity_per_seed_with_diverged_runs_at_th
     e = a.edge()
     assert e["lr"] == pytest.approx(10 ** statistics.fmean(logs)) and e["whole"] == 0 and e["n"] == 2
     md = (tmp_path / "out" / "report.md").read_text()
-    assert "## Learning-rate sweep" in md and "1 of 6" in md and "paired t" in md
+    assert "## Learning-rate sweep" in md and "1 / 0 of 6" in md and "paired t" in md
     d = [want_b[s] - want_a[s] for s in (1, 2)]
     assert f"{statistics.fmean(d):+.3f}" in md
     assert (tmp_path / "out" / "loss_vs_lr.png").stat().st_size > 0
@@ -388,7 +388,7 @@ def test_an_arm_where_every_run_diverged_has_no_sensitivity_and_says_so(tmp_path
     dead = next(a for a in result["lr_arms"] if "False" in a.label)
     assert dead.per_seed_sensitivity() == {} and dead.best() == (None, None)
     md = result["table"]
-    assert "no lr trains here (every run diverged)" in md and "0.000 ± 0.000" not in md
+    assert "no lr trains here (every run diverged or ended at the unigram loss)" in md and "0.000 ± 0.000" not in md
     assert "no sensitivity in model.attn.qk_norm=False" in md  # no difference printed against it
 
 
@@ -437,3 +437,60 @@ def test_an_lr_sweep_compares_arms_at_equal_lr_never_across_lrs(tmp_path):
     assert result["comparisons"] and all(lr_of[c["a"]] == lr_of[c["b"]] for c in result["comparisons"])
     assert len(result["comparisons"]) == 2  # qk_norm=True against False, at 1e-3 and at 1e-2
 
+
+
+# ----------------------------------------------------------------------------- a run's one outcome
+
+@pytest.mark.slow
+def test_a_run_that_learns_only_token_frequencies_ends_as_unigram(train_cfg, tmp_path):
+    """Text of independent characters (a skewed five-letter alphabet) has nothing to learn but how often each
+    comes: the run ends within the margin of the val split's unigram loss, which results.json records as
+    recomputed here from the prepared token files (counts + 1, in float64), and its outcome says so."""
+    import random
+    from collections import Counter
+
+    import numpy as np
+
+    from train import train
+    rng = random.Random(0)
+    (tmp_path / "iid.txt").write_text("".join(rng.choices("abcde", weights=[50, 20, 15, 10, 5], k=30000)))
+    train(train_cfg("data=text", f"data.path={tmp_path / 'iid.txt'}", "train.max_iters=60", "train.lr=1e-2",
+                    "train.warmup_iters=5", "train.eval_interval=30"))
+    res = json.loads((tmp_path / "run" / "results.json").read_text())
+    prepared = next((tmp_path / "cache").rglob("meta.json")).parent
+    meta = json.loads((prepared / "meta.json").read_text())
+    train_ids, val_ids = (np.fromfile(prepared / f"{s}.bin", dtype=meta["dtype"]).tolist() for s in ("train", "val"))
+    counts, total = Counter(train_ids), len(train_ids) + meta["vocab_size"]
+    want = -sum(math.log((counts[t] + 1) / total) for t in val_ids) / len(val_ids)
+    assert res["unigram_loss"] == pytest.approx(want, rel=1e-9)
+    assert res["outcome"] == "unigram" and res["outcome_step"] == 60 and "unigram loss" in res["outcome_why"]
+
+
+def test_the_sweep_counts_each_outcome_and_names_the_unigram_runs(capsys):
+    from lab.sweep import SweepReport
+    report = SweepReport()
+    for name, result in [("job 0", {"outcome": "finished"}), ("job 1", {"outcome": "unigram"}),
+                         ("job 2", {"diverged": True}), ("job 3", {})]:  # older runs: no outcome recorded
+        report.count(name, result)
+
+    class Config:
+        class hydra:
+            class sweep:
+                dir = "."
+    report.on_multirun_end(Config)
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line.startswith("sweep done: 4 jobs: 2 finished, 1 diverged, 0 failed, 1 at the unigram loss")
+    assert "at the unigram loss (learned token frequencies only): job 1" in line
+
+
+def test_the_lr_table_and_the_report_mark_unigram_and_stopped_runs(tmp_path):
+    from tools.report import report
+    lr_sweep(tmp_path, {(False, s): {1e-3: 2.2, 1e-2: 3.34} for s in (1, 2)})
+    for s in (1, 2):  # both runs at 1e-2 ended at the unigram loss; one at 1e-3 was stopped at step 80
+        res = tmp_path / f"False-{s}-0.01" / "results.json"
+        res.write_text(json.dumps({**json.loads(res.read_text()), "outcome": "unigram", "outcome_step": 100}))
+    res = tmp_path / "False-2-0.001" / "results.json"
+    res.write_text(json.dumps({**json.loads(res.read_text()), "outcome": "stopped", "outcome_step": 80}))
+    md = report([str(tmp_path)], out=str(tmp_path / "out"))["table"]
+    assert "| 3.340 ± 0.000 ‡ ‡ |" in md and "0 / 2 of 4" in md
+    assert "1 finished; seed 2 stopped at step 80" in md  # the arm table's outcomes column

@@ -65,7 +65,7 @@ def recall_table(runs) -> tuple:
     pairs = sorted({p for r in runs for p in r.final["recall"]})
     rows = []
     for arm in group_arms(without):
-        label = arm_label(arm)
+        label = arm_label(arm) + ("" if arm.outcomes() == "all finished" else f" ({arm.outcomes()})")  # a stopped run
         values = {p: [r.final["recall"][p] for r in arm.runs if p in r.final["recall"]] for p in pairs}
         cells = {p: {**describe(v), "values": v} for p, v in values.items()}
         rows.append((label, cells))

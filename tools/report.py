@@ -58,7 +58,8 @@ def compare(a: Arm, b: Arm, name: str = "val_loss") -> dict:
     rb = {r.replicate: r.final[name] for r in b.runs if r.final[name] is not None}
     out = {"a": a.label, "b": b.label, "metric": name, "n_a": len(ra), "n_b": len(rb),
            "diff": statistics.fmean(rb.values()) - statistics.fmean(ra.values()) if ra and rb else None,
-           "half": None, "p": None, "test": None}
+           "half": None, "p": None, "test": None,
+           "note": "; ".join(f"{arm.label}: {arm.outcomes()}" for arm in (a, b) if arm.outcomes() != "all finished")}
     if out["diff"] is None:
         return out
     if set(ra) == set(rb) and len(ra) >= 2:
@@ -126,12 +127,13 @@ def fmt(v, spec=".4f"):
 
 
 def arm_table(arms: list) -> str:
-    head = "| arm | n | " + " | ".join(f"{title} (mean ± sd)" for _, title, _ in METRICS[:1]) + \
+    head = "| arm | n | outcomes | " + " | ".join(f"{title} (mean ± sd)" for _, title, _ in METRICS[:1]) + \
         " | 95% interval | " + " | ".join(title for _, title, _ in METRICS[1:]) + " |"
-    lines = [head, "|" + "---|" * (4 + len(METRICS) - 1)]
+    lines = [head, "|" + "---|" * (5 + len(METRICS) - 1)]
     for arm in arms:
         d = describe(arm.values("val_loss"))
-        loss = fmt(d["mean"]) + (f" ± {d['sd']:.4f}" if d["sd"] is not None else "")
+        loss = fmt(d["mean"]) + (f" ± {d['sd']:.4f}" if d["sd"] is not None else "") + \
+            (" §" if any(not r.final["full_val"] for r in arm.runs) else "")  # a run's last evaluation, not the split
         ci = f"{d['mean'] - d['half']:.4f} to {d['mean'] + d['half']:.4f}" if d["half"] is not None else \
             ("one run: none" if d["n"] == 1 else "-")
         rest = []
@@ -140,17 +142,18 @@ def arm_table(arms: list) -> str:
             parts = zip(*values) if values and isinstance(values[0], tuple) else [values]  # (mean, top head)
             rest.append(" / ".join(fmt(e["mean"], spec) + (f" ± {e['sd']:{spec}}" if e["sd"] is not None else "")
                                    for e in map(describe, parts)))
-        lines.append(f"| {arm.label} | {d['n']} | {loss} | {ci} | " + " | ".join(rest) + " |")
+        lines.append(f"| {arm.label} | {d['n']} | {arm.outcomes()} | {loss} | {ci} | " + " | ".join(rest) + " |")
     return "\n".join(lines)
 
 
 def pairs_table(comparisons: list) -> str:
-    lines = ["| arm | minus arm | val loss difference | 95% interval | test | p | verdict |", "|---|---|---|---|---|---|---|"]
+    lines = ["| arm | minus arm | val loss difference | 95% interval | test | p | verdict | runs not finished |",
+             "|---|---|---|---|---|---|---|---|"]
     for c in comparisons:
         ci = f"{c['diff'] - c['half']:+.4f} to {c['diff'] + c['half']:+.4f}" if c["half"] is not None else "-"
         test = f"{c['test']}, n={c.get('n', min(c['n_a'], c['n_b']))}" if c["test"] else "-"
         lines.append(f"| {c['b']} | {c['a']} | {fmt(c['diff'], '+.4f')} | {ci} | {test} | {fmt(c['p'], '.3f')} | "
-                     f"{verdict(c)} |")
+                     f"{verdict(c)} | {c.get('note') or ''} |")
     return "\n".join(lines)
 
 
@@ -162,9 +165,14 @@ def ignored_lines(arms: list) -> str:
 
 
 def footnote(arms: list) -> str:
-    full = all(r.final["full_val"] for a in arms for r in a.runs)
-    return ("Val loss: " + ("over the whole val split at the last step (val/loss_full)" if full else
-                            "the last evaluation's (eval_iters random windows; runs logged no whole-split loss)")
+    runs = [r for a in arms for r in a.runs]
+    last = sum(not r.final["full_val"] for r in runs)
+    return ("Val loss: " + ("over the whole val split at the last step (val/loss_full)" if not last else
+                            "the last evaluation's (eval_iters random windows; no whole-split loss logged) for every run"
+                            if last == len(runs) else
+                            f"over the whole val split at the last step (val/loss_full), except {last} of {len(runs)} runs "
+                            "with no whole-split loss (a stopped or diverged run, or one from before it was logged): "
+                            "their last evaluation's (eval_iters random windows), arms holding them marked §")
             + ". Mean ± sd over an arm's runs (sd with n − 1); 95% interval of the mean = mean ± t(0.975, n − 1)·sd/√n "
             "(Student t). Differences: a paired t-test on the per-seed differences where both arms ran the same "
             "seeds (seed and train.data_seed), else Welch's t-test; 95% intervals of the difference; no correction "
