@@ -183,7 +183,8 @@ def setup(cfg, run_name=None, run_group=None, overrides=None, early_log=()) -> R
                                 dist_=run.dist, device=run.rt.device)
             run.resuming, run.saved_at = True, run.step  # the checkpoint it resumes from counts as saved
         if not run.finished:
-            record(run, ignored, run_name, run_group, overrides, early_log)
+            origin = {"checkpoint": str(point.source), "why": point.branch_why} if point.branch else None
+            record(run, ignored, run_name, run_group, overrides, early_log, origin)
         return run
 
 
@@ -225,7 +226,7 @@ def build(cfg, run_dir: RunDir, dist_: Dist, grad_accum: int, init_from=None) ->
                grad_accum=grad_accum, compiled=compiled, watch=Watch(tcfg.collapse_entropy))
 
 
-def record(run: Run, ignored: list, run_name=None, run_group=None, overrides=None, early_log=()):
+def record(run: Run, ignored: list, run_name=None, run_group=None, overrides=None, early_log=(), origin=None):
     """What this run is, written before it starts (rank 0): train.log (setup's lines, `early_log`, first),
     config, code version, hardware, settings without effect (`ignored`), Hydra's overrides; then the
     metrics file, W&B and the attention probe's fixed batch."""
@@ -233,8 +234,9 @@ def record(run: Run, ignored: list, run_name=None, run_group=None, overrides=Non
     run.resolved = OmegaConf.to_container(cfg, resolve=True)
     if run.dist.master:
         run.run_dir.open_log(early_log)
-        run.run_dir.write_record(cfg, {**run_info(run.rt.device, run.dist.world), "ignored_settings": ignored},
-                                 None if run.resuming else overrides)
+        info = {**run_info(run.rt.device, run.dist.world), "ignored_settings": ignored,
+                **({"branched_from": origin} if origin else {})}  # a new run from another run's checkpoint
+        run.run_dir.write_record(cfg, info, None if run.resuming and not origin else overrides)
         truncate_metrics(out_dir / "metrics.jsonl", run.step if run.resuming else -1)
     run.tracker = Tracker(out_dir, cfg, name=run_name or out_dir.name, group=run_group, enabled=run.dist.master,
                           run_id=run.state.wandb_id)

@@ -349,20 +349,45 @@ class ResumePoint:
     source: Optional[Path] = None
     state: Optional[dict] = None
     extension: dict = field(default_factory=dict)
-    # a new run (a fine-tune) from another run's checkpoint: one that lengthens that run's context
+    # a new run from another run's checkpoint, leaving that run as it was: one that lengthens its context,
+    # resumes from an older checkpoint than its newest, or changes how it trains (why: `branch_why`)
     branch: bool = False
+    branch_why: Optional[str] = None
+
+
+# what a resume may change and still be the same run: how long it goes on and how often it reports
+SAME_RUN_KEYS = ("max_iters", "eval_interval", "eval_iters", "log_interval", "ckpt_interval", "keep_ckpts",
+                 "log_attn_interval", "final_eval_tokens", "probe_interval")
+
+
+def changed_training(state: dict, cfg) -> list:
+    """The train.* keys whose value differs from the checkpoint's run (those of SAME_RUN_KEYS apart)."""
+    saved = (state.get("config") or {}).get("train") or {}
+    now = OmegaConf.to_container(cfg.train, resolve=True)
+    return [f"train.{k}={now[k]} (was {saved[k]})" for k in sorted(set(saved) & set(now))
+            if k not in SAME_RUN_KEYS and saved[k] != now[k]]
 
 
 def resume_point(cfg, run_dir: Path) -> ResumePoint:
     """What `resume` asks this run (told `run_dir`) to start from. A resumed run continues in its own
-    dir; one that lengthens another run's context is a new run in `run_dir`, and leaves the run it
-    started from as it was."""
+    dir from its newest checkpoint with the settings it trained with; anything else never rewrites that
+    run: a longer context, an older checkpoint or changed train.* settings is a new run in `run_dir` that
+    records where it came from, and, asked of the run's own dir (resume=true), is refused with the
+    command that branches."""
     source = resume_source(cfg.resume, run_dir)
     if source is None:
         return ResumePoint()
     state = load_checkpoint(source)  # to CPU: RNG states must stay there
     extension = context_extension(state, cfg)  # a longer block: known before the model is built
-    return ResumePoint(source, state, extension, branch=source.parent != run_dir and "block_size" in extension)
+    if "block_size" in extension:  # a longer context: recorded in the run's checkpoints, wherever it continues
+        why = "a longer context" if source.parent != run_dir else None
+    else:
+        why = (f"{source.name} is older than the run's newest checkpoint ({latest_checkpoint(source.parent).name})"
+               if source != latest_checkpoint(source.parent) else ", ".join(changed_training(state, cfg)) or None)
+        if why and source.parent == run_dir:  # resume=true here would write over the run it resumes
+            raise UserError(f"resume from {source} with {why} would rewrite that run: branch into a new run dir "
+                            f"instead, python train.py resume={source} (and your overrides); nothing was changed")
+    return ResumePoint(source, state, extension, branch=why is not None, branch_why=why)
 
 
 CONTEXT_KEYS = ("block_size", "rope_scaling", "rope_scaling_factor", "rope_original_length")

@@ -212,3 +212,29 @@ def test_a_position_table_cannot_be_lengthened(train_cfg):
     train(train_cfg("train.max_iters=2", "train.eval_interval=2", "model.pos=learned"))
     with pytest.raises(UserError, match="model.pos=learned has a table of 32 positions"):
         train(train_cfg("train.max_iters=4", "model.pos=learned", "model.block_size=64", "resume=true"))
+
+
+def test_a_resume_from_an_older_checkpoint_or_with_another_lr_never_rewrites_the_run(train_cfg, tmp_path):
+    """resume=RUN/ckpt_older (what the divergence line invites) and a resume at another lr branch into the
+    command's own dir, which records where it came from; the run itself stays byte for byte (its later
+    checkpoints, best.pt, metrics and config.yaml). resume=true with another lr is refused in one line that
+    gives the branching command."""
+    from train import train
+    train(train_cfg("train.max_iters=6", "train.eval_interval=2", "train.keep_ckpts=5"))
+    first = tmp_path / "run"
+    before = {p.name: p.read_bytes() for p in first.iterdir() if p.is_file()}
+    older = first / "ckpt_0000002.pt"
+    for i, extra in enumerate([[], ["train.lr=3e-4"]]):  # an older checkpoint; the newest at another lr
+        source = older if not extra else first / "ckpt_0000006.pt"
+        new = tmp_path / f"branch{i}"
+        result = train(train_cfg("train.max_iters=8", "train.eval_interval=2", "train.keep_ckpts=5", *extra,
+                                 f"resume={source}", f"out_dir={new}"))
+        assert result["out_dir"] == str(new) and result["steps"] == 8
+        info = json.loads((new / "run_info.json").read_text())["branched_from"]
+        assert info["checkpoint"] == str(source) and ("older" in info["why"] if not extra else "train.lr=0.0003" in info["why"])
+        assert {p.name: p.read_bytes() for p in first.iterdir() if p.is_file()} == before
+    with pytest.raises(UserError, match=r"train.lr=0.0003 \(was 0.002\) would rewrite that run: branch into a new "
+                                        r"run dir instead, python train.py resume=\S+ckpt_0000006.pt") as e:
+        train(train_cfg("train.max_iters=8", "train.eval_interval=2", "train.keep_ckpts=5", "train.lr=3e-4", "resume=true"))
+    assert "\n" not in str(e.value)
+    assert {p.name: p.read_bytes() for p in first.iterdir() if p.is_file()} == before
