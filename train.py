@@ -142,7 +142,7 @@ def finish(run: Run, stop: StopRequest) -> dict:
     if run.cfg.logger.plots:  # on every rank: see write_plots
         write_plots(run.out_dir, run.step, run.model, run.probe, run.data, run.tracker, run.rt, run.dist.master)
     unigram = run.data.unigram_loss() if hasattr(run.data, "unigram_loss") else None  # generated data has none
-    return record_results(run.watch, run.state, run.tracker, run.out_dir, run.dist.master, run.cfg.train.lr,
+    return record_results(run.watch, run.state, run.tracker, run.out_dir, run.dist.master, run.cfg.train,
                           unigram, stop.signal)
 
 
@@ -329,7 +329,7 @@ def optimizer_step(run: Run) -> StepStats:
         if run.skipped > tcfg.skip_nonfinite:
             if run.updates == 0 and not run.resuming:  # the fresh model gives it: an error, not a divergence
                 good = last_good_checkpoint(run.out_dir, run.step) if run.dist.master else None
-                raise nonfinite_error(run.step, loss.item(), good, fresh=True, lr=tcfg.lr)
+                raise nonfinite_error(run.step, loss.item(), good, fresh=True, lr=tcfg.lr, tcfg=tcfg)
             run.watch.nonfinite(run.step + 1, loss.item(), tcfg.skip_nonfinite)
     else:
         run.updates += 1

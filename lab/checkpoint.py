@@ -28,6 +28,7 @@ import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
 from rules import UserError, first_line, warn_ignored
+from lab.cli import in_sweep
 from lab.config import DataConfig, data_seed
 from model import GPT, GPTConfig
 from data.loader import TokenData
@@ -327,6 +328,10 @@ def resume_source(resume, out_dir: Path):
         return None
     if str(resume).lower() == "true":
         found = latest_checkpoint(out_dir)
+        if found is None and in_sweep() and not (Path(out_dir) / "metrics.jsonl").is_file():
+            log.warning("resume=true: job dir %s holds no run (a job the stopped sweep never started): starting it",
+                        out_dir)
+            return None
         if found is None:
             raise UserError(f"resume=true but {out_dir} has no checkpoint: a run stopped before its first one "
                             "starts again without resume=true (same hydra.run.dir); another run's dir is "

@@ -104,8 +104,18 @@ def end_sweep_on_signal(stopped, sweep: bool):
     """A signal (`stopped`: its name, or None) stops a whole `sweep`, not only this run: exit 0 once the
     run has saved its checkpoint, the jobs after it not started."""
     if stopped and sweep:
-        print("sweep stopped: the runs after this one were not started", file=sys.stderr)
+        print(f"sweep stopped: the runs after this one were not started; finish it (the stopped job resumes, the "
+              f"others start) with: {finishing_command()}", file=sys.stderr)
         sys.exit(0)
+
+
+def finishing_command() -> str:
+    """The one command that finishes a stopped sweep: its own overrides, its dir, resume=true."""
+    import shlex
+
+    from hydra.core.hydra_config import HydraConfig
+    keep = [a for a in sys.argv[1:] if not a.startswith(("resume=", "hydra.sweep.dir="))]
+    return shlex.join(["python", "train.py", *keep, f"hydra.sweep.dir={HydraConfig.get().sweep.dir}", "resume=true"])
 
 
 def in_sweep() -> bool:

@@ -10,6 +10,7 @@ every entry point calls it before doing anything (check_train_config for trainin
 without a rule fails a test by name.
 """
 import hashlib
+import math
 import sys
 from dataclasses import dataclass, field
 from typing import ClassVar, List, Optional
@@ -19,7 +20,7 @@ from omegaconf import MISSING, OmegaConf
 
 from rules import FRACTION, NON_NEGATIVE, POSITIVE, SEED, Needs, OneOf, Range, UserError, check_values, warn_ignored
 from model import GPTConfig
-from variants import ROPE_SCALINGS, SELECTS
+from variants import ROPE_SCALINGS, SELECTS, kinds, softmax_kinds
 from lab.optim import LR_SCHEDULES, MUON_ADJUST_LR, MUON_NS_DTYPES, OPTIMIZERS, WEIGHT_DECAY_MODES, min_lr
 from lab.device import DTYPES
 from lab.parallel import PARALLEL
@@ -274,7 +275,9 @@ def check_train_config(cfg) -> list:
     together: everything that needs no file, before anything is written. Returns the settings that
     have no effect in this config (each warned in one line): ignored, not refused."""
     ignored = check_values(cfg)
-    more = [line for line in model_config(cfg.model, cfg.model.vocab_size or 1).ignored if line not in ignored]
+    mc = model_config(cfg.model, cfg.model.vocab_size or 1)
+    more = [line for line in mc.ignored if line not in ignored]
+    more += check_collapse_entropy(cfg.train, mc, ignored)
     warn_ignored(more)  # what the model's pieces ignore besides (GPTConfig: n_embd divisible by n_head, etc.)
     check_wandb_mode(cfg.logger.wandb)  # online needs a key
     if cfg.data.name == "mqar":
@@ -317,6 +320,27 @@ def check_train_config(cfg) -> list:
                         "flip every weight each step; use weight_decay < 1/lr, or train.weight_decay_mode=independent (the decay "
                         "then does not grow with the peak lr)")
     return ignored + more
+
+
+def check_collapse_entropy(t, mc: GPTConfig, ignored: list) -> list:
+    """train.collapse_entropy against the model: the ignored line of a model with no softmax layer (the
+    probe reads no entropy there) when it was set, and a refusal of a threshold at or above ln(block_size),
+    the most entropy a query's weights can have (uniform over every key): every layer would be called
+    collapsed at step 0. Nothing more when check_values already named it ignored (the probe is off)."""
+    if t.collapse_entropy == 0 or any(line.startswith("train.collapse_entropy=") for line in ignored):
+        return []
+    if not softmax_kinds(mc.attn):
+        if t.collapse_entropy == TrainConfig.collapse_entropy:
+            return []
+        return [f"train.collapse_entropy={t.collapse_entropy:g} has no effect: no layer has softmax weights "
+                f"(model.attn: {', '.join(sorted(kinds(mc.attn)))}), so the probe reads no attention entropy: ignored"]
+    most = math.log(mc.block_size)
+    if t.collapse_entropy >= most:
+        raise UserError(f"train.collapse_entropy={t.collapse_entropy:g} is at or above ln(model.block_size="
+                        f"{mc.block_size}) = {most:.3f} nats, the most a query's weights can have (uniform over every "
+                        f"key): every layer would be called collapsed at step 0; the rule means about one key per "
+                        f"query: use e.g. train.collapse_entropy={TrainConfig.collapse_entropy:g}")
+    return []
 
 
 def data_seed(cfg) -> int:

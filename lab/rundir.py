@@ -13,6 +13,7 @@ import os
 import platform
 import subprocess
 import sys
+import time
 from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Optional
@@ -22,10 +23,10 @@ from omegaconf import OmegaConf
 
 from data.loader import TokenData
 from lab.attnstats import AttentionProbe
-from lab.cli import new_run_dir, remove_new_run_dir
+from lab.cli import in_sweep, new_run_dir, remove_new_run_dir
 from lab.checkpoint import TrainState, last_good_checkpoint, latest_checkpoint, prune_checkpoints, save_checkpoint
 from lab.device import Runtime, is_oom
-from lab.stability import Watch, diverged_line
+from lab.stability import Watch, diverged_line, suspects
 from lab.tracking import Tracker, log_metrics
 from files import check_output_dir, dir_mode, remove_stale_temps
 from model import GPT
@@ -66,8 +67,9 @@ class RunDir:
             return
         self.lock = lock_run_dir(self.path)
         if (source is None or branch) and self.latest_checkpoint() is not None:
+            where = "hydra.sweep.dir (a sweep's job dirs are its dir's)" if in_sweep() else "hydra.run.dir"
             raise UserError(f"{self.path} already holds a run: continue it with resume=true, or give a new "
-                            "hydra.run.dir (nothing was overwritten)")
+                            f"{where} (nothing was overwritten)")
         remove_stale_temps(self.path, alive_only=False)  # we hold the lock: a temp file here is a killed write's
 
     @contextmanager
@@ -225,7 +227,7 @@ def outcome(results: dict, final: Optional[float], unigram: Optional[float], sto
     return {"outcome": "finished", "outcome_why": None, "outcome_step": step}
 
 
-def record_results(watch: Watch, state: TrainState, tracker: Tracker, out_dir: Path, master: bool, lr: float,
+def record_results(watch: Watch, state: TrainState, tracker: Tracker, out_dir: Path, master: bool, tcfg,
                    unigram: Optional[float] = None, stopped: Optional[str] = None) -> dict:
     """The run's results (its stability figures beside its losses, its outcome, the val split's unigram
     loss) in results.json, the W&B summary and, when it diverged, one metrics line that says where."""
@@ -235,7 +237,7 @@ def record_results(watch: Watch, state: TrainState, tracker: Tracker, out_dir: P
     if results["diverged"]:
         good = last_good_checkpoint(out_dir, state.step) if master else None
         results["last_good_checkpoint"] = str(good) if good else None
-        results["lr"] = lr
+        results["lr"], results["suspects"] = tcfg.lr, suspects(tcfg)  # what the divergence line tells to lower
         log_metrics(tracker, watch, state.step, {"diverged": 1, "diverged_step": results["diverged_step"],
                                                  **({"last_finite_loss": results["diverged_last_finite_loss"]}
                                                     if results["diverged_last_finite_loss"] is not None else {})})
@@ -268,10 +270,15 @@ def summary(state: TrainState, run_dir: RunDir, compiled: bool, attn: list, metr
 
 
 def log_end(result: dict, updated: bool):
-    """The last line of a run's log (`result`: what train() returns): where it diverged, or its val
-    loss and the attention probes' share of the training time (`updated`: it took an optimizer step)."""
+    """The last line of a run's log (`result`: what train() returns): where it diverged (appended to its
+    train.log alone: the console gets that line once, from stability.report_divergence), or its val loss
+    and the attention probes' share of the training time (`updated`: it took an optimizer step)."""
     if result["diverged"]:
-        log.warning("%s; run dir %s", diverged_line(result), result["out_dir"])
+        train_log = Path(result["out_dir"]) / "train.log"
+        if train_log.is_file():  # rank 0's
+            with open(train_log, "a") as f:
+                f.write(f"[{time.strftime('%Y-%m-%d %H:%M:%S')}][{log.name}][WARNING] - {diverged_line(result)}; "
+                        f"run dir {result['out_dir']}\n")
         return
     probe_s, train_s = result["probe_s"], result["train_s"]
     share = f" ({100 * probe_s / train_s:.2f}% of training time)" if train_s > 0 and updated else ""

@@ -3,7 +3,8 @@ token ids, the CPU threads and the KV cache's dtype chosen, the checkpoint loade
 decoding, generate() run on num_samples seeded copies of the prompt, and each sample's text cut at
 <|endoftext|> or the stop string, streamed or printed. tools/visualize.py reads its prompt here too,
 and tools/bench_sample.py times decoding with the same choices. generate is passed in (the lab
-imports no entry point), so what sample.py calls is what runs."""
+imports no entry point), so what sample.py calls is what runs. Here too: which settings a model's layers
+cannot take (no KV cache, no softmax weights, no RoPE), warned in one line each, as the tools share them."""
 import logging
 import os
 import sys
@@ -17,7 +18,9 @@ from lab.cli import interruption
 from lab.config import SampleConfig
 from lab.counting import generation_bytes
 from lab.device import check_memory, compile_wanted, is_oom, pick_dtype, setup_runtime
+from model import GPTConfig
 from rules import UserError, check_value, first_line, warn_ignored
+from variants import KINDS, kinds
 
 log = logging.getLogger("attnlab")
 CHECK_EVERY = 32  # tokens between host-side checks when not streaming
@@ -108,16 +111,70 @@ def decode_layout(model):
     return model
 
 
+# ----------------------------------------------------------------------------- settings a model's layers cannot take
+# Decided by what each layer's kind says of itself (its flags, its RoPE width), never by its name: a tool
+# that takes such a setting warns it in one line each and goes on without it.
+
+NO_CACHE = "keep a constant-size recurrent state, not a KV cache"
+NO_SOFTMAX = "have no softmax weights (no N x N table to window)"
+NO_ROPE = "rotate nothing by RoPE"
+
+
+def all_recurrent(model) -> bool:
+    """Does every layer keep a constant-size recurrent state (linear, gdn, mamba2), so the model has no KV
+    cache at all: nothing to quantise, keep or evict?"""
+    return all(block.attn.recurrent for block in model.blocks)
+
+
+def no_softmax(model) -> bool:
+    """Has no layer softmax weights (linear, gdn, mamba2): nothing for a window to narrow, no entropy to watch?"""
+    return not any(block.attn.softmax for block in model.blocks)
+
+
+def rope_acts(config) -> bool:
+    """Does RoPE act on this model: model.pos=rope (GPT.rotary) and a layer whose kind rotates its q and k
+    (rope_width; gdn and mamba2 take none)? From the config, before a model is built."""
+    return config.pos == "rope" and any(KINDS[k].rope_width(config) is not None for k in kinds(config.attn))
+
+
+def layer_names(model) -> str:
+    """The kinds of a model's layers (a GPT, or its GPTConfig), by class: "GatedDeltaNet, Mamba2"."""
+    if isinstance(model, GPTConfig):
+        return ", ".join(sorted({KINDS[k].__name__ for k in kinds(model.attn)}))
+    return ", ".join(sorted({type(block.attn).__name__ for block in model.blocks}))
+
+
+def warn_no_effect(settings, model, why: str, what: str = "this checkpoint"):
+    """Each (key, value) in settings, one warning line: `key=value has no effect on <what>: its layers
+    (kinds) <why>: ignored`."""
+    warn_ignored([f"{key}={value!r} has no effect on {what}: its layers ({layer_names(model)}) {why}: ignored"
+                  for key, value in settings])
+
+
 def warn_without_cache(model, cfg):
     """The cache's settings do nothing for a model whose every layer keeps a constant-size recurrent
     state (linear, gdn, mamba2: nothing to quantise or evict): warned, one line each."""
-    if not all(block.attn.recurrent for block in model.blocks):  # some layer keeps a KV cache
-        return
-    kinds = sorted({type(block.attn).__name__ for block in model.blocks})
-    for key, value, default in (("kv_dtype", cfg.kv_dtype, "auto"), ("kv_sinks", cfg.kv_sinks, 0)):
-        if value != default:
-            warn_ignored([f"{key}={value!r} has no effect on this checkpoint: its layers ({', '.join(kinds)}) keep a "
-                          f"constant-size recurrent state, not a KV cache: ignored"])
+    if all_recurrent(model):
+        warn_no_effect([(key, value) for key, value, default in (("kv_dtype", cfg.kv_dtype, "auto"),
+                                                                  ("kv_sinks", cfg.kv_sinks, 0)) if value != default],
+                       model, NO_CACHE)
+
+
+def with_rope_scaling_if_it_acts(state: dict, scaling=None, factor=None, longer: bool = False) -> dict:
+    """lab.checkpoint.with_rope_scaling (sample.py, tools/eval_lengths.py), unless model.pos=rope rotates
+    nothing in this checkpoint's layers (gdn, mamba2): then each of rope_scaling and rope_scaling_factor
+    given is warned in one line and the checkpoint stays as it is. Another model.pos is refused there."""
+    given = [(key, value) for key, value in (("rope_scaling", scaling), ("rope_scaling_factor", factor))
+             if value is not None]
+    if given and state["model_config"].get("pos", "rope") == "rope":
+        try:
+            config = GPTConfig(**state["model_config"])
+        except TypeError:  # another version's config: model_from_checkpoint says so in one line
+            config = None
+        if config is not None and not rope_acts(config):
+            warn_no_effect(given, config, NO_ROPE)
+            return state
+    return with_rope_scaling(state, scaling, factor, longer=longer)
 
 
 def load_for_sampling(cfg, prompt: str, device):
@@ -129,8 +186,8 @@ def load_for_sampling(cfg, prompt: str, device):
     tok = tokenizer_from_dict(state["tokenizer"])
     ids = start_ids(tok, prompt, state)
     state = with_selection(state, cfg.select, cfg.select_topk, cfg.select_block)
-    model = model_from_checkpoint(with_rope_scaling(state, cfg.rope_scaling, cfg.rope_scaling_factor, longer=True),
-                                  device)
+    model = model_from_checkpoint(with_rope_scaling_if_it_acts(state, cfg.rope_scaling, cfg.rope_scaling_factor,
+                                                               longer=True), device)
     warn_without_cache(model, cfg)
     if device.type == "cpu":  # measured on CPU only (bench_sample.py layouts=[row,column])
         decode_layout(model)

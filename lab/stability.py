@@ -171,20 +171,45 @@ def max_of(a, b):
     return b if a is None else max(a, b)
 
 
+def suspects(tcfg) -> list:
+    """Training settings far outside their sensible range that make a loss blow up whatever the lr: a
+    z-loss weight (PaLM: 1e-4) whose c·(log Z)² overflows, a weight decay that shrinks weights by half
+    or more per step. The lines name the user's own keys."""
+    found = []
+    if getattr(tcfg, "z_loss", 0) and tcfg.z_loss > 1e-2:
+        found.append(f"train.z_loss={tcfg.z_loss} (PaLM uses 1e-4; its c·(log Z)² term overflows)")
+    independent = getattr(tcfg, "weight_decay_mode", "coupled") == "independent"
+    for key, lr in (("weight_decay", tcfg.lr), ("muon_weight_decay", getattr(tcfg, "muon_lr", None) or tcfg.lr)):
+        wd = getattr(tcfg, key, None)
+        if key == "muon_weight_decay" and (getattr(tcfg, "optimizer", "adamw") != "muon" or wd is None):
+            continue
+        shrink = wd if independent else wd * lr
+        if wd and shrink >= 0.5:
+            found.append(f"train.{key}={wd} (shrinks every matrix by {shrink:.0%} per step at the peak)")
+    return found
+
+
 def diverged_line(results: dict) -> str:
-    """One line that says a run diverged, where, and what it last had."""
+    """One line that says a run diverged, where, and what it last had; what to change: the settings
+    suspects() named, else the lr."""
     last = results.get("diverged_last_finite_loss")
+    fix = (f"lower {' and '.join(results['suspects'])}" if results.get("suspects") else
+           f"lower train.lr (now {results.get('lr')}), raise train.warmup_iters, or turn on model.attn.qk_norm")
     return (f"diverged at step {results['diverged_step']}: {results['diverged_reason']}; last finite training loss "
             f"{'none' if last is None else f'{last:.4f}'}; last good checkpoint: "
-            f"{results.get('last_good_checkpoint') or 'none'}; lower train.lr (now {results.get('lr')}), raise "
-            "train.warmup_iters, or turn on model.attn.qk_norm")
+            f"{results.get('last_good_checkpoint') or 'none'}; {fix}")
 
 
-def nonfinite_error(step: int, loss: float, good: Optional[Path], fresh: bool, lr: float) -> UserError:
+def nonfinite_error(step: int, loss: float, good: Optional[Path], fresh: bool, lr: float, tcfg=None) -> UserError:
     """Name the likely cause of a non-finite loss at `step` (`good`: the last good checkpoint, or None):
-    before any update (`fresh`) the learning rate has not acted yet, so the model config (or the data)
-    is at fault; after updates, a step size (`lr`) too large for the model."""
-    where = f"non-finite loss or gradients at step {step} (loss {loss}); last good checkpoint: {good or 'none yet'}"
+    a training setting suspects() names (`tcfg`: the train config); else, before any update (`fresh`)
+    the learning rate has not acted yet, so the model config (or the data) is at fault; after updates, a
+    step size (`lr`) too large for the model."""
+    where = f"non-finite loss or gradients at step {step} (loss {loss}); last good checkpoint: " + \
+        f"{good or ('none: nothing was trained yet' if fresh else 'none yet')}"
+    named = suspects(tcfg) if tcfg is not None else []
+    if named:
+        return UserError(f"{where}; the likely cause: {'; '.join(named)}: lower it")
     if fresh:
         return UserError(f"{where}; the freshly initialised model already gives it, so the learning rate is not "
                          "the cause: check the model.* values (one out of its sensible range?) and the data")

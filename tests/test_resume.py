@@ -116,11 +116,11 @@ def test_skip_nonfinite_skips_bad_steps_and_goes_on(train_cfg, tmp_path, monkeyp
 
 def test_sigterm_stops_a_whole_sweep_not_only_its_current_run(tmp_path, cli):
     """SIGTERM stops the whole sweep: the signalled run checkpoints and returns, and Hydra starts no next
-    point."""
+    point; the one command its stop line prints finishes it (the stopped job resumes, the other starts)."""
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("".join(f"line {i}: the quick brown fox jumps over the lazy dog\n" for i in range(300)))
     sweep = tmp_path / "sweep"
-    proc = cli.popen("train.py", "-m", "model=debug", "model.n_embd=32,64", "train.max_iters=100000",
+    proc = cli.popen("train.py", "-m", "model=debug", "model.n_embd=32,64", "train.max_iters=1500",
                      "train.ckpt_interval=100000", "train.eval_interval=1000", "train.eval_iters=1", "device=cpu",
                      "logger.wandb.mode=disabled", "logger.plots=false", f"data.path={corpus}", f"data.cache_dir={tmp_path / 'cache'}",
                      f"hydra.sweep.dir={sweep}")
@@ -133,6 +133,14 @@ def test_sigterm_stops_a_whole_sweep_not_only_its_current_run(tmp_path, cli):
     assert proc.returncode == 0 and "sweep stopped" in err, err[-2000:]
     assert [p.name[:2] for p in sweep.iterdir() if p.is_dir()] == ["0_"]  # the second point never started
     assert len(list(sweep.glob("0_*/ckpt_*.pt"))) == 1
+    import shlex
+    command = shlex.split(err.split("with: ", 1)[1].splitlines()[0])
+    assert command[:3] == ["python", "train.py", "-m"] and command[-1] == "resume=true"
+    r = cli(*command[1:], timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "sweep done: 2 jobs: 2 finished, 0 diverged, 0 failed" in r.stderr
+    done = sorted(sweep.glob("*/results.json"))
+    assert len(done) == 2 and all(json.loads(p.read_text())["steps"] == 1500 for p in done)
 
 
 def test_a_checkpoint_from_before_an_option_existed_resumes_as_that_options_default(train_cfg, tmp_path):

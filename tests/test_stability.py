@@ -233,6 +233,11 @@ def test_a_sweep_with_a_diverging_job_completes_and_counts_it(cli, tmp_path):
     assert r.stderr.strip().splitlines()[-1].startswith("sweep done: 2 jobs: 1 finished, 1 diverged, 0 failed")
     results = sorted((tmp_path / "sweep").glob("*/results.json"))
     assert [json.loads(p.read_text())["diverged"] for p in results] == [False, True]
+    assert r.stderr.count("diverged at step") == 1  # its line once on the console ...
+    assert "diverged at step" in (results[1].parent / "train.log").read_text()  # ... and in its train.log
+    outcome = json.loads(results[1].read_text())
+    assert outcome["outcome"] == "diverged" and outcome["outcome_step"] == outcome["diverged_step"]
+    assert "diverged" in outcome["outcome_why"] or outcome["outcome_why"] == outcome["diverged_reason"]
 
 
 def test_the_sweep_callback_keeps_a_lone_runs_failure_and_counts_a_sweep_jobs():
@@ -494,3 +499,25 @@ def test_the_lr_table_and_the_report_mark_unigram_and_stopped_runs(tmp_path):
     md = report([str(tmp_path)], out=str(tmp_path / "out"))["table"]
     assert "| 3.340 ± 0.000 ‡ ‡ |" in md and "0 / 2 of 4" in md
     assert "1 finished; seed 2 stopped at step 80" in md  # the arm table's outcomes column
+
+
+def test_a_blow_up_is_blamed_on_the_setting_that_caused_it_naming_the_users_key(train_cfg):
+    """train.z_loss=1e30 overflows at step 0: the line names train.z_loss, not model.* or the data; a
+    divergence under a weight decay that halves the weights every step names that key, not the lr."""
+    from omegaconf import OmegaConf
+
+    from lab.stability import diverged_line, suspects
+    from train import train
+    with pytest.raises(UserError) as e:
+        train(train_cfg("train.z_loss=1e30"))
+    line = str(e.value)
+    assert "\n" not in line and "train.z_loss=1e+30" in line and "model." not in line
+    assert "last good checkpoint: none: nothing was trained yet" in line
+    tcfg = OmegaConf.create({"lr": 1e-3, "optimizer": "muon", "muon_lr": 0.02, "weight_decay": 0.1,
+                             "muon_weight_decay": 30.0, "weight_decay_mode": "coupled", "z_loss": 0.0})
+    assert suspects(tcfg) == ["train.muon_weight_decay=30.0 (shrinks every matrix by 60% per step at the peak)"]
+    line = diverged_line({"diverged_step": 9, "diverged_reason": "the loss was not finite", "lr": 1e-3,
+                          "suspects": suspects(tcfg)})
+    assert line.endswith("lower train.muon_weight_decay=30.0 (shrinks every matrix by 60% per step at the peak)")
+    assert "train.lr" not in line
+    assert suspects(OmegaConf.create({**tcfg, "muon_weight_decay": 0.1})) == []  # 0.2% a step: nothing to blame

@@ -11,7 +11,9 @@ here by copying a large tensor. Each case is timed `repeats` times in interleave
 machine class is noisy) and the median printed with the range; a compiled case is warmed up at
 the timed length, so no compilation is timed. `layouts=[row,column]` also times the weights as
 training leaves them (row-major) against the layout sample.py uses on CPU; `kv_dtypes` (default
-both) times an fp32 and a bf16 KV cache side by side (sample.py's kv_dtype).
+both) times an fp32 and a bf16 KV cache side by side (sample.py's kv_dtype). A model whose every layer
+keeps a constant-size recurrent state has no KV cache: kv_dtypes set is a warning line (the state stays
+at least fp32, whatever is asked).
 """
 import sys
 from pathlib import Path
@@ -36,7 +38,8 @@ from lab.counting import decode_bytes  # noqa: E402
 from lab.device import DTYPES, Timer, setup_runtime  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 from rules import POSITIVE, SEED, Needs, OneOf, Range, UserError, check_values  # noqa: E402
-from lab.sampling import cpu_cores, decode_layout, decode_threads, kv_cache_dtype  # noqa: E402
+from lab.sampling import (NO_CACHE, all_recurrent, cpu_cores, decode_layout, decode_threads, kv_cache_dtype,  # noqa: E402
+                          warn_no_effect)
 from sample import generate  # noqa: E402
 from lab.cli import cli, run_app  # noqa: E402
 
@@ -112,6 +115,8 @@ def timed_cases(cfg) -> dict:
     torch.manual_seed(cfg.seed)
     mcfg = model_config({**OmegaConf.to_container(cfg.model, resolve=True), "dropout": 0.0}, cfg.vocab_size)
     model = GPT(mcfg).to(device).eval()
+    if all_recurrent(model) and list(cfg.kv_dtypes) != BenchSampleConfig().kv_dtypes:  # the layers keep no KV cache
+        warn_no_effect([("kv_dtypes", list(cfg.kv_dtypes))], model, NO_CACHE, what="this model")
     column = {"row": False, "column": True, "auto": device.type == "cpu"}  # auto: as sample.py lays weights out
     models = {layout: decode_layout(copy.deepcopy(model)) if column[layout] else model for layout in cfg.layouts}
     bandwidth = memory_bandwidth(device)

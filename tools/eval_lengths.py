@@ -14,7 +14,8 @@ trained length?). At L = block_size, with `tokens` at least the split's length, 
 whole-val-split loss (val/loss_full). A retrieval column: the loss on the second copy of a span
 repeated once (the first L/2 tokens of each window, twice), which is low only if the model can
 look back L/2 tokens and copy. RoPE scaling (position interpolation, NTK, YaRN) applies to a trained
-checkpoint as it is, without training: rope_scaling= and rope_scaling_factor=. A model with a learned
+checkpoint as it is, without training: rope_scaling= and rope_scaling_factor= (refused without RoPE; on
+layers that RoPE does not rotate, gdn and mamba2, a warning line each, ignored). A model with a learned
 or sinusoidal position table has no position past its block_size: those lengths are skipped with a
 line saying so, never extrapolated.
 
@@ -37,7 +38,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as tools/X.p
 
 from variants import ROPE_SCALINGS, SELECTS  # noqa: E402
 from lab.attnstats import copy_losses  # noqa: E402
-from lab.checkpoint import find_checkpoint, load_checkpoint, model_from_checkpoint, with_rope_scaling, with_selection  # noqa: E402
+from lab.checkpoint import find_checkpoint, load_checkpoint, model_from_checkpoint, with_selection  # noqa: E402
+from lab.sampling import with_rope_scaling_if_it_acts  # noqa: E402
 from lab.cli import cli, run_app  # noqa: E402
 from lab.device import pick_device  # noqa: E402
 from files import check_output_file, default_output  # noqa: E402
@@ -107,7 +109,7 @@ def eval_lengths(cfg) -> dict:
 def eval_checkpoint(cfg, path, out) -> dict:
     """The table (and plot) of one checkpoint."""
     state = load_checkpoint(path)
-    state = with_selection(with_rope_scaling(state, cfg.rope_scaling, cfg.rope_scaling_factor), cfg.select,
+    state = with_selection(with_rope_scaling_if_it_acts(state, cfg.rope_scaling, cfg.rope_scaling_factor), cfg.select,
                            cfg.select_topk, cfg.select_block)
     model = model_from_checkpoint(state, pick_device(cfg.device)).eval()
     c = model.config

@@ -11,6 +11,8 @@ Policies (`policies=`), each with a cache of block_size positions:
   their RoPE positions;
 - sinks: the first `sinks` tokens stay, the rest is a ring of the latest (StreamingLLM, Xiao et al.
   2023, arXiv 2309.17453; variants/sink_cache.py, positions given within the cache).
+A model whose every layer keeps a constant-size recurrent state (linear, gdn, mamba2) has no KV cache:
+ring and sinks stream that state alike, and sinks= and kv_dtypes= set are each a warning line, ignored.
 A model trained with data.bos=true streams from its bos token, which ring and recompute drop once
 the stream passes block_size and sinks keeps. StreamingLLM's claim: dropping the first tokens breaks
 a model that parks attention on them (a "sink"), and keeping ~4 restores it. Prints the mean loss
@@ -40,10 +42,11 @@ from lab.checkpoint import find_checkpoint, load_checkpoint, model_from_checkpoi
 from lab.cli import cli, run_app  # noqa: E402
 from lab.device import pick_device  # noqa: E402
 from files import check_output_file, default_output  # noqa: E402
-from rules import POSITIVE, OneOf, Range, UserError, check_values  # noqa: E402
+from rules import POSITIVE, OneOf, Range, UserError, check_values, warn_ignored  # noqa: E402
 from lab.heldout import stream_tokens  # noqa: E402
 from lab.tracking import read_metrics  # noqa: E402
 from data.tokenizer import tokenizer_from_dict  # noqa: E402
+from lab.sampling import NO_CACHE, all_recurrent, layer_names, warn_no_effect  # noqa: E402
 
 POLICIES = ("recompute", "ring", "sinks")
 KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.int8}
@@ -130,6 +133,18 @@ def sink_mass(run_dir: Path):
     return sum(values) / len(values)
 
 
+def warn_cache_settings(model, cfg):
+    """The cache's settings, each set away from its default, warned in one line on a model whose every layer
+    keeps a constant-size recurrent state (no KV cache): sinks and kv_dtypes are ignored, and the sinks
+    policy streams the state as ring does."""
+    defaults = EvalStreamConfig()
+    warn_no_effect([(key, value) for key, value in (("sinks", cfg.sinks), ("kv_dtypes", list(cfg.kv_dtypes)))
+                    if value != getattr(defaults, key)], model, NO_CACHE)
+    if "sinks" in cfg.policies and list(cfg.policies) != defaults.policies:  # asked for by name
+        warn_ignored([f"policies={list(cfg.policies)!r}: sinks has no effect on this checkpoint: its layers "
+                      f"({layer_names(model)}) {NO_CACHE}, so sinks keeps nothing apart and streams as ring does"])
+
+
 def eval_stream(cfg) -> dict:
     check_values(cfg)
     if cfg.out:
@@ -141,7 +156,10 @@ def eval_stream(cfg) -> dict:
     if not model.slides:
         raise UserError(f"model.pos={model.config.pos} has a position table of {L}: its cache cannot slide past it "
                         "(generation re-runs the last block), so there is nothing to evict")
-    if cfg.sinks >= L:
+    recurrent = all_recurrent(model)  # no KV cache: the cache's settings cannot act (ring and sinks stream alike)
+    if recurrent:
+        warn_cache_settings(model, cfg)
+    elif cfg.sinks >= L:
         raise UserError(f"sinks={cfg.sinks} must be below the cache's length, block_size={L}")
     ids = stream_tokens(state, cfg, cfg.tokens).to(model.wte.weight.device)
     bos = getattr(tokenizer_from_dict(state["tokenizer"]), "bos", None)
@@ -156,7 +174,7 @@ def eval_stream(cfg) -> dict:
         within, past = losses[:L - 1].mean().item(), losses[L - 1:].mean().item()
         result["policies"][policy] = {"within": within, "past": past, "losses": losses.tolist()}
         print(f"{policy:10s} mean loss within the cache {within:.4f}, past it {past:.4f} nats/token")
-    if list(cfg.kv_dtypes) != ["float32"]:
+    if list(cfg.kv_dtypes) != ["float32"] and not recurrent:
         rows = result["kv_dtypes"] = compare_dtypes(model, ids, cfg)
         print(f"\nring cache by dtype, against fp32 ({cfg.tokens - 1} predictions; greedy: {cfg.greedy} tokens from "
               f"the first {L // 2})")

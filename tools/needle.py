@@ -21,8 +21,8 @@ A stack of n layers that each see their latest W keys cannot carry anything fart
 positions: each layer moves information at most W - 1 back (its reach). The probe prints it and marks
 the distances beyond it, where a window model's answer cannot depend on the needle at all.
 
-window=W reads a checkpoint through a window in every layer (no training); select= through a choice
-of keys, as tools/eval_lengths.py does. With runs=, every run's checkpoint is probed and the runs are
+window=W reads a checkpoint through a window in every layer (no training; with no softmax layer
+nothing is windowed: a warning line); select= through a choice of keys, as tools/eval_lengths.py does. With runs=, every run's checkpoint is probed and the runs are
 grouped into arms as tools/report.py groups them: per arm and distance the mean accuracy over its runs
 with a 95% t-interval (one run: the Wilson interval), then each run's. needle.json, needle.md and
 needle.png (accuracy against distance) go to `out`.
@@ -45,6 +45,7 @@ from lab.device import pick_device  # noqa: E402
 from files import check_output_dir, default_output  # noqa: E402
 from data.mqar import MQARTokenizer  # noqa: E402
 from lab.needle_probe import probe, reach, with_window  # noqa: E402
+from lab.sampling import NO_SOFTMAX, no_softmax, warn_no_effect  # noqa: E402
 from rules import POSITIVE, SEED, OneOf, Range, UserError, check_values  # noqa: E402
 from variants import SELECTS  # noqa: E402
 
@@ -129,6 +130,8 @@ def probe_checkpoint(cfg, path) -> dict:
                         "probe asks mqar keys (train one: python train.py data=mqar)")
     state = with_window(with_selection(state, cfg.select, cfg.select_topk, cfg.select_block), cfg.window)
     model = model_from_checkpoint(state, pick_device(cfg.device)).eval()
+    if cfg.window is not None and no_softmax(model):  # gdn, mamba2, linear: nothing for a window to narrow
+        warn_no_effect([("window", cfg.window)], model, NO_SOFTMAX)
     c = model.config
     pairs = cfg.kv_pairs or trained_pairs(state)
     if pairs is None:

@@ -530,3 +530,26 @@ def test_ctrl_c_while_swapping_an_export_in_keeps_the_old_one(tmp_path, monkeypa
     monkeypatch.undo()
     assert swaps[0].startswith(".hf.old") and swaps[1] == "hf"
     assert tree(out) == exported and not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+def test_the_tokenizer_check_of_a_vocabulary_longer_than_the_block_prints_no_warning(capsys):
+    """The export checks its tokenizer on the whole character vocabulary, longer than model_max_length (the
+    block) on purpose: transformers' "sequence length is longer than the specified maximum" is not printed."""
+    import logging
+
+    from data.tokenizer import CharTokenizer
+    from lab.export_hf import check_tokenizer, hf_tokenizer
+    chars = "".join(chr(c) for c in range(32, 127))  # 95 characters against a block of 16
+    tok, fast = hf_tokenizer(CharTokenizer(chars).to_dict(), block_size=16)
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("transformers").addHandler(handler)
+    try:
+        check_tokenizer(tok, fast)
+    finally:
+        logging.getLogger("transformers").removeHandler(handler)
+    shown = capsys.readouterr()
+    assert not [r for r in records if "longer than the specified maximum" in r.getMessage()]
+    assert "longer than the specified maximum" not in shown.out + shown.err
+    assert fast(chars)["input_ids"] == list(range(len(chars)))  # the check passed: the same ids
