@@ -1,6 +1,8 @@
 """lab/config.py's check of a training config: a bad value of a key is one line naming the key and what it
 must be. (Every key of every schema against its rules table, and the settings that have no effect, are
 tested in test_reliability.py.)"""
+import math
+
 import pytest
 
 from lab.config import check_train_config
@@ -71,3 +73,39 @@ def test_a_run_shorter_than_its_warmup_warns_and_the_decay_refusal_points_to_a_s
     with pytest.raises(UserError, match=r"lr_decay_iters > warmup_iters, or a shorter warmup \(e.g. train.warmup_iters=5\)"):
         check_train_config(compose_cfg(overrides=["model=debug", "train.lr_decay_iters=50"]))
     assert schedule_warnings(caplog, "train.lr_decay_iters=50", "train.warmup_iters=5") == []  # the hint works
+
+
+# ----------------------------------------------------------------------------- train.collapse_entropy against the model
+
+def test_collapse_entropy_set_on_a_model_without_softmax_weights_warns_once_naming_its_key(caplog):
+    """The probe reads no attention entropy where no layer has softmax weights (gdn, mamba2, linear): a
+    threshold set there is one line, ignored; left at its default, or where a softmax layer is, none."""
+    recurrent = "model.attn.layer_kinds=[gdn,mamba2]"
+    lines = schedule_warnings(caplog, recurrent, "train.collapse_entropy=0.3")
+    assert lines == ["train.collapse_entropy=0.3 has no effect: no layer has softmax weights (model.attn: gdn, "
+                     "mamba2), so the probe reads no attention entropy: ignored"]
+    assert schedule_warnings(caplog, recurrent) == []  # its default: the user set nothing
+    assert schedule_warnings(caplog, "model.attn.layer_kinds=[gdn,softmax]", "train.collapse_entropy=0.3") == []
+    # the probe off as well: the one line check_values gives, not a second
+    lines = schedule_warnings(caplog, recurrent, "train.collapse_entropy=0.3", "train.log_attn_interval=0")
+    assert len(lines) == 1 and lines[0].startswith("train.collapse_entropy=0.3 has no effect unless the attention probe")
+    ignored = check_train_config(compose_cfg(overrides=["model=debug", recurrent, "train.collapse_entropy=0.3"]))
+    assert any(line.startswith("train.collapse_entropy=0.3 has no effect") for line in ignored)  # recorded with the run
+
+
+@pytest.mark.parametrize("value", [repr(math.log(32)), "5"])  # exactly ln 32, and above it
+def test_collapse_entropy_at_or_above_ln_block_size_is_refused_naming_a_value_that_works(value, caplog):
+    """ln(block_size) is the entropy of weights uniform over every key, the most a query's can have: a
+    threshold there calls every layer collapsed at step 0. The debug model's block_size is 32: ln 32 = 3.466."""
+    with pytest.raises(UserError, match=r"^train\.collapse_entropy=.* is at or above ln\(model\.block_size=32\) = "
+                                        r"3\.466 nats.*use e\.g\. train\.collapse_entropy=0\.1$") as e:
+        check_train_config(compose_cfg(overrides=["model=debug", f"train.collapse_entropy={value}"]))
+    assert "\n" not in str(e.value)
+    below = f"train.collapse_entropy={math.log(32) - 0.01}"
+    assert schedule_warnings(caplog, below) == []  # below ln(block_size): taken
+    with pytest.raises(UserError, match=r"ln\(model\.block_size=16\) = 2\.773"):  # the bound is the model's own
+        check_train_config(compose_cfg(overrides=["model=debug", below, "model.block_size=16"]))
+    assert schedule_warnings(caplog, "train.collapse_entropy=0.1", "model.block_size=16") == []  # the hint works
+    # where it cannot act it is not judged: no softmax layer, or the probe off
+    assert len(schedule_warnings(caplog, "model.attn.layer_kinds=[gdn,mamba2]", f"train.collapse_entropy={value}")) == 1
+    assert len(schedule_warnings(caplog, "train.log_attn_interval=0", f"train.collapse_entropy={value}")) == 1

@@ -109,8 +109,8 @@ def eval_lengths(cfg) -> dict:
 def eval_checkpoint(cfg, path, out) -> dict:
     """The table (and plot) of one checkpoint."""
     state = load_checkpoint(path)
-    state = with_selection(with_rope_scaling_if_it_acts(state, cfg.rope_scaling, cfg.rope_scaling_factor), cfg.select,
-                           cfg.select_topk, cfg.select_block)
+    state = with_selection(with_rope_scaling_if_it_acts(state, cfg.rope_scaling, cfg.rope_scaling_factor),
+                           cfg.select, cfg.select_topk, cfg.select_block)
     model = model_from_checkpoint(state, pick_device(cfg.device)).eval()
     c = model.config
     lengths = list(cfg.lengths) if cfg.lengths else [c.block_size * k for k in (1, 2, 4, 8)]

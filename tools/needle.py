@@ -22,10 +22,11 @@ positions: each layer moves information at most W - 1 back (its reach). The prob
 the distances beyond it, where a window model's answer cannot depend on the needle at all.
 
 window=W reads a checkpoint through a window in every layer (no training; with no softmax layer
-nothing is windowed: a warning line); select= through a choice of keys, as tools/eval_lengths.py does. With runs=, every run's checkpoint is probed and the runs are
-grouped into arms as tools/report.py groups them: per arm and distance the mean accuracy over its runs
-with a 95% t-interval (one run: the Wilson interval), then each run's. needle.json, needle.md and
-needle.png (accuracy against distance) go to `out`.
+nothing is windowed: a warning line); select= through a choice of keys, as tools/eval_lengths.py does.
+With runs=, every run's checkpoint is probed and the runs are grouped into arms as tools/report.py
+groups them: per arm and distance the mean accuracy over its runs with a 95% t-interval (one run: the
+Wilson interval), then each run's. needle.json, needle.md and needle.png (accuracy against distance) go
+to `out`.
 """
 import json
 import sys
