@@ -203,9 +203,12 @@ def build(cfg, run_dir: RunDir, dist_: Dist, grad_accum: int, init_from=None) ->
     run_dir.restrict(data.meta.get("file_mode"))  # set for local files: run dir and checkpoints no more readable
     batch, key = max((tcfg.batch_size, "train.batch_size"), (tcfg.probe_batch_size, "train.probe_batch_size"))
     par = parallelism(tcfg, dist_, rt)
+    vocab = (f"model.vocab_size={mcfg.vocab_size}" if cfg.model.vocab_size is not None else  # the key the user set
+             f"data.vocab_size={cfg.data.vocab_size}" if cfg.data.get("vocab_size") is not None else
+             f"the tokenizer's {mcfg.vocab_size} tokens")
     check_memory(training_bytes(mcfg, batch, par.shards), rt.device, "the model and batch",
                  f"model.n_layer={mcfg.n_layer}, model.n_embd={mcfg.n_embd}, model.d_ff={mcfg.d_ff}, "
-                 f"model.vocab_size={mcfg.vocab_size}, model.block_size={mcfg.block_size}, {key}={batch}")
+                 f"{vocab}, model.block_size={mcfg.block_size}, {key}={batch}")
     model = GPT(mcfg).to(rt.device)
     if init_from:
         fresh = initial_weights(model, init_from, data.tokenizer)

@@ -114,9 +114,14 @@ def source_of(data_cfg):
 
 
 def local_files(pattern: str) -> list:
+    """The regular files data.path names (a file or a glob); one line naming what it is when it is none."""
     files = sorted(p for p in glob.glob(pattern, recursive=True) if Path(p).is_file())
     if not files:
-        raise UserError(f"data.path={pattern!r}: no such file (give a UTF-8 text file or a glob)")
+        p = Path(pattern).expanduser()
+        what = ("a directory: name the text file(s) in it, e.g. data.path='DIR/*.txt'" if p.is_dir() else
+                "not a regular file (a device or a pipe): name a UTF-8 text file" if p.exists() else
+                "no such file (give a UTF-8 text file or a glob)")
+        raise UserError(f"data.path={pattern!r}: {what}")
     return files
 
 

@@ -14,7 +14,9 @@ hydra.callbacks.sweep) and the short name of each job's directory.
 """
 import json
 import logging
+import os
 import sys
+import time
 from pathlib import Path
 
 from hydra.experimental.callback import Callback
@@ -85,6 +87,16 @@ def repeated_jobs(config) -> list:
     return repeated
 
 
+def keep_earlier_record(sweep_dir: Path):
+    """A second sweep into the same dir (the finishing command of a stopped one, say): Hydra rewrites its
+    multirun.yaml, so the earlier one is kept beside it under the time it was last written, and said."""
+    record = sweep_dir / "multirun.yaml"
+    if record.is_file():
+        kept = record.with_name(f"multirun.{time.strftime('%Y-%m-%d_%H-%M-%S', time.localtime(record.stat().st_mtime))}.yaml")
+        os.replace(record, kept)
+        print(f"{sweep_dir} held an earlier sweep's multirun.yaml: kept as {kept.name}", file=sys.stderr)
+
+
 def outcome(job_return) -> dict:
     """A finished job's outcome, from its results.json: {"diverged": bool, ...}, or {} without one."""
     out_dir = job_return.cfg.get("out_dir") or job_return.hydra_cfg.hydra.runtime.output_dir
@@ -109,6 +121,8 @@ class SweepReport(Callback):
                   file=sys.stderr)
             sys.exit(1)
         refused = refused_jobs(config)
+        if not refused:
+            keep_earlier_record(Path(config.hydra.sweep.dir))
         if refused:
             for i, job, line in refused:
                 print(f"error: job {i} ({' '.join(job)}): {line}", file=sys.stderr)

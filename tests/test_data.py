@@ -2,6 +2,7 @@
 import gzip
 import hashlib
 import json
+import re
 import sys
 
 import numpy as np
@@ -157,3 +158,14 @@ def test_bad_split_or_column_is_one_line_error(tmp_path, text_file):
     with pytest.raises(UserError, match="data.text_column='body' is not a column"):
         prepare(data_cfg(tmp_path, "data=text", f"data.path={text_file}", "data.text_column=body"))
     assert not list((tmp_path / "cache").glob("*/meta.json"))
+
+
+@pytest.mark.parametrize("where,says", [("a_dir", "a directory: name the text file(s) in it"),
+                                        ("/dev/null", "not a regular file (a device or a pipe)"),
+                                        ("missing.txt", "no such file")])
+def test_a_data_path_that_is_not_a_text_file_says_what_it_is(tmp_path, where, says):
+    from data.prepare import local_files
+    (tmp_path / "a_dir").mkdir()
+    path = where if where.startswith("/") else str(tmp_path / where)
+    with pytest.raises(UserError, match=rf"^data.path='{re.escape(path)}': {re.escape(says)}"):
+        local_files(path)

@@ -608,6 +608,10 @@ def test_out_of_memory_batch_is_one_line(tmp_path, shared, monkeypatch):
     with pytest.raises(UserError, match=r"need at least .* GiB .*train.batch_size=1000000000000") as e:
         train(make_cfg(tmp_path, shared, "train.batch_size=1000000000000"))
     one_line(e)
+    assert "the tokenizer's" in str(e.value) and "model.vocab_size" not in str(e.value)  # not a key the user set
+    with pytest.raises(UserError, match=r"need at least .* GiB .*data.vocab_size=300") as e:  # the key they did set
+        train(make_cfg(tmp_path, shared, "data.tokenizer=bpe", "data.vocab_size=300", "train.batch_size=1000000000000"))
+    assert "model.vocab_size" not in str(e.value)
     # past the estimate, the allocator's own failure (a real one: 8 TB of batch indices) is one line too
     monkeypatch.setattr(train_module, "check_memory", lambda *a, **k: None)
     with pytest.raises(UserError, match=r"out of memory \(.*can't allocate memory.*batch_size=1000000000000") as e:

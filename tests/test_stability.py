@@ -230,7 +230,9 @@ def test_a_sweep_with_a_diverging_job_completes_and_counts_it(cli, tmp_path):
             "train.grad_clip=0", "train.warmup_iters=0", "model.n_embd=64", "model.n_head=2", "train.lr=1e-3,5",
             f"hydra.sweep.dir={tmp_path / 'sweep'}", f"data.cache_dir={tmp_path / 'cache'}", timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
-    assert r.stderr.strip().splitlines()[-1].startswith("sweep done: 2 jobs: 1 finished, 1 diverged, 0 failed")
+    # the healthy job's 60 steps learn little more than token frequencies: finished, or at the unigram loss
+    assert r.stderr.strip().splitlines()[-1].startswith(("sweep done: 2 jobs: 1 finished, 1 diverged, 0 failed",
+                                                         "sweep done: 2 jobs: 0 finished, 1 diverged, 0 failed, 1 at"))
     results = sorted((tmp_path / "sweep").glob("*/results.json"))
     assert [json.loads(p.read_text())["diverged"] for p in results] == [False, True]
     assert r.stderr.count("diverged at step") == 1  # its line once on the console ...
@@ -521,3 +523,14 @@ def test_a_blow_up_is_blamed_on_the_setting_that_caused_it_naming_the_users_key(
     assert line.endswith("lower train.muon_weight_decay=30.0 (shrinks every matrix by 60% per step at the peak)")
     assert "train.lr" not in line
     assert suspects(OmegaConf.create({**tcfg, "muon_weight_decay": 0.1})) == []  # 0.2% a step: nothing to blame
+
+
+def test_a_second_sweep_into_the_same_dir_keeps_the_first_ones_record(tmp_path, capsys):
+    from lab.sweep import keep_earlier_record
+    (tmp_path / "multirun.yaml").write_text("first: sweep\n")
+    keep_earlier_record(tmp_path)
+    kept = list(tmp_path.glob("multirun.*.yaml"))
+    assert len(kept) == 1 and kept[0].read_text() == "first: sweep\n" and not (tmp_path / "multirun.yaml").exists()
+    assert f"kept as {kept[0].name}" in capsys.readouterr().err
+    keep_earlier_record(tmp_path / "absent")  # a new sweep dir: nothing to keep, nothing said
+    assert capsys.readouterr().err == ""
