@@ -50,6 +50,17 @@ def welch_interval(a: list, b: list) -> dict:
             "n": min(len(a), len(b))}
 
 
+def replicate_interval(a: dict, b: dict) -> dict:
+    """b minus a for values keyed by replicate (seed, data seed): paired where both ran the same
+    replicates (two or more), else Welch's with two or more in each; {} where no interval can be given."""
+    if set(a) == set(b) and len(a) >= 2:
+        keys = sorted(a, key=str)
+        return paired_interval([a[k] for k in keys], [b[k] for k in keys])
+    if len(a) >= 2 and len(b) >= 2:
+        return welch_interval(list(a.values()), list(b.values()))
+    return {}
+
+
 # ----------------------------------------------------------------------------- the Wilson interval
 
 Z95 = 1.959963984540054  # the standard normal's 97.5% quantile: a two-sided 95% interval

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from lab.arms import RunSummary
-from lab.intervals import describe, paired_interval, welch_interval
+from lab.intervals import describe, replicate_interval
 
 EDGE_NATS = 0.1  # how far above its best a loss may be and still count as trained well (fixed before the runs)
 LR_KEY = "train.lr"
@@ -216,11 +216,7 @@ def compare_sensitivity(a: LrArm, b: LrArm) -> dict:
         out["note"] = "no sensitivity in " + ("either arm" if not sa and not sb else f"{(a if not sa else b).label}")
         return out
     out["diff"] = statistics.fmean(sb.values()) - statistics.fmean(sa.values())
-    if set(sa) == set(sb) and len(sa) >= 2:
-        keys = sorted(sa, key=str)
-        out.update(paired_interval([sa[k] for k in keys], [sb[k] for k in keys]))
-    elif len(sa) >= 2 and len(sb) >= 2:
-        out.update(welch_interval(list(sa.values()), list(sb.values())))
+    out.update(replicate_interval(sa, sb))
     return out
 
 

@@ -37,7 +37,7 @@ from lab.cli import cli  # noqa: E402
 from files import check_output_dir  # noqa: E402
 from rules import UserError  # noqa: E402
 from lab.plots import plot_bands, plot_head_roles_compare, series  # noqa: E402
-from lab.intervals import describe, paired_interval, welch_interval  # noqa: E402
+from lab.intervals import describe, paired_interval, replicate_interval, welch_interval  # noqa: E402
 from lab.lr_view import lr_free, lr_view  # noqa: E402
 from lab.arms import Arm, arm_key, default_out, find_runs, group_arms, newer_keys, summarize  # noqa: E402
 
@@ -60,13 +60,8 @@ def compare(a: Arm, b: Arm, name: str = "val_loss") -> dict:
            "diff": statistics.fmean(rb.values()) - statistics.fmean(ra.values()) if ra and rb else None,
            "half": None, "p": None, "test": None,
            "note": "; ".join(f"{arm.label}: {arm.outcomes()}" for arm in (a, b) if arm.outcomes() != "all finished")}
-    if out["diff"] is None:
-        return out
-    if set(ra) == set(rb) and len(ra) >= 2:
-        keys = sorted(ra, key=str)
-        out.update(paired_interval([ra[k] for k in keys], [rb[k] for k in keys]))
-    elif len(ra) >= 2 and len(rb) >= 2:
-        out.update(welch_interval(list(ra.values()), list(rb.values())))
+    if out["diff"] is not None:
+        out.update(replicate_interval(ra, rb))
     return out
 
 
