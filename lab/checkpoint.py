@@ -366,11 +366,12 @@ SAME_RUN_KEYS = ("max_iters", "eval_interval", "eval_iters", "log_interval", "ck
 
 
 def changed_training(state: dict, cfg) -> list:
-    """The train.* keys whose value differs from the checkpoint's run (those of SAME_RUN_KEYS apart)."""
+    """The train.* keys whose value differs from the checkpoint's run (those of SAME_RUN_KEYS apart, and
+    train.data_seed: another data seed is other data, which check_same_data refuses)."""
     saved = (state.get("config") or {}).get("train") or {}
     now = OmegaConf.to_container(cfg.train, resolve=True)
     return [f"train.{k}={now[k]} (was {saved[k]})" for k in sorted(set(saved) & set(now))
-            if k not in SAME_RUN_KEYS and saved[k] != now[k]]
+            if k not in (*SAME_RUN_KEYS, "data_seed") and saved[k] != now[k]]
 
 
 def resume_point(cfg, run_dir: Path) -> ResumePoint:

@@ -31,8 +31,17 @@ class Terminated(KeyboardInterrupt):
     KeyboardInterrupt: a command stops the same way, keeping what it made so far."""
 
 
+received = []  # the signals this process was stopped by, in order (a library may turn one into another error)
+
+
 def raise_terminated(signum, frame):
+    received.append("SIGTERM")
     raise Terminated()
+
+
+def raise_interrupt(signum, frame):
+    received.append("Ctrl-C")
+    raise KeyboardInterrupt()
 
 
 def redeliver_lost_interrupt(unraisable):
@@ -67,8 +76,10 @@ def cli(main):
         entered = True
         main_thread = threading.current_thread() is threading.main_thread()
         if main_thread:  # restored on the way out: a caller in Python (a test, a notebook) keeps its own
-            previous = signal.signal(signal.SIGTERM, raise_terminated), sys.unraisablehook
+            previous = (signal.signal(signal.SIGTERM, raise_terminated), sys.unraisablehook,
+                        signal.signal(signal.SIGINT, raise_interrupt))
             sys.unraisablehook = redeliver_lost_interrupt
+        received.clear()
         try:
             return main(*args, **kwargs)
         except UserError as e:
@@ -93,9 +104,19 @@ def cli(main):
             if in_sweep():
                 raise JobFailed(f"out of memory ({first_line(e)})") from None
             sys.exit(1)
+        except Exception:
+            if not received:
+                raise
+            # the signal landed inside a library that cleaned up and raised something else instead
+            # (datasets' Arrow writer: "I/O operation on closed file"): still an interruption
+            forget_hydra_run_dir()
+            name = received[-1]
+            print(f"interrupted ({name})", file=sys.stderr)
+            sys.exit(143 if name == "SIGTERM" else 130)
         finally:
             if main_thread:
                 signal.signal(signal.SIGTERM, previous[0])
+                signal.signal(signal.SIGINT, previous[2])
                 sys.unraisablehook = previous[1]
     return wrapper
 
@@ -110,12 +131,19 @@ def end_sweep_on_signal(stopped, sweep: bool):
 
 
 def finishing_command() -> str:
-    """The one command that finishes a stopped sweep: its own overrides, its dir, resume=true."""
+    """The one command that finishes a stopped sweep: the sweep's own overrides (its multirun.yaml, as
+    Hydra wrote it at the sweep's start), its dir, resume=true."""
     import shlex
 
     from hydra.core.hydra_config import HydraConfig
-    keep = [a for a in sys.argv[1:] if not a.startswith(("resume=", "hydra.sweep.dir="))]
-    return shlex.join(["python", "train.py", *keep, f"hydra.sweep.dir={HydraConfig.get().sweep.dir}", "resume=true"])
+    from omegaconf import OmegaConf
+    sweep_dir = HydraConfig.get().sweep.dir
+    try:
+        task = list(OmegaConf.load(Path(sweep_dir) / "multirun.yaml").hydra.overrides.task)
+    except (OSError, ValueError, AttributeError):  # no record: the job's own overrides are the best guess
+        task = list(HydraConfig.get().overrides.task)
+    keep = [a for a in task if not a.startswith(("resume=", "hydra.sweep.dir="))]
+    return shlex.join(["python", "train.py", "-m", *keep, f"hydra.sweep.dir={sweep_dir}", "resume=true"])
 
 
 def in_sweep() -> bool:

@@ -134,7 +134,8 @@ def test_sigterm_stops_a_whole_sweep_not_only_its_current_run(tmp_path, cli):
     assert [p.name[:2] for p in sweep.iterdir() if p.is_dir()] == ["0_"]  # the second point never started
     assert len(list(sweep.glob("0_*/ckpt_*.pt"))) == 1
     import shlex
-    command = shlex.split(err.split("with: ", 1)[1].splitlines()[0])
+    stop_line = next(line for line in err.splitlines() if line.startswith("sweep stopped"))
+    command = shlex.split(stop_line.split("with: ", 1)[1])
     assert command[:3] == ["python", "train.py", "-m"] and command[-1] == "resume=true"
     r = cli(*command[1:], timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]

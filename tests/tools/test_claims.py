@@ -9,6 +9,7 @@ import pytest
 import attention
 from helpers import REPO, requires_shared
 import claims
+import claims.common
 from tools.claims import main
 
 CLAIMS_MD = REPO.parent / "shared" / "CLAIMS.md"
@@ -119,7 +120,7 @@ def test_trained_checks_run_end_to_end_at_a_tiny_size(tmp_path, monkeypatch):
     tiny = {name: overrides + ["train.max_iters=6", "train.eval_interval=3", "train.log_attn_interval=3",
                                "train.warmup_iters=2", "train.eval_iters=2", "model.n_layer=2", "logger.plots=false"]
             for name, overrides in claims.TRAINING_RUNS.items()}
-    monkeypatch.setattr(claims, "TRAINING_RUNS", tiny)
+    monkeypatch.setattr(claims.common, "TRAINING_RUNS", tiny)  # where the runs are read (claims/common.py)
     trained = [c.id for c in claims.CLAIMS if c.trains]
     rows = claims.run_claims(quick=False, out=tmp_path, only=trained, log=lambda msg: None)
     assert [r["id"] for r in rows] == trained
