@@ -13,7 +13,6 @@ previous checkpoint intact.
 """
 import dataclasses
 import logging
-import json
 import math
 import os
 import pickle
@@ -34,6 +33,7 @@ from model import GPT, GPTConfig
 from data.loader import TokenData
 from lab.parallel import Dist, FullyShard, Replicated, load_weights
 from lab.stability import Watch
+from lab.tracking import read_metrics
 
 log = logging.getLogger("attnlab")
 
@@ -205,16 +205,14 @@ def check_layout(state, path):
 
 
 def step0_loss(run_dir) -> float:
-    """The run's step-0 val loss from its metrics.jsonl (what a model learned nothing scores); inf unknown."""
+    """The run's step-0 val loss from its metrics (what a model that learned nothing scores); inf unknown."""
+    if not (Path(run_dir) / "metrics.jsonl").is_file():
+        return math.inf
     try:
-        with open(Path(run_dir) / "metrics.jsonl") as f:
-            for line in f:
-                m = json.loads(line) if line.strip() else {}
-                if m.get("step") == 0 and "val/loss" in m:
-                    return float(m["val/loss"])
-    except (OSError, ValueError):
-        pass
-    return math.inf
+        lines = read_metrics(run_dir)
+    except UserError:  # a damaged metrics file: no bound to hold checkpoints to
+        return math.inf
+    return next((float(m["val/loss"]) for m in lines if m.get("step") == 0 and "val/loss" in m), math.inf)
 
 
 def last_good_checkpoint(run_dir, before_step=None):
