@@ -37,6 +37,7 @@ from data.mqar import MQARData
 from data.prepare import prepare
 from lab.evaluation import estimate_loss, full_val_loss, probe_batch, probe_every
 from model import GPT, GPTConfig
+from lab.qk_clip import clip_ as qk_clip_
 from lab.optim import build_optimizer, lr_at, micro_batches, params_now, set_lr, update_norm
 from lab.parallel import Dist, FullyShard, Replicated, all_ranks_agree, checkpoint_blocks, init_distributed, parallelism
 from lab.sweep import hydra_run_info
@@ -315,13 +316,16 @@ def optimizer_step(run: Run) -> StepStats:
     set_lr(run.optimizer, lr)
     starts = run.data.sample_starts("train", (run.grad_accum, tcfg.batch_size), T, run.sampler)
     local = run.grad_accum // run.dist.world
-    batches = (run.data.batch("train", s, T) for s in starts[run.dist.rank * local:(run.dist.rank + 1) * local])
+    batches = [run.data.batch("train", s, T) for s in starts[run.dist.rank * local:(run.dist.rank + 1) * local]]
     logged = (run.step + 1) % tcfg.log_interval == 0 or run.step + 1 == tcfg.max_iters
     before = params_now(run.model) if logged else None  # for the update's norm
     extra = {}
     loss, grad_norm, finite = train_step(run.fwd_model, run.optimizer, batches, local, tcfg.grad_clip, run.rt,
                                          run.scaler, run.dist.world, z_loss=tcfg.z_loss, extra=extra)
-    stats = StepStats(loss, grad_norm, lr, aux=aux_metrics(block.attn for block in run.model.blocks),  # {}: none
+    aux = aux_metrics(block.attn for block in run.model.blocks)  # {}: none
+    if tcfg.qk_clip is not None and finite:  # rescale the heads whose logits on this batch passed tau (lab/qk_clip.py)
+        aux.update(qk_clip_(run.model, [x.to(run.rt.device) for x, _ in batches], tcfg.qk_clip))
+    stats = StepStats(loss, grad_norm, lr, aux=aux,
                       log_z=extra.get("log_z"),
                       update_norm=update_norm(before, run.model) if logged and finite else None)
     run.watch.step(run.step, loss.item(), grad_norm.item())  # floats: train_step has synchronised already

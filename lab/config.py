@@ -20,7 +20,8 @@ from omegaconf import MISSING, OmegaConf
 
 from rules import FRACTION, NON_NEGATIVE, POSITIVE, SEED, Needs, OneOf, Range, UserError, check_values, warn_ignored
 from model import GPTConfig
-from variants import ROPE_SCALINGS, SELECTS, kinds, softmax_kinds
+from attention import CausalSelfAttention
+from variants import KINDS, ROPE_SCALINGS, SELECTS, kinds, softmax_kinds
 from lab.optim import LR_SCHEDULES, MUON_ADJUST_LR, MUON_NS_DTYPES, OPTIMIZERS, WEIGHT_DECAY_MODES, min_lr
 from lab.device import DTYPES
 from lab.parallel import PARALLEL
@@ -126,6 +127,7 @@ class TrainConfig:
     weight_decay: float = 0.1  # on matrices only
     weight_decay_mode: str = "coupled"  # coupled (AdamW's: a step shrinks by lr_t * wd) | independent (by lr_t / lr * wd: not by the peak lr)
     z_loss: float = 0.0  # > 0: add z_loss * (log Z)^2 of the output softmax to the loss (PaLM: 1e-4); train/log_z logged
+    qk_clip: Optional[float] = None  # tau: after each step, rescale W_q, W_k of heads whose largest logit on the batch > tau (lab/qk_clip.py)
     # optimizer: adamw, or muon = torch.optim.Muon on the blocks' Linear weights + AdamW (lr, betas, weight_decay
     # above) on everything else; the lr schedule scales both (lab/optim.py)
     optimizer: str = "adamw"  # adamw | muon
@@ -159,6 +161,7 @@ class TrainConfig:
         "lr": Range(0, 10, lo_open=True, why="a larger lr diverges at once"),
         "min_lr": NON_NEGATIVE, "min_lr_ratio": Range(0, 1, why="a fraction of train.lr"),
         "weight_decay_mode": OneOf(WEIGHT_DECAY_MODES), "z_loss": Range(0, why="0 turns the z-loss off"),
+        "qk_clip": Range(0, lo_open=True, why="a logit bound (Kimi K2 uses 100); null turns QK-Clip off"),
         "collapse_entropy": Range(0, why="0 turns the collapse warning off"), "warmup_iters": NON_NEGATIVE, "lr_decay_iters": POSITIVE,
         "lr_schedule": OneOf(tuple(LR_SCHEDULES)), "cooldown_frac": Range(0, 1, lo_open=True),
         "beta1": FRACTION, "beta2": FRACTION, "weight_decay": NON_NEGATIVE,
@@ -295,6 +298,8 @@ def check_train_config(cfg) -> list:
         raise UserError("train.optimizer=muon with train.parallel=fsdp is not supported: Muon's Newton-Schulz step "
                         "orthogonalises each whole matrix, and FSDP leaves each process only some of its rows; use "
                         "train.parallel=ddp (Muon under DDP is tested) or train.optimizer=adamw")
+    if t.qk_clip is not None:
+        check_qk_clip(t, mc)
     if t.lr_decay_iters is not None and t.lr_decay_iters <= t.warmup_iters:
         raise UserError(f"train.lr_decay_iters={t.lr_decay_iters} is not past train.warmup_iters={t.warmup_iters}: the "
                         "lr would drop from its peak straight to train.min_lr when the warmup ends; set "
@@ -320,6 +325,23 @@ def check_train_config(cfg) -> list:
                         "flip every weight each step; use weight_decay < 1/lr, or train.weight_decay_mode=independent (the decay "
                         "then does not grow with the peak lr)")
     return ignored + more
+
+
+def check_qk_clip(t, mc: GPTConfig):
+    """train.qk_clip needs W_q and W_k it can rescale: softmax layers with a fused q|k|v projection, not undone by
+    QK-Norm, whole on every process."""
+    if mc.attn.qk_norm:
+        raise UserError(f"train.qk_clip={t.qk_clip:g} with model.attn.qk_norm=true: QK-Norm normalises q and k after "
+                        "W_q and W_k, so rescaling them changes no logit (the norm's bound is scale·hs times its gain); "
+                        "use one of the two (model.attn.qk_norm=false, or train.qk_clip=null)")
+    if t.parallel == "fsdp":
+        raise UserError(f"train.qk_clip={t.qk_clip:g} with train.parallel=fsdp is not supported: each process holds "
+                        "only some rows of W_q and W_k; use train.parallel=ddp")
+    fused = CausalSelfAttention.make_projections  # the [Q | K | V] rows lab/qk_clip.py rescales
+    if not any(KINDS[k].softmax and KINDS[k].make_projections is fused for k in kinds(mc.attn)):
+        raise UserError(f"train.qk_clip={t.qk_clip:g} acts on no layer of model.attn.kind={mc.attn.kind}: it rescales "
+                        "the q and k rows of a softmax layer's fused q|k|v projection; use kind=softmax (or a "
+                        "layer_kinds list with softmax layers), or train.qk_clip=null")
 
 
 def check_collapse_entropy(t, mc: GPTConfig, ignored: list) -> list:

@@ -31,7 +31,8 @@ SHELL_OPERATORS = {">", ">>", "2>", "2>&1", "|", "||", "&&", ";", "&", "<"}
 PLACEHOLDERS = re.compile(r"^(\.\.\.|…|\[[\w .-]+\])$")  # `...`, `[overrides]`: more arguments
 PLACEHOLDER_VALUE = re.compile(r"^[A-Z][A-Z0-9_]*$")  # model.n_kv_head=K, resume=RUN_DIR: any value of the key
 ANGLE_PLACEHOLDER = re.compile(r"<([\w.-]+)>")  # outputs/runs/<time>
-ARGPARSE_TOOLS = {"tools/report.py", "tools/recall.py", "scripts/ladder_table.py", "tools/claims.py"}
+ARGPARSE_TOOLS = {"tools/report.py", "tools/recall.py", "scripts/ladder_table.py", "tools/claims.py",
+                  "scripts/stability_page.py"}
 HYDRA_SWITCHES = {"-m", "--multirun", "--help", "-h", "--hydra-help", "--resolve"}
 HYDRA_OPTIONS = {"--cfg", "-c", "--package", "-p"}  # each followed by its value
 HYDRA_INFO = {"all", "config", "defaults", "defaults-tree", "plugins", "searchpath"}  # --info's optional value
