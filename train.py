@@ -321,8 +321,10 @@ def optimizer_step(run: Run) -> StepStats:
     before = params_now(run.model) if logged else None  # for the update's norm
     extra = {}
     loss, grad_norm, finite = train_step(run.fwd_model, run.optimizer, batches, local, tcfg.grad_clip, run.rt,
-                                         run.scaler, run.dist.world, z_loss=tcfg.z_loss, extra=extra)
+                                         run.scaler, run.dist.world, z_loss=tcfg.z_loss, extra=extra,
+                                         layers=run.model.blocks if logged and tcfg.log_layer_grads else None)
     aux = aux_metrics(block.attn for block in run.model.blocks)  # {}: none
+    aux.update({k: v for k, v in extra.items() if k.startswith("grad_norm/L")})
     if tcfg.qk_clip is not None and finite:  # rescale the heads whose logits on this batch passed tau (lab/qk_clip.py)
         aux.update(qk_clip_(run.model, [x.to(run.rt.device) for x, _ in batches], tcfg.qk_clip))
     stats = StepStats(loss, grad_norm, lr, aux=aux,
@@ -346,13 +348,14 @@ def optimizer_step(run: Run) -> StepStats:
 
 def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batches, grad_accum: int, grad_clip: float,
                runtime: Runtime, scaler: torch.amp.GradScaler, world: int = 1, z_loss: float = 0.0,
-               extra: Optional[dict] = None) -> tuple:
+               extra: Optional[dict] = None, layers=None) -> tuple:
     """One optimizer step: forward, loss and backward over this process's micro-batches (x, y; `grad_accum`
     of them), each weighted 1/grad_accum so the step sees their mean (DDP or FSDP then average over
     processes); then clip, the non-finite check and the optimizer's step. Returns (the mean loss of the
     whole global batch, the same whatever the number of processes; global grad norm; finite): a step not
     finite on any rank is skipped on every rank. z_loss > 0: the objective adds z_loss * (log Z)^2
-    (z_loss_term); the loss returned stays the cross-entropy; `extra` receives the mean log Z ("log_z")."""
+    (z_loss_term); the loss returned stays the cross-entropy; `extra` receives the mean log Z ("log_z"), and
+    with `layers` (the model's blocks) each block's gradient norm before clipping ("grad_norm/L{i}")."""
     batches = list(batches)
     device = runtime.device
     total = torch.zeros((), device=device)
@@ -373,6 +376,10 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batches
     if z_loss and extra is not None:
         extra["log_z"] = log_z / len(batches)
     scaler.unscale_(optimizer)  # clip the true gradients, not fp16's scaled ones
+    if layers is not None and extra is not None:  # where the gradient goes, block by block (Xiong et al. 2020)
+        extra.update({f"grad_norm/L{i}": torch.linalg.vector_norm(torch.stack(
+            [torch.linalg.vector_norm(p.grad) for p in block.parameters() if p.grad is not None]))
+            for i, block in enumerate(layers)})
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip if grad_clip > 0 else float("inf"))
     if hasattr(grad_norm, "full_tensor"):  # FSDP: a DTensor, the norm over every rank's shards, replicated
         grad_norm = grad_norm.full_tensor()

@@ -13,7 +13,7 @@ from lab.counting import saved_bytes
 from lab.counting import attention_variants, crossovers, macs_per_token, memory_breakdown, selected_keys
 from model import GPTConfig
 from claims.common import (IMPLS, LargestTensor, Result, claim, flops, fmt, layer_max, max_diff, max_logit, preset, rand,
-                    slash, small_model, verdict)
+                    slash, small_model, stability_figures, verdict)
 
 
 @claim("A1", "Attention is five steps: scores QKᵀ, scale by 1/√d_k, add the mask M, softmax, weighted sum of V.",
@@ -198,8 +198,19 @@ def check_a5(ctx):
                   f"the run's max logit {fmt(run_max['lr3e-2'])} (lr 1e-3: {fmt(run_max['lr1e-3'])}), lowest entropy "
                   f"{fmt(hot_entropy)} nats, with QK-Norm ≤ {fmt(run_max['lr3e-2_qk_norm'])}", tolerance,
                   note="at lr 1e-3 most of the rise from step 0 is the small initialisation coming into use; the "
-                       "runaway growth shows at higher lr (docs/stability.md: an lr sweep with 3 seeds)",
-                  figures=figures)
+                       "runaway growth shows at higher lr" + sweep_note(), figures=figures)
+
+
+def sweep_note() -> str:
+    """docs/stability.md's lr sweep in one clause (its figures from docs/stability.json)."""
+    f = stability_figures().get("lr_sensitivity")
+    if not f:
+        return " (docs/stability.md: an lr sweep with 3 seeds)"
+    none, normed, diff = f["no_qk_norm"], f["qk_norm"], f["qk_norm_minus_none"]
+    return (f". docs/stability.md, {len(f['grid'])} lrs from {min(f['grid']):g} to {max(f['grid']):g}, {f['seeds']} "
+            f"seeds: LR sensitivity {none[0]:.3f} ± {none[1]:.3f} nats without QK-Norm, {normed[0]:.3f} ± "
+            f"{normed[1]:.3f} with it (difference {diff[0]:+.3f}, 95% {diff[1]:+.3f} to {diff[2]:+.3f}); largest logit "
+            f"{f['largest_logit']['no_qk_norm']:.3g} against {f['largest_logit']['qk_norm']:.3g}")
 
 
 TEXT_SHAPE = dict(vocab_size=128256, block_size=8192, n_layer=32, n_head=32, n_embd=4096, mlp="swiglu", d_ff=14336)

@@ -12,7 +12,8 @@ import attention as attn_lib
 import variants
 from lab.counting import count_params, kv_cache_bytes, macs_per_token
 from model import GPT, GPTConfig
-from claims.common import IMPLS, Result, claim, flops, max_diff, preset, rand, skipped, slash, small_model, verdict
+from claims.common import (IMPLS, Result, claim, flops, max_diff, preset, rand, skipped, slash, small_model,
+                           stability_figures, verdict)
 
 
 @claim("C1", "An RNN's error signal decays like γᵏ: with γ = 0.9, after 50 steps ≈ 0.5% is left; its steps cannot run "
@@ -180,10 +181,20 @@ def check_c7(ctx):
     here = f"here Post-LN ended {gap:.2f} nats ahead; " if gap >= 0.05 else ""
     return Result("not_shown", said, tolerance,
                   note=here + "one seed at CPU size; Xiong et al. (2020, arXiv 2002.04745) saw Post-LN need warmup in "
-                       "larger models trained longer. Under an lr sweep (docs/stability.md, 4 layers, 3 seeds) "
-                       "Pre-LN trains at lr 1e-2 (2.07) where Post-LN stalls at 3.34 with or without warmup: the "
-                       "higher lr holds, the need for warmup is not shown",
+                       "larger models trained longer" + norm_sweep_note(),
                   figures={"val_loss_full": loss})
+
+
+def norm_sweep_note() -> str:
+    """docs/stability.md's Pre-LN/Post-LN sweep in one clause (its figures from docs/stability.json)."""
+    f = stability_figures().get("norm_position")
+    if not f:
+        return ""
+    pre, post, post0 = (f["loss"][k]["1e-2"] for k in ("pre_ln_warmup30", "post_ln_warmup30", "post_ln_no_warmup"))
+    return (f". Under an lr sweep (docs/stability.md (3), {f['layers']} layers, {f['seeds']} seeds) Pre-LN trains at lr "
+            f"1e-2 ({pre:.2f}) where Post-LN ends at {post:.2f} with a 30-step warmup and {post0:.2f} without; "
+            f"{f['unigram_runs']} of its {f['post_ln_runs']} runs ended at the unigram loss (token frequencies only): "
+            "the higher lr holds, the need for warmup is not shown at this depth")
 
 
 @claim("C8", "2K → 32K tokens (16×) multiplies the attention scores' compute by 256.",

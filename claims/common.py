@@ -246,5 +246,15 @@ def layer_max(run: Trained, stat: str = "logit_max") -> tuple:
     return [a["step"] for a in rows], [max(a[k] for k in layers) for a in rows]
 
 
+def stability_figures() -> dict:
+    """The lr sweep's figures docs/stability.md quotes (docs/stability.json, written with the page by
+    scripts/stability_page.py from its run dirs); {} where the file is missing or unreadable."""
+    import json
+    try:
+        return json.loads((REPO / "docs" / "stability.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
 def skipped(what: str) -> Result:
     return Result("skipped", f"needs {what}: run without --quick")

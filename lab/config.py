@@ -127,6 +127,7 @@ class TrainConfig:
     weight_decay: float = 0.1  # on matrices only
     weight_decay_mode: str = "coupled"  # coupled (AdamW's: a step shrinks by lr_t * wd) | independent (by lr_t / lr * wd: not by the peak lr)
     z_loss: float = 0.0  # > 0: add z_loss * (log Z)^2 of the output softmax to the loss (PaLM: 1e-4); train/log_z logged
+    log_layer_grads: bool = False  # log each block's gradient norm (before clipping) at every log line: aux/grad_norm/L{i}
     qk_clip: Optional[float] = None  # tau: after each step, rescale W_q, W_k of heads whose largest logit on the batch > tau (lab/qk_clip.py)
     # optimizer: adamw, or muon = torch.optim.Muon on the blocks' Linear weights + AdamW (lr, betas, weight_decay
     # above) on everything else; the lr schedule scales both (lab/optim.py)
@@ -300,6 +301,9 @@ def check_train_config(cfg) -> list:
                         "train.parallel=ddp (Muon under DDP is tested) or train.optimizer=adamw")
     if t.qk_clip is not None:
         check_qk_clip(t, mc)
+    if t.log_layer_grads and t.parallel == "fsdp":
+        raise UserError("train.log_layer_grads=true with train.parallel=fsdp is not supported: each process holds only "
+                        "shards of a block's gradients; use train.parallel=ddp for the per-block norms")
     if t.lr_decay_iters is not None and t.lr_decay_iters <= t.warmup_iters:
         raise UserError(f"train.lr_decay_iters={t.lr_decay_iters} is not past train.warmup_iters={t.warmup_iters}: the "
                         "lr would drop from its peak straight to train.min_lr when the warmup ends; set "

@@ -18,6 +18,7 @@ largest logit is the max over the runs of each run's largest probed logit (attn_
 entropy the min over runs of each run's lowest probed layer-mean entropy.
 """
 import argparse
+import json
 import math
 import platform
 import re
@@ -47,6 +48,9 @@ PREVIOUS_MACHINE = {
     ("sqrt_dk", True): {1e-3: 2.027, 3e-3: 1.991, 1e-2: 2.012, 3e-2: 2.099, 1e-1: 2.113, 3e-1: 2.147},
     ("none", True): {1e-3: 2.059, 3e-3: 2.019, 1e-2: 2.038, 3e-2: 2.082, 1e-1: 2.124, 3e-1: 2.164},
 }
+
+
+FIGURES = {}  # what other pages quote (docs/stability.json: tools/claims.py's A5 and C7 read it)
 
 
 # ----------------------------------------------------------------------------- reading the runs
@@ -85,7 +89,6 @@ class Runs:
 
 
 def read_json(path: Path) -> dict:
-    import json
     try:
         return json.loads(path.read_text())
     except (OSError, ValueError):
@@ -312,6 +315,10 @@ def section_lr(runs: Runs, docs: Path) -> list:
     d_qkn = sens_diff(base, qkn, grid)
     d_none_qkn = sens_diff(base, arms[3][1], grid)
     d_none = sens_diff(base, arms[1][1], grid)
+    FIGURES["lr_sensitivity"] = {"grid": grid, "seeds": s_base["n"], "no_qk_norm": [s_base["mean"], s_base["half"]],
+                                 "qk_norm": [s_qkn["mean"], s_qkn["half"]],
+                                 "qk_norm_minus_none": [d_qkn["diff"], d_qkn["lo"], d_qkn["hi"]],
+                                 "largest_logit": {"no_qk_norm": largest_logit(base), "qk_norm": largest_logit(qkn)}}
     ratio7 = s_base["mean"] / s_qkn["mean"]
     ratio6 = sensitivity(base, six)["mean"] / sensitivity(qkn, six)["mean"]
     b_best, q_best = best(base, grid), best(qkn, grid)
@@ -466,6 +473,13 @@ def section_norm(runs: Runs) -> list:
                        ("Post-LN, no warmup", post0)):
         lines.append(f"| {label} | " + " | ".join(mean_cell(at(pts, lr)) for lr in lrs) + " |")
     uni = [p.outcome == "unigram" for p in post30 + post0]
+    FIGURES["norm_position"] = {
+        "layers": 4, "seeds": 3, "lrs": lrs, "unigram_runs": sum(uni), "post_ln_runs": len(uni),
+        "loss": {name: {lr_name(lr): mean(at(pts, lr)) for lr in lrs}
+                 for name, pts in (("pre_ln_warmup30", pre30), ("pre_ln_no_warmup", pre0),
+                                   ("post_ln_warmup30", post30), ("post_ln_no_warmup", post0))},
+        "unigram": {name: {lr_name(lr): sum(p.outcome == "unigram" for p in at(pts, lr)) for lr in lrs}
+                    for name, pts in (("post_ln_warmup30", post30), ("post_ln_no_warmup", post0))}}
     lines += ["",
               "- Post-LN minus Pre-LN (warmup 30): " + "; ".join(f"{lr_name(lr)} {says(diff(at(pre30, lr), at(post30, lr)))}" for lr in lrs)
               + f". {sum(uni)} of the {len(uni)} Post-LN runs ended at the unigram loss (‡): they learned token "
@@ -528,6 +542,7 @@ def write(page: Path, runs: Runs):
     body = header(runs) + section_lr(runs, page.parent) + section_mitigations(runs) \
         + section_norm(runs) + section_depth(runs) + [DEPARTURES]
     page.write_text(head + MARKER + "\n\n" + "\n".join(body).rstrip() + "\n")
+    (page.parent / "stability.json").write_text(json.dumps(FIGURES, indent=1) + "\n")
 
 
 def main(argv=None):

@@ -118,8 +118,9 @@ def test_a_run_with_qk_clip_logs_it_and_its_heads_end_under_tau(train_cfg, tmp_p
     logit the step's batch gave (measured before the clip) and how many heads were clipped: some where it
     passed tau, none where it did not."""
     from train import train
-    train(train_cfg("train.qk_clip=2", "train.lr=0.1", "train.warmup_iters=0"))
+    train(train_cfg("train.qk_clip=2", "train.lr=0.1", "train.warmup_iters=0", "train.log_layer_grads=true"))
     lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     logged = [m for m in lines if "aux/qk_clip/max_logit" in m]
+    assert all(f"aux/grad_norm/L{i}" in m for m in logged for i in range(2))  # and each block's gradient norm
     assert logged and logged[0]["aux/qk_clip/heads"] >= 1  # lr 0.1 from step 0: the logits pass 2 at once
     assert all((m["aux/qk_clip/heads"] > 0) == (m["aux/qk_clip/max_logit"] > 2) for m in logged)  # measured before the clip

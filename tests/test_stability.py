@@ -56,6 +56,25 @@ def test_z_loss_adds_the_mean_squared_log_partition_to_the_gradient_and_reports_
     assert z_sq.item() == pytest.approx((lse ** 2).mean().item(), rel=1e-5) and z.item() == pytest.approx(lse.mean().item(), rel=1e-5)
 
 
+def test_per_block_gradient_norms_are_the_norms_of_each_blocks_gradients_before_clipping():
+    """train.log_layer_grads: train_step(layers=blocks) reports ||grad|| of each block's parameters, taken
+    before clipping (grad_clip 1e-3 here, far below them), against the norms computed from the gradients."""
+    x = torch.randint(23, (2, 12), generator=torch.Generator().manual_seed(2))
+    a = tiny()
+    extra = {}
+    opt = torch.optim.SGD(a.parameters(), lr=0.0)
+    opt.zero_grad = lambda set_to_none=True: None  # keep the (clipped) gradients after the step
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    b = tiny()
+    _, loss = b(x, torch.roll(x, -1, 1))
+    loss.backward()
+    train_step(a, opt, [(x, torch.roll(x, -1, 1))], 1, 1e-3, CPU32, scaler, extra=extra, layers=a.blocks)
+    for i, block in enumerate(b.blocks):
+        by_hand = math.sqrt(sum(float((p.grad.double() ** 2).sum()) for p in block.parameters()))
+        assert extra[f"grad_norm/L{i}"].item() == pytest.approx(by_hand, rel=1e-5)
+        assert by_hand > 1e-2  # so the clip to 1e-3 would have shown
+
+
 @pytest.mark.parametrize("impl", ["sdpa", "reference"])
 def test_softcap_is_c_tanh_of_the_scaled_scores_before_the_mask(impl):
     """model.attn.softcap=c: the layer's output is softmax(c*tanh(q.k*scale/c) + M) v written out (Gemma 2),
