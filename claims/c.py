@@ -194,7 +194,18 @@ def norm_sweep_note() -> str:
     return (f". Under an lr sweep (docs/stability.md (3), {f['layers']} layers, {f['seeds']} seeds) Pre-LN trains at lr "
             f"1e-2 ({pre:.2f}) where Post-LN ends at {post:.2f} with a 30-step warmup and {post0:.2f} without; "
             f"{f['unigram_runs']} of its {f['post_ln_runs']} runs ended at the unigram loss (token frequencies only): "
-            "the higher lr holds, the need for warmup is not shown at this depth")
+            "the higher lr holds" + warmup_note())
+
+
+def warmup_note() -> str:
+    """docs/stability.md's 8-layer warmup cell in one clause, or that the need for warmup is not shown."""
+    w = stability_figures().get("warmup_8_layers")
+    if not w:
+        return "; the need for warmup is not shown at this depth"
+    loss = w["loss"]
+    return (f"; at 8 layers and lr {w['lr']:g} ({w['seeds']} seeds) Post-LN ends at {loss['post_warmup0']:.2f} without "
+            f"warmup ({w['post_no_warmup_unigram']} of {w['seeds']} at the unigram loss) and {loss['post_warmup100']:.2f} "
+            f"with 100 warmup steps, Pre-LN at {loss['pre_warmup0']:.2f} and {loss['pre_warmup100']:.2f}")
 
 
 @claim("C8", "2K → 32K tokens (16×) multiplies the attention scores' compute by 256.",

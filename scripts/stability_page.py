@@ -515,6 +515,50 @@ def section_depth(runs: Runs) -> list:
     return lines
 
 
+def section_warmup(runs: Runs) -> list:
+    """The cell where Post-LN needs warmup (8 layers, lr 3e-3), with each block's gradient norm early on."""
+    if not runs.have("p3_postln8"):
+        return []
+    cells = {(pos, w): runs.points("p3_postln8", model__norm_position=pos, train__warmup_iters=w)
+             for pos in ("pre", "post") for w in (0, 100)}
+    lines = ["### (5) Post-LN needs warmup: 8 layers, lr 3e-3 (3 seeds)", "",
+             f"`{SWEEP} model.attn.qk_norm=false model.attn.scale=sqrt_dk model.n_layer=8 "
+             "model.norm_position=pre,post train.warmup_iters=0,100 train.lr=3e-3 seed=1,2,3 train.log_layer_grads=true "
+             f"train.log_interval=5` ({cost_line(runs, ['p3_postln8'])}). Xiong et al. (2020) find that Post-LN's "
+             "gradients near the output are large at initialisation, so a large lr without warmup breaks it, while "
+             "Pre-LN's are even across layers. Final loss:", "",
+             "| | warmup 0 | warmup 100 | warmup 100 minus 0 |", "|---|---|---|---|"]
+    for pos, name in (("pre", "Pre-LN"), ("post", "Post-LN")):
+        lines.append(f"| {name} | {mean_cell(cells[pos, 0])} | {mean_cell(cells[pos, 100])} | "
+                     f"{says(diff(cells[pos, 0], cells[pos, 100]))} |")
+    early = {}
+    for key, pts in cells.items():
+        per_layer = {}
+        for p in pts:
+            for m in p.metrics:
+                if 0 < m.get("step", 0) <= 50:
+                    for k, v in m.items():
+                        if k.startswith("aux/grad_norm/L"):
+                            per_layer.setdefault(int(k.rsplit("L", 1)[1]), []).append(v)
+        early[key] = {l: statistics.fmean(v) for l, v in sorted(per_layer.items())}
+    if all(early.values()):
+        n = len(early["pre", 0])
+        lines += ["", "Each block's gradient norm (before clipping) over steps 5-50, the mean over the logged steps and "
+                  "the 3 seeds, first block to last:", "",
+                  "| | " + " | ".join(f"L{l}" for l in range(n)) + " | last / first |", "|---|" + "---|" * (n + 1)]
+        for (pos, w), norms in early.items():
+            vals = [norms[l] for l in range(n)]
+            lines.append(f"| {'Pre' if pos == 'pre' else 'Post'}-LN, warmup {w} | " + " | ".join(f"{v:.3g}" for v in vals)
+                         + f" | {vals[-1] / vals[0]:.2g} |")
+    post_uni = sum(p.outcome == "unigram" for p in cells["post", 0])
+    lines += ["", f"- Post-LN without warmup ended at the unigram loss in {post_uni} of {len(cells['post', 0])} seeds; "
+              f"with 100 warmup steps in {sum(p.outcome == 'unigram' for p in cells['post', 100])} of "
+              f"{len(cells['post', 100])}.", ""]
+    FIGURES["warmup_8_layers"] = {"lr": 3e-3, "loss": {f"{pos}_warmup{w}": mean(pts) for (pos, w), pts in cells.items()},
+                                  "post_no_warmup_unigram": post_uni, "seeds": len(cells["post", 0])}
+    return lines
+
+
 DEPARTURES = """### Where this lab departs from Wortsman et al. 2023
 
 Their defaults as their section 2 states them, against this page's runs:
@@ -540,7 +584,7 @@ def write(page: Path, runs: Runs):
         raise SystemExit(f"{page} has no marker line; add this line where the measurements start:\n{MARKER}")
     head = text.split(MARKER)[0]
     body = header(runs) + section_lr(runs, page.parent) + section_mitigations(runs) \
-        + section_norm(runs) + section_depth(runs) + [DEPARTURES]
+        + section_norm(runs) + section_depth(runs) + section_warmup(runs) + [DEPARTURES]
     page.write_text(head + MARKER + "\n\n" + "\n".join(body).rstrip() + "\n")
     (page.parent / "stability.json").write_text(json.dumps(FIGURES, indent=1) + "\n")
 
