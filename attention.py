@@ -139,19 +139,23 @@ def rope_table(head_dim: int, length: int, base: float, device=None, theta=None,
 
 def apply_rope(x, freqs, dim=None, real=None):
     """The apply: rotate each channel pair (2j, 2j+1) of x (..., hs) by the angle whose cos and sin freqs
-    holds: (T, hs/2, 2) for the T positions along x's dimension `dim`, or (None) already broadcastable.
-    One complex multiply eagerly, real arithmetic under torch.compile (real=True): inductor fuses it."""
+    holds: (T, hs/2, 2) for the T positions along x's dimension `dim`, or (None) already broadcastable
+    (one position: a decode step). One complex multiply eagerly, each pair read in place as the complex
+    number x_2j + i·x_2j+1 (views: at fp32 nothing is cast or copied but the product); real arithmetic
+    under torch.compile (real=True): inductor fuses it. Below fp32, x is rotated in fp32."""
     if dim is not None:
         freqs = freqs.view(*[freqs.size(0) if i == dim % x.dim() else 1 for i in range(x.dim() - 1)], -1, 2)
     real = torch.compiler.is_compiling() if real is None else real
-    pairs = x.to(torch.promote_types(x.dtype, torch.float32)).unflatten(-1, (-1, 2))  # (..., hs/2, 2), >= fp32
+    wide = x if x.dtype in (torch.float32, torch.float64) else x.float()  # complex numbers are >= fp32
+    pairs = wide.unflatten(-1, (-1, 2))  # (..., hs/2, 2)
     if real:
         x0, x1 = pairs.unbind(-1)
         cos, sin = freqs.unbind(-1)
         out = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
     else:
         out = torch.view_as_real(torch.view_as_complex(pairs) * torch.view_as_complex(freqs))
-    return out.flatten(-2).type_as(x)
+    out = out.flatten(-2)
+    return out if out.dtype == x.dtype else out.to(x.dtype)
 
 
 def qk_normalize(x, kind: str, eps: float = 1e-6):
@@ -235,14 +239,30 @@ class CausalSelfAttention(Mixer):
                 q, k = apply_rope(q, rope, dim=1), apply_rope(k, rope, dim=1)
         return q, k, (v if ve is None else v + ve).view(B, T, self.n_kv_head, hs)
 
+    def token_qkv(self, x, rope=None, ve=None):
+        """qkv for one token x (B, 1, C), laid out as attention takes it: q (B, nh, 1, hs), k and v (B, n_kv,
+        1, hs). With T = 1, (B, 1, heads, hs) and (B, heads, 1, hs) are the same memory, so views replace
+        forward's transposes, and q and k are normed and rotated together (rope (1, hs/2, 2) broadcasts over
+        the heads): a decode step's time is mostly its dispatches (tests/test_decode_ops.py counts them)."""
+        B, nq, nkv, hs = x.size(0), self.n_head, self.n_kv_head, self.head_dim
+        qk, v = self.c_attn(x).view(B, nq + 2 * nkv, 1, hs).split((nq + nkv, nkv), dim=1)  # [Q | K], V heads
+        if self.norm_kind is not None:
+            gains = None if self.q_gain is None else torch.cat((self.q_gain, self.k_gain))[:, None]  # (heads, 1, ·)
+            qk = self.normalize(qk, gains)
+        q, k = (qk if rope is None else apply_rope(qk, rope)).split((nq, nkv), dim=1)
+        return q, k, (v if ve is None else v + ve.view(B, nkv, 1, hs))
+
     def forward(self, x, *, rope=None, cache=None, pos=0, window=None, ve=None):
         """x (B, T, C) at positions pos..pos+T-1 -> (B, T, C). cache: this layer's cache (k, v are
         added to it and attention reads all it holds); window: each query sees only the latest
         `window` keys (with the layer's own window, the narrower); ve: the value embedding added to v."""
         B, T, C = x.shape
         window = self.window if window is None else min(window, self.window or window)
-        q, k, v = self.qkv(x, rope, ve)
-        q, k, v = (h(t).transpose(1, 2) for h, t in ((self.hook_q, q), (self.hook_k, k), (self.hook_v, v)))
+        if T == 1 and cache is not None and not self.reads_qkv():  # a decode step: the same q, k, v by views
+            q, k, v = self.token_qkv(x, rope, ve)
+        else:
+            q, k, v = self.qkv(x, rope, ve)
+            q, k, v = (h(t).transpose(1, 2) for h, t in ((self.hook_q, q), (self.hook_k, k), (self.hook_v, v)))
         mask = Mask(T, T, window)  # (B, heads, T, hs) above: the layout attention takes
         if cache is not None:  # a decode step sees all a cache holds: one window at most
             k, v, written = cache.update(pos, k, v)  # (B, n_kv, n_cached, hs)
@@ -251,9 +271,13 @@ class CausalSelfAttention(Mixer):
         if self.select is not None:  # each query reads only the keys it chooses
             mask = self.select(q, k, mask, *self.positions(pos, T, cache, k.size(2)))
         # a cache may hold another dtype (sample.kv_dtype): q joins it, the output returns to q's
-        y = self.path()(q.to(k.dtype), k, v, scale=self.scale, mask=mask, bias=bias,
+        y = self.path()(q if q.dtype == k.dtype else q.to(k.dtype), k, v, scale=self.scale, mask=mask, bias=bias,
                         dropout_p=self.dropout if self.training else 0.0, **self.sink_key())
-        return self.project(x, y.to(q.dtype).transpose(1, 2))
+        return self.project(x, (y if y.dtype == q.dtype else y.to(q.dtype)).transpose(1, 2))  # (B, T, nh, hs)
+
+    def reads_qkv(self) -> bool:
+        """Is a hook on hook_q, hook_k or hook_v? They read (B, T, heads, hs): forward's general layout."""
+        return any(h._forward_hooks or h._forward_pre_hooks for h in (self.hook_q, self.hook_k, self.hook_v))
 
     def sink_key(self) -> dict:
         """The path's `sink` argument, only on a layer with a sink (whose path takes one: variants/sinks.py)."""
@@ -267,7 +291,7 @@ class CausalSelfAttention(Mixer):
         """The written-out path with its weights (B, nh, Tq, Tk) passed through hook_pattern."""
         weights = self.hook_pattern(attention_weights(q, k, scale=scale, mask=mask, bias=bias, sink=sink,
                                                       softcap=self.softcap))
-        return F.dropout(weights, p=dropout_p) @ repeat_kv(v, q.size(1))
+        return (F.dropout(weights, p=dropout_p) if dropout_p > 0 else weights) @ repeat_kv(v, q.size(1))
 
     def positions(self, pos, T: int, cache=None, n_keys: Optional[int] = None):
         """(query positions (T,), key positions (n_keys,)) for a position-dependent bias; pos may be a

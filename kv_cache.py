@@ -19,6 +19,8 @@ class KVCache:
         self.v = torch.zeros(batch_size, n_kv_head, length, head_dim if v_dim is None else v_dim, device=device,
                              dtype=dtype)
         self.length = length
+        # a view of each slot, made once: a decode step's write of its one key (and value) is then one copy
+        self.k_slots, self.v_slots = ([t.narrow(2, s, 1) for s in range(length)] for t in (self.k, self.v))
 
     def nbytes(self) -> int:
         return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
@@ -43,9 +45,17 @@ class KVCache:
             self.v.index_copy_(2, keep % self.length, v[:, :, keep].to(self.v.dtype))
             return k, v, None
         slot = pos % self.length  # a prefill starts at 0 and fits, a decode step writes one slot: no wrap
-        self.k[:, :, slot:slot + T] = k  # cast to the cache's dtype on the way in
-        self.v[:, :, slot:slot + T] = v
+        # cast to the cache's dtype on the way in; a decode step's one slot through its view, unless autograd
+        # records (it refuses writes into views made before the cache held a graph: those take the slices)
+        if T == 1 and not torch.is_grad_enabled():
+            self.k_slots[slot].copy_(k)
+            self.v_slots[slot].copy_(v)
+        else:
+            self.k[:, :, slot:slot + T] = k
+            self.v[:, :, slot:slot + T] = v
         n = min(pos + T, self.length)  # slots in use; order is irrelevant once no mask is needed
+        if n == self.k.size(2):  # every slot (a padded cache has more than `length`): no slicing
+            return self.k, self.v, None
         return self.k[:, :, :n], self.v[:, :, :n], None
 
     def positions(self, q_pos, n: int):

@@ -29,6 +29,14 @@ class HookPoint(nn.Module):
         return x
 
 
+class Dropout(nn.Dropout):
+    """nn.Dropout, skipped where it would change nothing (in eval, or with p = 0): a decode step would
+    otherwise dispatch one no-op per dropout (tests/test_decode_ops.py counts a step's dispatches)."""
+
+    def forward(self, x):
+        return super().forward(x) if self.training and self.p > 0 else x
+
+
 class Mixer(nn.Module):
     """The base of every mixer: hooks, the gate slot and the output projection's path, the flags and
     the counts' defaults (a kind overrides what differs)."""
@@ -48,7 +56,7 @@ class Mixer(nn.Module):
         self.n_head, self.n_kv_head, self.head_dim = config.n_head, config.n_kv_head, config.head_dim
         self.dropout = config.dropout
         self.make_projections(config)  # the kind's own weights (then the gate's: the parameters' order is the layout)
-        self.resid_dropout = nn.Dropout(config.dropout)
+        self.resid_dropout = Dropout(config.dropout)
         self.gate = gate(config) if gate else None  # on each head's output (variants/gates.py, gdn.GatedRMSNorm)
         self.hook_q, self.hook_k, self.hook_v, self.hook_z = HookPoint(), HookPoint(), HookPoint(), HookPoint()
         self.hook_pattern = HookPoint()

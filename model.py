@@ -25,7 +25,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from attention import resolve_scale, rope_table
-from mixer import HookPoint, with_aux_losses
+from mixer import Dropout, HookPoint, with_aux_losses
 from rules import FRACTION, POSITIVE, Needs, OneOf, Range, UserError, check_values
 from variants import ACTIVATIONS, KINDS, POSITIONS, ROPE_SCALINGS, AttnConfig, cache_maker, check, kinds, make_attention
 
@@ -116,7 +116,7 @@ class MLP(nn.Module):
         self.act, parts = ACTIVATIONS[config.mlp]
         self.c_fc = nn.Linear(config.n_embd, parts * config.d_ff, bias=config.bias)
         self.c_proj = nn.Linear(config.d_ff, config.n_embd, bias=config.bias)
-        self.dropout = nn.Dropout(config.dropout)
+        self.dropout = Dropout(config.dropout)
 
     def forward(self, x):
         return self.dropout(self.c_proj(self.act(self.c_fc(x))))
@@ -176,7 +176,7 @@ class GPT(nn.Module):
         self.wte = nn.Embedding(config.vocab_size, config.n_embd)
         # absolute positions are added to the embeddings (variants/positions.py); RoPE acts inside attention
         self.positions = POSITIONS[config.pos](config) if POSITIONS[config.pos] else None
-        self.drop = nn.Dropout(config.dropout)
+        self.drop = Dropout(config.dropout)
         block = PostNormBlock if config.norm_position == "post" else Block
         self.blocks = nn.ModuleList(block(config, i) for i in range(config.n_layer))
         # value embeddings: per layer a second token table, added to the values (not the residual stream)

@@ -98,19 +98,27 @@ def test_bench_sample_prints_ratios_and_the_bandwidth_bound(capsys):
     from tools.bench_sample import bench_sample
     from lab.counting import decode_bytes
     cfg = compose_cfg("bench_sample", ["model=debug", "tokens=40", "batch_sizes=[1,2]", "compile=[false]",
-                                       "layouts=[row,column]", "kv_dtypes=[float32]", "repeats=2"])
-    result = bench_sample(cfg)
+                                       "layouts=[row,column]", "kv_dtypes=[float32]", "repeats=2", "ratio_tokens=[8,16]"])
+    result = bench_sample(cfg)  # transformers=[dynamic,static] by default: its rows, eager (compile=[false])
     text = capsys.readouterr().out
     assert "cache vs recompute" in text and "batch 2 vs batch 1" in text and "% of the bandwidth bound" in text
+    assert re.search(r"cache vs recompute \(batch 1\) by new tokens: 8: [\d.]+x, 16: [\d.]+x", text)
+    assert re.search(r"attnlab eager / transformers eager \(faster of dynamic, static\): \d+\.\d\dx", text)
+    assert "TOKENS DIFFER" not in text and "compiled / transformers" not in text
     rows = result["rows"]
     assert set(rows) == {"recompute, batch 1", "cache, batch 1, row-major", "cache, batch 2, row-major",
-                         "cache, batch 1, column-major", "cache, batch 2, column-major"}
-    assert all(r["tokens_per_sec"] > 0 for r in rows.values()) and result["bandwidth"] > 1e8
+                         "cache, batch 1, column-major", "cache, batch 2, column-major",
+                         *(f"transformers, {c} cache, batch {b}" for c in ("dynamic", "static") for b in (1, 2))}
+    assert all(r["tokens_per_sec"] > 0 for r in rows.values())
+    assert all(r["same_tokens"] and r["fraction_of_bound"] > 0 for n, r in rows.items() if n.startswith("transformers"))
+    assert set(result["cache_vs_recompute"]) == {8, 16}
+    # the bound's bandwidth is measured on the threads the step runs on: one for a cached batch 1 on a CPU
+    assert 1 in result["bandwidth"] and all(b > 1e8 for b in result["bandwidth"].values())
     model = tiny()  # weights: params x 4 bytes; KV: 2 (k, v) x layers x batch x kv heads x context x head dim x 4
     assert decode_bytes(model.config, 3, 10) == model.num_params() * 4 + 2 * 2 * 3 * 4 * 10 * 8 * 4
     assert decode_bytes(model.config, 3, 10, kv_bytes=2) == model.num_params() * 4 + 2 * 2 * 3 * 4 * 10 * 8 * 2
     cfg = compose_cfg("bench_sample", ["model=debug", "tokens=20", "batch_sizes=[1]", "compile=[false]",
-                                       "recompute=false", "repeats=1"])  # default kv_dtypes: float32 and bfloat16
+                                       "recompute=false", "repeats=1", "transformers=[]"])  # default kv_dtypes: float32 and bfloat16
     rows = bench_sample(cfg)["rows"]
     assert set(rows) == {"cache, batch 1, kv float32", "cache, batch 1, kv bfloat16"}
     assert "batch 1, kv bfloat16" in capsys.readouterr().out
@@ -119,6 +127,7 @@ def test_bench_sample_prints_ratios_and_the_bandwidth_bound(capsys):
 @pytest.mark.parametrize("overrides,needle", [
     (["compile=[]", "recompute=false"], "nothing to time: compile=[] leaves no cached case"),
     (["compile=[false,false]"], "compile=[False, False]: list each value once"),
+    (["transformers=[static,static]"], "transformers=['static', 'static']: list each value once"),
     (["batch_sizes=[]"], "batch_sizes=[]: list at least one value"),
 ])
 def test_bench_sample_with_nothing_to_time_says_what_to_change_before_any_work(overrides, needle, capsys):

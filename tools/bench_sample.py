@@ -1,19 +1,32 @@
-"""Generation speed, side by side in one process: with and without the KV cache, eager and
-compiled, batch 1 and batch 8, against the memory-bandwidth bound of a decode step.
+"""Generation speed, side by side in one process: with and without the KV cache, eager and compiled,
+batch 1 and batch 8, against the memory-bandwidth bound of a decode step and against transformers'
+own generate on the same weights.
 
     python tools/bench_sample.py                                   # baby preset (6 x 6 x 384, block 256), 1000 tokens, CPU
     python tools/bench_sample.py model=cpu_small tokens=500 device=cuda batch_sizes=[1,8] compile=[false,true]
+    python tools/bench_sample.py transformers=[] ratio_tokens=[]   # attnlab alone, at `tokens` only
 
 Random weights (speed does not depend on what the model learned), greedy decoding. The bound:
 a cached decode step must read every weight once and the cached keys and values, so
 tokens/s <= batch x bandwidth / (weight bytes + KV bytes per step), with the bandwidth measured
-here by copying a large tensor. Each case is timed `repeats` times in interleaved rounds (this
-machine class is noisy) and the median printed with the range; a compiled case is warmed up at
-the timed length, so no compilation is timed. `layouts=[row,column]` also times the weights as
-training leaves them (row-major) against the layout sample.py uses on CPU; `kv_dtypes` (default
-both) times an fp32 and a bf16 KV cache side by side (sample.py's kv_dtype). A model whose every layer
-keeps a constant-size recurrent state has no KV cache: kv_dtypes set is a warning line (the state stays
-at least fp32, whatever is asked).
+here by copying a large tensor on as many CPU threads as the step itself runs on (one thread streams
+less than every core: a cached batch 1 runs on one, lab/sampling.decode_threads). Each case is timed
+`repeats` times in interleaved rounds (this machine class is noisy) and the median printed with the
+range; a compiled case is warmed up at the timed length, so no compilation is timed.
+`layouts=[row,column]` also times the weights as training leaves them (row-major) against the layout
+sample.py uses on CPU; `kv_dtypes` (default both) times an fp32 and a bf16 KV cache side by side
+(sample.py's kv_dtype). A model whose every layer keeps a constant-size recurrent state has no KV
+cache: kv_dtypes set is a warning line (the state stays at least fp32, whatever is asked).
+`ratio_tokens` (default 64, 256, 1024) times cache against recomputation at those lengths too (batch 1,
+eager): the curve of how the cache's lead grows with the context a recomputed step re-reads.
+`transformers` (default dynamic and static) adds rows for transformers' generate on the same weights,
+exported in-process to the stock class that computes the model (lab/export_hf.py; row-major, as a user
+loads them), greedy, at the same threads: with its dynamic cache, and with cache_implementation="static",
+eagerly and, where compile includes true, compiled by generate's own compile_config (a dynamic cache
+changes shape every step: it is not compiled). Their greedy tokens must equal attnlab's within
+block_size (past it attnlab's cache slides and transformers' grows): a line says so where they do not.
+The last lines compare attnlab's cached batch 1 (the first layout and kv dtype listed) with the faster
+transformers row, eager and compiled.
 """
 import sys
 from pathlib import Path
@@ -24,10 +37,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as tools/X.p
 
 import copy
 import itertools
-import os
 import statistics
-from dataclasses import dataclass, field
-from typing import ClassVar, List, Optional
+from dataclasses import dataclass, field, replace
+from typing import Callable, ClassVar, List, Optional
 
 import torch
 from hydra.core.config_store import ConfigStore
@@ -58,13 +70,16 @@ class BenchSampleConfig:
     dtype: str = "auto"  # autocast dtype, as sample.py: auto = bfloat16 on capable GPUs, else float32
     layouts: List[str] = field(default_factory=lambda: ["auto"])  # Linear weights: auto (what sample.py does: column-major on CPU) | row | column
     kv_dtypes: List[str] = field(default_factory=lambda: ["float32", "bfloat16"])  # KV cache dtypes (sample.kv_dtype; auto = sample.py's choice)
+    transformers: List[str] = field(default_factory=lambda: ["dynamic", "static"])  # transformers' generate with these caches, same weights; [] for none
+    ratio_tokens: List[int] = field(default_factory=lambda: [64, 256, 1024])  # with recompute: new tokens at which cache vs recompute is also timed (batch 1, eager)
     repeats: int = 3  # timed runs per case, interleaved; the median is reported
     seed: int = 0
 
     RULES: ClassVar[dict] = {
         "tokens": POSITIVE, "vocab_size": POSITIVE, "batch_sizes": POSITIVE, "threads": Range(1, 4096),
         "layouts": OneOf(("auto", "row", "column")), "kv_dtypes": OneOf(("auto", *DTYPES)), "repeats": POSITIVE,
-        "seed": SEED, "dtype": OneOf(("auto", *DTYPES)),
+        "seed": SEED, "dtype": OneOf(("auto", *DTYPES)), "transformers": OneOf(("dynamic", "static")),
+        "ratio_tokens": POSITIVE,
     }
     NEEDS: ClassVar[dict] = {"vocab_size": Needs(lambda c: c.model.vocab_size is None, "model.vocab_size is unset")}
 
@@ -72,12 +87,23 @@ class BenchSampleConfig:
 ConfigStore.instance().store(name="base_bench_sample", node=BenchSampleConfig)
 
 
-def memory_bandwidth(device, mib: int = 256, repeats: int = 5) -> float:
-    """Bytes/s of a large copy (read + write) with every core, the best of a few: about what a
-    decode step, which streams every weight once, could read at."""
-    threads = torch.get_num_threads()
-    if device.type == "cpu":
-        torch.set_num_threads(len(os.sched_getaffinity(0)))
+@dataclass
+class Case:
+    """One timed row: `run(prompt (batch, 1), n)` generates n tokens greedily and returns (batch, 1 + n)."""
+    batch: int
+    run: Callable
+    threads: Optional[int]  # the CPU threads it runs on (None: as found)
+    row: dict  # what the row records besides its speed (generate's keywords, or transformers' cache)
+    kv_bytes: Optional[int] = None  # bytes per cached K or V number: a cached case, with a bandwidth bound
+    tokens: Optional[int] = None  # new tokens per run (None: cfg.tokens)
+
+
+def memory_bandwidth(device, threads: Optional[int] = None, mib: int = 256, repeats: int = 5) -> float:
+    """Bytes/s of a large copy (read + write) on `threads` CPU threads (None: as set), the best of a few:
+    about what a decode step, which streams every weight once, could read at on as many threads."""
+    before = torch.get_num_threads()
+    if device.type == "cpu" and threads:
+        torch.set_num_threads(threads)
     src = torch.empty(mib * 2**20 // 4, dtype=torch.float32, device=device).fill_(1.0)
     dst = torch.empty_like(src)
     best = float("inf")
@@ -85,8 +111,45 @@ def memory_bandwidth(device, mib: int = 256, repeats: int = 5) -> float:
         with Timer(device) as t:
             dst.copy_(src)
         best = min(best, t.seconds)
-    torch.set_num_threads(threads)
+    torch.set_num_threads(before)
     return 2 * src.numel() * 4 / best
+
+
+def transformers_name(cache: str, compiled: bool, batch: int) -> str:
+    return f"transformers, {cache} cache{', compiled' if compiled else ''}, batch {batch}"
+
+
+def transformers_model(model, mcfg, device, tokens: int):
+    """(transformers' model of the same weights, a note for the header), or (None, why not) where no stock
+    class computes the model or its positions end before the run does."""
+    import transformers
+    from lab.export_hf import NoCounterpart, hf_model, pick_target
+
+    try:
+        target = pick_target(mcfg)
+    except NoCounterpart as e:
+        return None, f"; no transformers rows: {e}"
+    if target == "gpt2" and tokens + 1 > mcfg.block_size:
+        return None, f"; no transformers rows: GPT-2's position table ends at block_size={mcfg.block_size}"
+    hf = hf_model(mcfg, model, target, None, None).to(device)
+    return hf, f"; transformers {transformers.__version__} {type(hf).__name__} ({hf.config._attn_implementation})"
+
+
+def transformers_runner(hf, cache: str, compiled: bool, device):
+    """transformers' greedy generate with its `cache` (dynamic | static), compiled by its own compile_config
+    (CUDA graphs on CUDA, as attnlab's compiled step) or with its automatic compile turned off."""
+    from transformers import CompileConfig
+
+    kw = dict(do_sample=False, top_k=None, top_p=None, temperature=None)  # no eos: every run makes all n tokens
+    if cache == "static":
+        kw["cache_implementation"] = "static"
+        if compiled:
+            kw["compile_config"] = CompileConfig(mode="reduce-overhead" if device.type == "cuda" else None)
+            kw["compile_config"]._compile_all_devices = True  # generate compiles only on GPUs unless told
+        else:
+            kw["disable_compile"] = True
+
+    return lambda prompt, n: hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=n, **kw)
 
 
 def bench_sample(cfg) -> dict:
@@ -103,8 +166,9 @@ def timed_cases(cfg) -> dict:
     for key in ("batch_sizes", "layouts", "kv_dtypes"):  # each a list of cases to time
         if not cfg[key] or len(set(cfg[key])) < len(cfg[key]):
             raise UserError(f"{key}={list(cfg[key])}: list at least one value, each once")
-    if len(set(cfg.compile)) < len(cfg.compile):
-        raise UserError(f"compile={list(cfg.compile)}: list each value once")
+    for key in ("compile", "transformers", "ratio_tokens"):  # may be empty
+        if len(set(cfg[key])) < len(cfg[key]):
+            raise UserError(f"{key}={list(cfg[key])}: list each value once")
     if not cfg.compile and not cfg.recompute:  # before anything is built or printed
         raise UserError("nothing to time: compile=[] leaves no cached case and recompute=false no recomputing one; "
                         "give compile=[false] (or [false,true]), or recompute=true")
@@ -119,10 +183,9 @@ def timed_cases(cfg) -> dict:
         warn_no_effect([("kv_dtypes", list(cfg.kv_dtypes))], model, NO_CACHE, what="this model")
     column = {"row": False, "column": True, "auto": device.type == "cpu"}  # auto: as sample.py lays weights out
     models = {layout: decode_layout(copy.deepcopy(model)) if column[layout] else model for layout in cfg.layouts}
-    bandwidth = memory_bandwidth(device)
-    print(f"{model.num_params() / 1e6:.1f}M params, block {mcfg.block_size}, {cfg.tokens} new tokens, "
-          f"device {device}, {cfg.threads or 'per case as sample.py chooses:'} threads, memory bandwidth {bandwidth / 1e9:.1f} GB/s, "
-          f"median of {cfg.repeats} interleaved runs")
+
+    def threads(batch, kv_cache):  # sample.py's choice for this much work (None: leave torch's as set)
+        return None if cfg.threads or device.type != "cpu" else decode_threads(batch, kv_cache, cpu_cores())
 
     def suffix(layout, kv):  # the layout and cache dtype, where the command compares more than one
         return (f", {layout}-major" if len(cfg.layouts) > 1 else "") + (f", kv {kv}" if len(cfg.kv_dtypes) > 1 else "")
@@ -130,43 +193,88 @@ def timed_cases(cfg) -> dict:
     def name(compiled, batch, layout, kv):
         return f"cache{', compiled' if compiled else ''}, batch {batch}" + suffix(layout, kv)
 
-    cases = {}  # name -> (model, batch, generate's keywords)
+    def ours(m, batch, **kw):
+        if "kv_dtype" in kw:  # sample.py's rule for auto
+            kw = {**kw, "kv_dtype": kv_cache_dtype(kw["kv_dtype"], rt, batch)}
+        return lambda prompt, n: generate(m, prompt, n, temperature=0, **kw)
+
+    cases = {}  # name -> Case
     if cfg.recompute:
-        cases["recompute, batch 1"] = (models[cfg.layouts[0]], 1, {"kv_cache": False})
+        cases["recompute, batch 1"] = Case(1, ours(models[cfg.layouts[0]], 1, kv_cache=False), threads(1, False),
+                                           {"kv_cache": False})
     for layout, kv, compiled, batch in itertools.product(cfg.layouts, cfg.kv_dtypes, cfg.compile, cfg.batch_sizes):
-        cases[name(compiled, batch, layout, kv)] = (models[layout], batch,
-                                                    {"kv_cache": True, "compile": compiled, "kv_dtype": kv})
+        kw = {"kv_cache": True, "compile": compiled, "kv_dtype": kv}
+        cases[name(compiled, batch, layout, kv)] = Case(batch, ours(models[layout], batch, **kw), threads(batch, True),
+                                                        kw, kv_cache_dtype(kv, rt, batch).itemsize)
+    first = (cfg.layouts[0], cfg.kv_dtypes[0])  # the attnlab rows transformers' are held to: eager where timed
+    reference = {batch: name(False not in cfg.compile, batch, *first) for batch in cfg.batch_sizes}
+    hf_note = ""
+    if cfg.transformers and cfg.compile:
+        hf, hf_note = transformers_model(model, mcfg, device, cfg.tokens)
+        for cache, compiled, batch in itertools.product(cfg.transformers, cfg.compile, cfg.batch_sizes):
+            if hf is None or (compiled and cache != "static"):  # a dynamic cache is not compiled
+                continue
+            cases[transformers_name(cache, compiled, batch)] = Case(
+                batch, transformers_runner(hf, cache, compiled, device), threads(batch, True),
+                {"transformers": cache, "compile": compiled}, kv_cache_dtype("auto", rt, batch).itemsize)
+    curve = {}  # new tokens -> the names of its (cache, recompute) cases, batch 1, eager
+    for n in cfg.ratio_tokens if cfg.recompute else ():
+        curve[n] = (f"cache, batch 1, {n} new tokens", f"recompute, batch 1, {n} new tokens")
+        cases[curve[n][0]] = Case(1, ours(models[first[0]], 1, kv_cache=True, kv_dtype=first[1]), threads(1, True), {},
+                                  tokens=n)
+        cases[curve[n][1]] = replace(cases["recompute, batch 1"], tokens=n)
 
-    def timed(case, tokens):
-        m, batch, kw = case
-        if not cfg.threads and device.type == "cpu":  # sample.py's choice for this much work
-            torch.set_num_threads(decode_threads(batch, kw["kv_cache"], cpu_cores()))
-        if "kv_dtype" in kw:
-            kw = {**kw, "kv_dtype": kv_cache_dtype(kw["kv_dtype"], rt, batch)}  # sample.py's rule for auto
-        prompt = torch.zeros(batch, 1, dtype=torch.long, device=device)
+    bandwidth = {t: memory_bandwidth(device, t) for t in sorted({c.threads or torch.get_num_threads()
+                                                                  for c in cases.values() if c.kv_bytes})}
+    print(f"{model.num_params() / 1e6:.1f}M params, block {mcfg.block_size}, {cfg.tokens} new tokens, "
+          f"device {device}, {cfg.threads or 'per case as sample.py chooses:'} threads, memory bandwidth "
+          + ", ".join(f"{b / 1e9:.1f} GB/s on {t} thread{'s' * (t > 1)}" for t, b in bandwidth.items())
+          + f", median of {cfg.repeats} interleaved runs{hf_note}")
+
+    outputs = {}  # name -> the tokens of its latest timed run
+
+    def timed(n, tokens):
+        case = cases[n]
+        if case.threads:
+            torch.set_num_threads(case.threads)
+        prompt = torch.zeros(case.batch, 1, dtype=torch.long, device=device)
         with Timer(device) as t, rt.autocast():
-            out = generate(m, prompt, tokens, temperature=0, **kw)
-        assert out.shape == (batch, tokens + 1)
-        return batch * tokens / t.seconds
+            out = case.run(prompt, tokens)
+        assert out.shape == (case.batch, tokens + 1), (n, out.shape)
+        outputs[n] = out
+        return case.batch * tokens / t.seconds
 
-    for case in cases.values():  # warm-up; a compiled step at the timed length (its cache shape), else short
-        timed(case, cfg.tokens if case[2].get("compile") else min(cfg.tokens, 20))
+    for n, case in cases.items():  # warm-up; a compiled step at the timed length (its cache shape), else short
+        if case.tokens is None:
+            timed(n, cfg.tokens if case.row.get("compile") else min(cfg.tokens, 20))
     speeds = {n: [] for n in cases}
     for r in range(cfg.repeats):  # rounds alternate the order, so no case always runs first on a noisy machine
         for n in (list(cases) if r % 2 == 0 else reversed(list(cases))):
-            speeds[n].append(timed(cases[n], cfg.tokens))
+            speeds[n].append(timed(n, cases[n].tokens or cfg.tokens))
     rows = {}
-    for n, (m, batch, kw) in cases.items():
-        rows[n] = {"batch": batch, "tokens_per_sec": statistics.median(speeds[n]), **kw}
+    for n, case in cases.items():
+        if case.tokens is not None:  # the curve's: printed below as ratios
+            continue
+        rows[n] = {"batch": case.batch, "tokens_per_sec": statistics.median(speeds[n]), **case.row}
         note = ""
-        if kw["kv_cache"]:  # mean bytes per step over the run: the cache fills up to a block
+        if case.kv_bytes:  # mean bytes per step over the run: the cache fills up to a block
             context = min(mcfg.block_size, (cfg.tokens + 1) // 2)
-            kv_bytes = kv_cache_dtype(kw["kv_dtype"], rt, batch).itemsize
-            bound = batch * bandwidth / decode_bytes(m.config, batch, context, kv_bytes=kv_bytes)
+            bw = bandwidth[case.threads or torch.get_num_threads()]
+            bound = case.batch * bw / decode_bytes(mcfg, case.batch, context, kv_bytes=case.kv_bytes)
             rows[n]["fraction_of_bound"] = rows[n]["tokens_per_sec"] / bound
             note = f"  {100 * rows[n]['fraction_of_bound']:5.1f}% of the bandwidth bound"
         spread = f"({min(speeds[n]):.0f}-{max(speeds[n]):.0f})" if cfg.repeats > 1 else ""
-        print(f"{n:34s} {rows[n]['tokens_per_sec']:9.1f} tokens/s {spread:>12s}{note}")
+        print(f"{n:46s} {rows[n]['tokens_per_sec']:9.1f} tokens/s {spread:>12s}{note}")
+
+    for n, row in rows.items():  # transformers' greedy tokens against attnlab's, within block_size
+        want = outputs.get(reference.get(row["batch"]))
+        if "transformers" in row and want is not None:
+            got, block = outputs[n][:, :mcfg.block_size], want[:, :mcfg.block_size]
+            row["same_tokens"] = torch.equal(got, block)
+            if not row["same_tokens"]:
+                at = (got != block).any(0).nonzero()[0].item()
+                print(f"TOKENS DIFFER: {n} generates other greedy tokens than attnlab ({reference[row['batch']]}), "
+                      f"from position {at} of {block.size(1)} (within block_size)")
 
     recompute = rows.get("recompute, batch 1")
     for layout, kv, compiled in itertools.product(cfg.layouts, cfg.kv_dtypes, cfg.compile):
@@ -178,7 +286,19 @@ def timed_cases(cfg) -> dict:
             if batch != 1 and one:
                 ratio = rows[name(compiled, batch, layout, kv)]["tokens_per_sec"] / one["tokens_per_sec"]
                 print(f"batch {batch} vs batch 1{tag}: {ratio:.1f}x tokens/s")
-    return {"bandwidth": bandwidth, "rows": rows}
+    ratios = {n: statistics.median(speeds[c]) / statistics.median(speeds[r]) for n, (c, r) in curve.items()}
+    if ratios:
+        print("cache vs recompute (batch 1) by new tokens: " + ", ".join(f"{n}: {x:.1f}x" for n, x in ratios.items()))
+    for compiled, label in ((False, "eager"), (True, "compiled")):
+        ours_row = rows.get(name(compiled, 1, *first))
+        theirs = {c: rows[transformers_name(c, compiled, 1)] for c in cfg.transformers
+                  if transformers_name(c, compiled, 1) in rows}
+        if ours_row and theirs:
+            best = max(r["tokens_per_sec"] for r in theirs.values())
+            which = f"faster of {', '.join(theirs)}" if len(theirs) > 1 else next(iter(theirs))
+            print(f"attnlab {label} / transformers {label} ({which}): "
+                  f"{ours_row['tokens_per_sec'] / best:.2f}x")
+    return {"bandwidth": bandwidth, "rows": rows, "cache_vs_recompute": ratios}
 
 
 @hydra.main(version_base="1.3", config_path="../configs", config_name="bench_sample")
