@@ -105,6 +105,7 @@ def test_bench_sample_prints_ratios_and_the_bandwidth_bound(capsys):
     assert re.search(r"cache vs recompute \(batch 1\) by new tokens: 8: [\d.]+x, 16: [\d.]+x", text)
     assert re.search(r"attnlab eager / transformers eager \(faster of dynamic, static\): \d+\.\d\dx", text)
     assert "TOKENS DIFFER" not in text and "compiled / transformers" not in text
+    assert "where a cached decode step's time goes" not in text and "profile" not in result  # profile=false
     rows = result["rows"]
     assert set(rows) == {"recompute, batch 1", "cache, batch 1, row-major", "cache, batch 2, row-major",
                          "cache, batch 1, column-major", "cache, batch 2, column-major",
@@ -122,6 +123,32 @@ def test_bench_sample_prints_ratios_and_the_bandwidth_bound(capsys):
     rows = bench_sample(cfg)["rows"]
     assert set(rows) == {"cache, batch 1, kv float32", "cache, batch 1, kv bfloat16"}
     assert "batch 1, kv bfloat16" in capsys.readouterr().out
+
+
+def test_bench_sample_profile_splits_a_cached_step_into_parts_that_sum_to_it(capsys):
+    """profile=true: after the rows, a cached batch-1 eager step (1 thread, column-major on a CPU) split into
+    its parts' ms per step and share, everything else included, which sum to the step; then the one-row
+    products and the bandwidth bound."""
+    from helpers import compose_cfg
+    from tools.bench_sample import EVERYTHING_ELSE, PROFILE_PARTS, bench_sample
+    cfg = compose_cfg("bench_sample", ["model=debug", "tokens=20", "batch_sizes=[1]", "compile=[false]",
+                                       "recompute=false", "kv_dtypes=[float32]", "transformers=[]", "repeats=1",
+                                       "profile=true"])
+    profile = bench_sample(cfg)["profile"]
+    text = capsys.readouterr().out
+    step = float(re.search(r"where a cached decode step's time goes \(batch 1, eager, 1 thread, kv float32, "
+                           r"column-major, context \d+, 20 steps\): ([\d.]+) ms per step \([\d.]+ profiled\)", text)[1])
+    rows = {n: (float(ms), float(share))
+            for n, ms, share in re.findall(r"^  (.+?) +(-?[\d.]+) ms +(-?[\d.]+)%$", text, re.M)}
+    assert list(rows) == [*PROFILE_PARTS, EVERYTHING_ELSE]
+    assert abs(sum(ms for ms, _ in rows.values()) - step) <= 0.0005 * (len(rows) + 1)  # each printed to 0.001 ms
+    assert abs(sum(share for _, share in rows.values()) - 100) <= 0.05 * len(rows)
+    assert sum(profile["parts"].values()) == pytest.approx(profile["step_ms"])
+    assert all(profile["parts"][part] > 0 for part in PROFILE_PARTS)  # the debug model runs every kind of op
+    assert re.search(r"^the one-row products alone \(.*\): [\d.]+ ms per step, \d+% of the eager step$", text, re.M)
+    assert re.search(r"^the bandwidth bound \(weights \+ KV at context \d+, [\d.]+ GB/s\): [\d.]+ ms per step$",
+                     text, re.M)
+    assert 0 < profile["bound_ms"] < profile["products_ms"] < profile["step_ms"]
 
 
 @pytest.mark.parametrize("overrides,needle", [

@@ -26,7 +26,9 @@ eagerly and, where compile includes true, compiled by generate's own compile_con
 changes shape every step: it is not compiled). Their greedy tokens must equal attnlab's within
 block_size (past it attnlab's cache slides and transformers' grows): a line says so where they do not.
 The last lines compare attnlab's cached batch 1 (the first layout and kv dtype listed) with the faster
-transformers row, eager and compiled.
+transformers row, eager and compiled. `profile=true` then shows where a cached batch-1 eager step's time
+goes (torch.profiler's self time per op, grouped: matmuls, attention, norms, activations, cache writes, and
+the rest), beside the weights' one-row products timed alone and the bandwidth bound (profile_step).
 """
 import sys
 from pathlib import Path
@@ -35,6 +37,7 @@ import hydra
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as tools/X.py: the repo's modules
 
+import contextlib
 import copy
 import itertools
 import statistics
@@ -52,7 +55,7 @@ from model import GPT, GPTConfig  # noqa: E402
 from rules import POSITIVE, SEED, Needs, OneOf, Range, UserError, check_values  # noqa: E402
 from lab.sampling import (NO_CACHE, all_recurrent, cpu_cores, decode_layout, decode_threads, kv_cache_dtype,  # noqa: E402
                           warn_no_effect)
-from sample import generate  # noqa: E402
+from sample import CachedDecoder, generate  # noqa: E402
 from lab.cli import cli, run_app  # noqa: E402
 
 
@@ -73,6 +76,7 @@ class BenchSampleConfig:
     transformers: List[str] = field(default_factory=lambda: ["dynamic", "static"])  # transformers' generate with these caches, same weights; [] for none
     ratio_tokens: List[int] = field(default_factory=lambda: [64, 256, 1024])  # with recompute: new tokens at which cache vs recompute is also timed (batch 1, eager)
     repeats: int = 3  # timed runs per case, interleaved; the median is reported
+    profile: bool = False  # after the rows: where a cached batch-1 eager step's time goes (profile_step)
     seed: int = 0
 
     RULES: ClassVar[dict] = {
@@ -150,6 +154,86 @@ def transformers_runner(hf, cache: str, compiled: bool, device):
             kw["disable_compile"] = True
 
     return lambda prompt, n: hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=n, **kw)
+
+
+PROFILE_PARTS = {  # profile_step's rows: a row sums the self time of every op whose name holds one of its strings
+    "Linear matmuls (addmm, mm, linear, matmul)": ("aten::addmm", "aten::mm", "aten::linear", "aten::matmul"),
+    "attention (scaled_dot_product_attention, its kernels)": ("attention", "softmax"),
+    "norms (layer_norm, rms_norm)": ("layer_norm", "rms_norm"),
+    "activations (gelu, silu, relu...)": ("gelu", "silu", "relu", "sigmoid", "tanh"),
+    "cache writes (copy_)": ("aten::copy_",),
+}
+EVERYTHING_ELSE = "everything else (views, slices, adds, Python between ops)"
+
+
+def one_row_products(model, device, repeats: int = 7, loops: int = 10) -> float:
+    """Seconds for a decode step's weight products alone: one row times every Linear weight of the blocks and
+    the LM head (x (1, in) @ W.T, no bias), back to back in a tight loop, the best of `repeats`."""
+    weights = [m.weight for m in [*model.blocks.modules(), model.lm_head] if isinstance(m, torch.nn.Linear)]
+    rows = [torch.randn(1, w.size(1), device=device) for w in weights]  # (1, in)
+    best = float("inf")
+    with torch.inference_mode():
+        for _ in range(repeats):
+            with Timer(device) as t:
+                for _ in range(loops):
+                    for x, w in zip(rows, weights):
+                        x @ w.t()  # (1, out)
+            best = min(best, t.seconds / loops)
+    return best
+
+
+def profile_step(model, mcfg, rt, threads: int, bandwidth: float, context: int, steps: int = 20,
+                 warm: int = 5) -> dict:
+    """Where a cached decode step's time goes: batch 1, eager, fp32 KV cache, the model as laid out, on
+    `threads`. After a prefill and `warm` steps, `steps` steps run under torch.profiler; each op's self time
+    goes to its PROFILE_PARTS row, per step, and the step's wall time without the profiler (the best of 5 runs
+    of the same steps) less all of theirs is everything else (views, small ops, Python): the profiler's own
+    cost between ops stays out of the table, its header shows how much. Then the references: the one-row
+    products alone and the bandwidth bound (weights + KV bytes / bandwidth). Prints the table; returns its ms
+    per step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    device = rt.device
+    if device.type == "cpu":
+        torch.set_num_threads(threads)
+    steps = max(1, min(steps, mcfg.block_size - warm - 1))  # the cache never full: every step a decode step
+    start = max(1, min(context, mcfg.block_size - steps) - warm - steps // 2)  # steps centred on the rows' context
+    out = torch.zeros(1, start + warm + steps, dtype=torch.long, device=device)  # token 0 throughout
+
+    def per_step(around=contextlib.nullcontext()):  # seconds per step of the `steps` run inside `around`
+        with torch.inference_mode(), rt.autocast():
+            decoder = CachedDecoder(model, out[:, :start], warm + steps, kv_dtype=torch.float32)
+            for n in range(start + 1, start + warm + 1):
+                decoder.next_logits(out, n)
+            with around, Timer(device) as t:
+                for n in range(start + warm + 1, out.size(1) + 1):
+                    decoder.next_logits(out, n)
+        return t.seconds / steps
+
+    step_ms = 1e3 * min(per_step() for _ in range(5))  # the step as the timed rows run it
+    prof = profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else []))
+    profiled_ms = 1e3 * per_step(prof)
+    parts = dict.fromkeys(PROFILE_PARTS, 0.0)
+    for op in prof.key_averages():
+        part = next((p for p, names in PROFILE_PARTS.items() if any(s in op.key for s in names)), None)
+        if part:
+            parts[part] += op.self_cpu_time_total / 1e3 / steps  # us over all steps -> ms per step
+    parts[EVERYTHING_ELSE] = step_ms - sum(parts.values())
+    context = start + warm + (steps + 1) // 2  # the profiled steps' mean context
+    layout = "column" if model.lm_head.weight.t().is_contiguous() else "row"
+    print(f"where a cached decode step's time goes (batch 1, eager, {threads} thread{'s' * (threads > 1)}, kv float32, "
+          f"{layout}-major, context {context}, {steps} steps): {step_ms:.3f} ms per step ({profiled_ms:.3f} profiled)"
+          + ("; CPU self time, the GPU runs behind" if device.type == "cuda" else ""))
+    for part, ms in parts.items():
+        print(f"  {part:58s} {ms:7.3f} ms {100 * ms / step_ms:5.1f}%")
+    with rt.autocast():
+        products = 1e3 * one_row_products(model, device)
+    bound = 1e3 * decode_bytes(mcfg, 1, context) / bandwidth
+    print(f"the one-row products alone (every block Linear and the LM head, best of 7): {products:.3f} ms per step, "
+          f"{100 * products / step_ms:.0f}% of the eager step")
+    print(f"the bandwidth bound (weights + KV at context {context}, {bandwidth / 1e9:.1f} GB/s): "
+          f"{bound:.3f} ms per step")
+    return {"step_ms": step_ms, "profiled_ms": profiled_ms, "parts": parts, "products_ms": products, "bound_ms": bound}
 
 
 def bench_sample(cfg) -> dict:
@@ -298,7 +382,13 @@ def timed_cases(cfg) -> dict:
             which = f"faster of {', '.join(theirs)}" if len(theirs) > 1 else next(iter(theirs))
             print(f"attnlab {label} / transformers {label} ({which}): "
                   f"{ours_row['tokens_per_sec'] / best:.2f}x")
-    return {"bandwidth": bandwidth, "rows": rows, "cache_vs_recompute": ratios}
+    result = {"bandwidth": bandwidth, "rows": rows, "cache_vs_recompute": ratios}
+    if cfg.profile:  # sample.py's layout and threads for a cached batch 1
+        one = threads(1, True) or torch.get_num_threads()
+        laid_out = models.get("auto") or (decode_layout(copy.deepcopy(model)) if column["auto"] else model)
+        result["profile"] = profile_step(laid_out, mcfg, rt, one, bandwidth.get(one) or memory_bandwidth(device, one),
+                                         min(mcfg.block_size, (cfg.tokens + 1) // 2))
+    return result
 
 
 @hydra.main(version_base="1.3", config_path="../configs", config_name="bench_sample")
