@@ -182,9 +182,16 @@ def lowest_entropy(points):
 
 
 def g(v, spec=".3g") -> str:
+    """A figure in a sentence: 6.6e4, 4,490, 31.7, 0.0304, 2.0e-7."""
     if v is None:
         return "-"
-    return f"{v:.2g}".replace("e+0", "e") if v >= 1e4 else format(v, spec)
+    if v >= 1e4:
+        return f"{v:.2g}".replace("e+0", "e").replace("e+", "e")
+    if v >= 1e3:
+        return f"{v:,.0f}"
+    if 0 < v < 1e-3:
+        return f"{v:.1e}".replace("e-0", "e-")
+    return format(v, spec)
 
 
 def edge_text(points) -> str:
@@ -336,7 +343,8 @@ def section_lr(runs: Runs, docs: Path) -> list:
         f"minus none: {says(best_diff)}.",
         "- **√d_k without QK-Norm**: dropping the scale changes the sensitivity by "
         f"{says(d_none)}; paired at equal lr, no scale minus 1/√d_k: "
-        + "; ".join(f"{lr_name(lr)}: {says(diff(at(base, lr), at(arms[1][1], lr)))}" for lr in grid) + ".",
+        + "; ".join(f"{lr_name(lr)}: {says(diff(at(base, lr), at(arms[1][1], lr)))}" for lr in grid) + ". "
+        + sides(base, arms[1][1], grid, "no scale"),
         "- **√d_k with QK-Norm**: no scale minus 1/√d_k at equal lr: "
         + "; ".join(f"{lr_name(lr)}: {says(diff(at(qkn, lr), at(arms[3][1], lr)))}" for lr in grid)
         + ". The gainless norm caps each logit at scale·hs, "
@@ -362,6 +370,14 @@ def section_lr(runs: Runs, docs: Path) -> list:
     lines += ["", "![largest logit and entropy over the steps at one lr](stability_logit_entropy_steps.png)", ""]
     lines += previous_machine(arms[:4])
     return lines
+
+
+def sides(a_points, b_points, lrs, name: str) -> str:
+    """Where b is ahead of a and where behind (the intervals that exclude 0), in words."""
+    ahead = [lr_name(lr) for lr in lrs if (d := diff(at(a_points, lr), at(b_points, lr)))["hi"] is not None and d["hi"] < 0]
+    behind = [lr_name(lr) for lr in lrs if (d := diff(at(a_points, lr), at(b_points, lr)))["lo"] is not None and d["lo"] > 0]
+    return (f"So {name} is ahead at lr {', '.join(ahead) or 'none'} and behind at {', '.join(behind) or 'none'} "
+            "(intervals that exclude 0); elsewhere within noise.")
 
 
 def incomplete(arms, lrs, seeds=3) -> str:
