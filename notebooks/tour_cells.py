@@ -189,6 +189,19 @@ ax.bar(["k1 (v=10)", "k2 (v=0)", "k3 (v=2)"], weights.flatten().tolist())
 ax.set(ylabel="weight", title="softmax(q·k/√3)")
 show_fig(fig)
 
+# %% step --only .*\bC2\b
+# Your turn: write causal attention yourself (predict first: with the mask, what does query 0 attend to, and what
+# does each row of weights sum to?). The check compares it with attention.reference_attention and PyTorch's SDPA
+# and names the usual mistake if yours differs (the scale, the mask, the softmax's axis).
+from lab.attention_check import check_attention
+
+
+def my_attention(q, k, v):  # q, k, v: (batch, heads, T, d); return softmax(q·kᵀ/√d + M)·v, M = -inf after each query
+    raise NotImplementedError("write your attention here")
+
+
+check_attention(my_attention)
+
 # %% step --only .*\bA2\b
 # Random q and k: without the scale the largest of six softmax weights goes to 1 as d_k grows.
 import attention as attn
