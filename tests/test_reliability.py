@@ -770,7 +770,7 @@ def test_every_config_key_refuses_its_bad_values_in_one_line(name, key, typ, kin
             "lens": [f"ckpt={enum_dirs['ckpt']}", "out=null", "batches=1", "batch_size=1"],
             "patch": [f"ckpt={enum_dirs['ckpt']}", "out=null", "n=1", "span=4"],
             "needle": [f"ckpt={enum_dirs['ckpt']}", "out=null"]}[name]
-    listed = key.rsplit(".", 1)[-1] in ("batch_sizes", "layouts", "kv_dtypes", "lengths", "paths", "policies", "layer_kinds", "pairs", "distances")  # a list: one bad element
+    listed = key.rsplit(".", 1)[-1] in ("batch_sizes", "layouts", "kv_dtypes", "transformers", "ratio_tokens", "lengths", "paths", "policies", "layer_kinds", "pairs", "distances")  # a list: one bad element
     if kind == "schema":
         with pytest.raises((HydraException, OmegaConfBaseException)) as e:
             compose_cfg(name, base + [override(key, value, listed)])

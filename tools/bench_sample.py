@@ -123,7 +123,7 @@ def transformers_name(cache: str, compiled: bool, batch: int) -> str:
     return f"transformers, {cache} cache{', compiled' if compiled else ''}, batch {batch}"
 
 
-def transformers_model(model, mcfg, device, tokens: int):
+def transformers_model(model, mcfg, device, tokens: int, dtype=torch.float32):
     """(transformers' model of the same weights, a note for the header), or (None, why not) where no stock
     class computes the model or its positions end before the run does."""
     import transformers
@@ -135,7 +135,7 @@ def transformers_model(model, mcfg, device, tokens: int):
         return None, f"; no transformers rows: {e}"
     if target == "gpt2" and tokens + 1 > mcfg.block_size:
         return None, f"; no transformers rows: GPT-2's position table ends at block_size={mcfg.block_size}"
-    hf = hf_model(mcfg, model, target, None, None).to(device)
+    hf = hf_model(mcfg, model, target, None, None).to(device, dtype)  # as a user loads it: in the run's dtype
     return hf, f"; transformers {transformers.__version__} {type(hf).__name__} ({hf.config._attn_implementation})"
 
 
@@ -153,7 +153,10 @@ def transformers_runner(hf, cache: str, compiled: bool, device):
         else:
             kw["disable_compile"] = True
 
-    return lambda prompt, n: hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=n, **kw)
+    def run(prompt, n):  # its weights already in the autocast dtype (transformers_model): no autocast around it
+        with torch.autocast(device.type, enabled=False):
+            return hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=n, **kw)
+    return run
 
 
 PROFILE_PARTS = {  # profile_step's rows: a row sums the self time of every op whose name holds one of its strings
@@ -294,7 +297,7 @@ def timed_cases(cfg) -> dict:
     reference = {batch: name(False not in cfg.compile, batch, *first) for batch in cfg.batch_sizes}
     hf_note = ""
     if cfg.transformers and cfg.compile:
-        hf, hf_note = transformers_model(model, mcfg, device, cfg.tokens)
+        hf, hf_note = transformers_model(model, mcfg, device, cfg.tokens, rt.dtype)
         for cache, compiled, batch in itertools.product(cfg.transformers, cfg.compile, cfg.batch_sizes):
             if hf is None or (compiled and cache != "static"):  # a dynamic cache is not compiled
                 continue
