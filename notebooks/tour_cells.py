@@ -15,7 +15,7 @@
 # Setup. In a checkout of attnlab this cell only finds it (the notebook's folder or one above it). Anywhere
 # else (Colab) it clones REPO_URL and installs what the tour needs: the torch already installed stays when it is
 # at least the version requirements.txt names; only a missing or older torch is installed.
-REPO_URL = "https://github.com/your-github-name/attnlab"  # edit: the address of your copy of attnlab
+REPO_URL = ""  # outside a checkout only: the address of a copy of attnlab to clone (your fork's, say)
 
 import importlib.metadata
 import os
@@ -83,8 +83,9 @@ def install(repo, quiet=True):
 
 REPO = find_repo(Path.cwd()) or find_repo(Path.cwd() / "attnlab")
 if REPO is None:
-    if "your-github-name" in REPO_URL:
-        raise RuntimeError("not inside attnlab: set REPO_URL at the top of this cell to your copy's address")
+    if not REPO_URL:
+        raise RuntimeError("not inside a checkout of attnlab: open this notebook from a clone, or set REPO_URL at "
+                           "the top of this cell to the address of a copy (your fork's) and run the cell again")
     subprocess.run(["git", "clone", "--depth", "1", REPO_URL, "attnlab"], check=True)
     REPO = Path("attnlab").resolve()
     install(REPO)

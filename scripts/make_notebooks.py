@@ -10,14 +10,13 @@ from docs/tour.zh.md, with the code of notebooks/tour_cells.py (one source for b
                                                 # render again with the outputs of the last execution
                                                 # (after a change of the pages' text, not of a command)
 
-Each notebook opens with the page's title, an "Open in Colab" badge, the page's introduction and a note on
-running it, then the setup cells. Every step of the page (a `## ` section holding `<!-- tour:step -->`) becomes:
+Each notebook opens with the page's title, the page's introduction and a note on running it (from a clone, or
+anywhere else once REPO_URL in tour_cells.py's first cell names a copy to clone), then the setup cells. Every step of the page (a `## ` section holding `<!-- tour:step -->`) becomes:
 a markdown cell with the section's text up to its command; the step's code cells (its command, run as the page
 writes it, and the cells of tour_cells.py whose pattern matches that command); a markdown cell with the rest of
 the section (its "Look at", its figures, its checks). A section without a step is one markdown cell. Links are
 rewritten relative to notebooks/; pictures travel inside their cell (attachments, at most 800 pixels wide in 256
-colours), since Colab opens a notebook without the files beside it. The badge names OWNER's GitHub repository:
-a fork sets OWNER below (and REPO_URL in tour_cells.py's first cell) and runs this script again.
+colours), since a notebook opened outside a checkout (Colab) has no files beside it.
 
 --html executes the English notebook once with nbclient (its code is the Chinese one's too, so both HTML copies
 show the same outputs) and renders with nbconvert, which is not in requirements.txt: `pip install nbconvert`.
@@ -39,7 +38,6 @@ import nbformat
 
 REPO = Path(__file__).resolve().parents[1]
 CELLS = REPO / "notebooks" / "tour_cells.py"
-OWNER = "your-github-name"  # the GitHub owner of the repository the Colab badge opens (a fork: its own)
 BOOKS = {  # language: (page, notebook, HTML copy)
     "en": ("docs/tour.md", "notebooks/tour.ipynb", "docs/tour_notebook.html"),
     "zh": ("docs/tour.zh.md", "notebooks/tour.zh.ipynb", "docs/tour_notebook.zh.html"),
@@ -51,17 +49,21 @@ TARGET = re.compile(r"(\]\()([^)\s]+)(\))")  # the target of a markdown link or 
 PICTURE = re.compile(r"(!\[[^\]]*\]\()([^)\s]+)(\))")  # a markdown picture
 NOTE = {
     "en": "This notebook is made from [docs/tour.md]({page}) by `scripts/make_notebooks.py`: each step's text, "
-          "then its command, run here as the page writes it, then what to look at. Run the cells in order. The "
-          "first one finds the repository; opened anywhere else (Colab), it clones `REPO_URL` (edit that line "
-          "first; the badge above opens {owner}'s copy, so a fork edits `OWNER` in the script) and installs what "
-          "the tour needs, keeping an installed torch that is recent enough. `FAST = True` in the second cell (or "
+          "then its command, run here as the page writes it, then what to look at. Run the cells in order. Open it "
+          "from a clone of attnlab (`jupyter notebook notebooks/tour.ipynb`, or your editor's notebook view): the "
+          "first cell then finds the repository and installs nothing. Opened anywhere else (uploaded to Colab, "
+          "say), it needs the address of a copy to clone: set `REPO_URL` in the first cell to your fork's (or "
+          "the repository you cloned from), and it clones that and installs what the tour needs, keeping an "
+          "installed torch that is recent enough. `FAST = True` in the second cell (or "
           "`TOUR_FAST=1`) cuts every training run short: on two CPU cores the notebook then takes about 2 minutes "
           "instead of 4, but the trained figures are not the page's. A copy with its outputs: "
           "[docs/tour_notebook.html](../docs/tour_notebook.html). [中文版](tour.zh.ipynb)",
     "zh": "本笔记本由 `scripts/make_notebooks.py` 从 [docs/tour.zh.md]({page}) 生成：每一步先是正文，然后是那一步的命令"
-          "（在这里照页面上写的原样运行），最后是该看什么。请按顺序运行各个单元。第一个单元负责找到仓库；在别处打开"
-          "（比如 Colab）时，它会克隆 `REPO_URL`（先改这一行；上面的徽章打开的是 {owner} 的仓库，fork 的话请改脚本里的 "
-          "`OWNER`），并只安装导览需要的包，已经装好且版本够新的 torch 保持不动。在第二个单元里设 `FAST = True`"
+          "（在这里照页面上写的原样运行），最后是该看什么。请按顺序运行各个单元。请在 attnlab 的克隆里打开它"
+          "（`jupyter notebook notebooks/tour.zh.ipynb`，或编辑器自带的笔记本视图）：这时第一个单元会找到仓库，什么都不安装。"
+          "在别处打开（比如上传到 Colab）时，它需要一个可以克隆的地址：把第一个单元里的 `REPO_URL` 设成你的 fork"
+          "（或你克隆时用的仓库）的地址，它就会克隆那个仓库，并只安装导览需要的包，已经装好且版本够新的 torch 保持不动。"
+          "在第二个单元里设 `FAST = True`"
           "（或设环境变量 `TOUR_FAST=1`）会把每次训练都截短：在双核 CPU 上整个笔记本大约 2 分钟跑完，而不是 4 分钟，"
           "但训练得来的数字就不再是页面上的了。带输出的副本：[docs/tour_notebook.zh.html](../docs/tour_notebook.zh.html)。"
           "[English](tour.ipynb)",
@@ -140,11 +142,6 @@ def comparable(text: str) -> str:
     return json.dumps(nb, ensure_ascii=False, indent=1)
 
 
-def badge(lang: str) -> str:
-    url = f"https://colab.research.google.com/github/{OWNER}/attnlab/blob/main/{BOOKS[lang][1]}"
-    return f"[![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)]({url})"
-
-
 # ----------------------------------------------------------------------------- building
 
 def build(lang: str, page: str, cells: list) -> nbformat.NotebookNode:
@@ -159,8 +156,8 @@ def build(lang: str, page: str, cells: list) -> nbformat.NotebookNode:
     nb = nbformat.v4.new_notebook()
     nb.metadata = {"kernelspec": {"display_name": "Python 3", "language": "python", "name": "python3"},
                    "language_info": {"name": "python"}}
-    note = NOTE[lang].format(page="../" + BOOKS[lang][0], owner=OWNER)
-    nb.cells.append(md(rest, own=f"{title}\n\n{badge(lang)}\n\n{note}\n\n"))
+    note = NOTE[lang].format(page="../" + BOOKS[lang][0])
+    nb.cells.append(md(rest, own=f"{title}\n\n{note}\n\n"))
     nb.cells += [code(source) for where, source in cells if where == "setup"]
     steps = [(where, source) for where, source in cells if where != "setup"]
     used = set()

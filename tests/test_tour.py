@@ -341,11 +341,13 @@ def test_the_chinese_notebook_carries_the_chinese_page_and_the_same_code():
 
 
 @pytest.mark.parametrize("lang", NOTEBOOKS)
-def test_the_notebook_opens_with_a_colab_badge_for_the_same_repository_the_first_cell_clones(lang):
+def test_the_notebook_names_no_address_that_leads_nowhere_and_says_how_to_open_it(lang):
+    """No badge or URL to a placeholder owner: opened from a clone it finds the checkout; elsewhere the first cell
+    refuses, in one message, until REPO_URL names a copy to clone."""
     first, setup = sources(notebook(lang), "markdown")[0], sources(notebook(lang), "code")[0]
-    url = re.search(r"\(https://colab\.research\.google\.com/github/([^/]+)/attnlab/blob/main/([^)]+)\)", first)
-    assert url and url.group(2) == NOTEBOOKS[lang].relative_to(REPO).as_posix(), first[:300]
-    assert re.search(r'^REPO_URL = "https://github\.com/' + re.escape(url.group(1)) + '/attnlab"', setup, re.M)
+    assert "colab.research.google.com/github" not in first and "your-github-name" not in first + setup
+    assert NOTEBOOKS[lang].relative_to(REPO).as_posix() in first  # how to open it from a clone
+    assert re.search(r'^REPO_URL = ""', setup, re.M) and "if not REPO_URL:" in setup
 
 
 def test_the_first_code_cell_finds_the_checkout_and_installs_only_elsewhere_with_this_kernels_python():
