@@ -142,12 +142,17 @@ def diff(a_points, b_points) -> dict:
     return {"diff": c["diff"], "half": c["half"], "lo": c["diff"] - c["half"], "hi": c["diff"] + c["half"]}
 
 
+def signed(x: float) -> str:
+    """+0.123 / -0.123, and 0.000 for what rounds to zero (no '-0.000')."""
+    return "0.000" if abs(x) < 5e-4 else f"{x:+.3f}"
+
+
 def says(d: dict, unit: str = " nats") -> str:
     """A difference in words: '+0.123 nats (95%: +0.1 to +0.15)' and 'within noise' when 0 is inside."""
     if d["diff"] is None:
         return "no interval (fewer than two seeds)"
     noise = ", within noise" if d["lo"] <= 0 <= d["hi"] else ""
-    return f"{d['diff']:+.3f}{unit} (95%: {d['lo']:+.3f} to {d['hi']:+.3f}{noise})"
+    return f"{signed(d['diff'])}{unit} (95%: {signed(d['lo'])} to {signed(d['hi'])}{noise})"
 
 
 def sensitivity(points, lrs=None) -> dict:
@@ -441,7 +446,7 @@ def section_mitigations(runs: Runs) -> list:
             c = mean_cell(at(pts, lr))
             if pts is not base:
                 d = diff(at(base, lr), at(pts, lr))
-                c += f"<br>{d['diff']:+.3f} ({d['lo']:+.3f} to {d['hi']:+.3f})" if d["diff"] is not None else ""
+                c += f"<br>{signed(d['diff'])} ({signed(d['lo'])} to {signed(d['hi'])})" if d["diff"] is not None else ""
             cells.append(c)
         lines.append(f"| {label} | " + " | ".join(cells) + f" | {g(largest_logit(at(pts, hi)))} | "
                      f"{g(lowest_entropy(at(pts, hi)))} |")
@@ -457,7 +462,7 @@ def section_mitigations(runs: Runs) -> list:
               f"- The soft-cap of 50 against the baseline: {'; '.join(f'{lr_name(lr)} {says(diff(at(base, lr), at(cap, lr)))}' for lr in lrs)}; "
               f"against QK-Norm: {'; '.join(f'{lr_name(lr)} {says(diff(at(qkn, lr), at(cap, lr)))}' for lr in lrs)}. It holds "
               f"every logit at 50 (largest {g(largest_logit(cap))}), and a cap of 50 at d_k 32 still lets a head be nearly "
-              f"one-hot: lowest entropy {g(lowest_entropy(cap))} nats.",
+              f"one-hot: the lowest layer entropy over its runs is {g(lowest_entropy(cap))} nats.",
               f"- QK-Norm with the soft-cap minus QK-Norm: {'; '.join(f'{lr_name(lr)} {says(diff(at(qkn, lr), at(qcap, lr)))}' for lr in lrs)}. "
               f"With gainless QK-Norm no logit passes √d_k = 5.66, far under the cap."]
     if runs.have("gain_head"):
