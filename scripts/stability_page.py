@@ -339,10 +339,10 @@ def section_lr(runs: Runs, docs: Path) -> list:
     lines += [
         f"- **QK-Norm lowers the LR sensitivity**: {interval(s_qkn)} against {interval(s_base)} without it, "
         f"difference {says(d_qkn)}; without the scale, {says(d_none_qkn)} against the same baseline. The ratio "
-        f"({ratio7:.1f}× over the 7 lrs, {ratio6:.1f}× over the 6 from 1e-3) is a property of the grid: a "
-        "sensitivity is a mean over the lrs swept. At lr "
-        f"{lr_name(hi)} QK-Norm's loss is {mean(at(qkn, hi)) - q_best[1]:.2f} nats above its best, the unnormed arm's "
-        f"{mean(at(base, hi)) - b_best[1]:.2f} above its own.",
+        f"of the means ({ratio7:.1f}× over the 7 lrs, {ratio6:.1f}× over the 6 from 1e-3) is a property of the grid: "
+        "a sensitivity is a mean over the lrs swept. At lr "
+        f"{lr_name(hi)} QK-Norm's seed-mean loss is {mean(at(qkn, hi)) - q_best[1]:.2f} nats above its best seed-mean, "
+        f"the unnormed arm's {mean(at(base, hi)) - b_best[1]:.2f} above its own.",
         f"- **Its best loss, at this length**: with 1/√d_k the best seed-mean is {b_best[1]:.3f} at lr {lr_name(b_best[0])} "
         f"without QK-Norm and {q_best[1]:.3f} at {lr_name(q_best[0])} with it; each seed's best over the grid, QK-Norm "
         f"minus none: {says(best_diff)}.",
