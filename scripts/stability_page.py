@@ -32,7 +32,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from lab.arms import find_runs, summarize  # noqa: E402
 from lab.intervals import describe, replicate_interval  # noqa: E402
-from lab.lr_view import EDGE_NATS, LrArm, plot, point, read_results  # noqa: E402
+from lab.lr_view import EDGE_NATS, LrArm, plot, point  # noqa: E402
 
 MARKER = "<!-- Everything below is written by scripts/stability_page.py from the run dirs; edit the script, not the page. -->"
 DATA = "data.path=tinyshakespeare.txt"
@@ -296,7 +296,6 @@ def section_lr(runs: Runs, docs: Path) -> list:
         arms.append(("1/√d_k, qk-layernorm with gain (Wortsman et al.)", runs.points("qk_layernorm")))
     base, qkn = arms[0][1], arms[2][1]
     grid = GRID7
-    exps = ["e1_noqkn", "e1_qkn"] + (["qk_layernorm"] if runs.have("qk_layernorm") else [])
     lines = ["### (1) Scale × QK-Norm over the learning rate (3 seeds, Wortsman et al.'s 7 lrs)", "",
              f"`{SWEEP}` (the four arms: {cost_line(runs, ['e1_noqkn', 'e1_qkn'])}); the qk-layernorm arm is "
              f"`{SWEEP} model.attn.qk_norm=true model.attn.qk_norm_type=layer model.attn.qk_norm_gain=channel "
@@ -605,7 +604,7 @@ def section_warmup(runs: Runs) -> list:
         lines += ["", "- What the first steps do: at step 5 (the first logged, after five updates) the training loss "
                   "is " + "; ".join(f"{'Pre' if pos == 'pre' else 'Post'}-LN warmup {w}: {a:.2f}-{b:.2f}"
                                      for (pos, w), (a, b) in loss5.items())
-                  + f" (the unigram loss is ≈ 3.34), and a block's gradient norm averages "
+                  + " (the unigram loss is ≈ 3.34), and a block's gradient norm averages "
                   + "; ".join(f"{'Pre' if pos == 'pre' else 'Post'}-LN warmup {w}: {x:.3g}" for (pos, w), x in grad5.items())
                   + ". Without warmup the first updates at the full lr take both placements to predicting character "
                   "frequencies within five steps, where the gradients are small; Post-LN stays there in most seeds, "

@@ -61,7 +61,7 @@ def test_clip_rescales_the_heads_over_tau_as_written_out_and_bounds_their_logits
 
     out = clip_(model, [idx[:2], idx[2:]], tau)  # two micro-batches: one clip over both
 
-    nq, v_rows = 32, slice(32 + 2 * n_kv_head * 8, None)
+    v_rows = slice(32 + 2 * n_kv_head * 8, None)
     for l in range(2):
         w, ref = model.blocks[l].attn.c_attn.weight, reference.blocks[l].attn.c_attn.weight
         assert torch.allclose(w, ref, rtol=1e-5, atol=1e-7)
