@@ -20,7 +20,7 @@ keeps its logits (its q grows as its k shrinks). With QK-Norm the norm undoes an
 import torch
 import torch.distributed as dist
 
-from attention import Mask, repeat_kv
+from attention import Mask, attention_scores, repeat_kv
 
 CHUNK = 256  # queries scored at a time: a (B, nh, CHUNK, T) block of logits at most
 
@@ -30,12 +30,11 @@ def largest_logits(attn, q, k):
     n_kv, hs) as the layer's hooks read them (after QK-Norm and RoPE), in float32, block by block."""
     q, k = q.transpose(1, 2).float(), repeat_kv(k.transpose(1, 2), q.size(2)).float()  # (B, nh, T, hs)
     T = q.size(2)
-    mask = Mask(T, T, attn.window)
     best = torch.full((q.size(1),), float("-inf"), device=q.device)
     for q0 in range(0, T, CHUNK):
         q1 = min(q0 + CHUNK, T)
-        s = (q[:, :, q0:q1] @ k[:, :, :q1].transpose(-2, -1)) * attn.scale
-        s = s.masked_fill(~mask(q.device, q0, q1, 0, q1), float("-inf"))
+        s = attention_scores(q[:, :, q0:q1], k[:, :, :q1], scale=attn.scale,  # the queries q0..q1-1 of q1 positions
+                             mask=Mask(q1 - q0, q1, attn.window))
         best = torch.maximum(best, s.amax(dim=(0, 2, 3)))
     if dist.is_available() and dist.is_initialized():  # DDP: the largest over every process's batch, so all clip alike
         dist.all_reduce(best, op=dist.ReduceOp.MAX)

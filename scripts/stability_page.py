@@ -32,6 +32,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from lab.arms import find_runs, summarize  # noqa: E402
 from lab.intervals import describe, replicate_interval  # noqa: E402
+from rules import UserError  # noqa: E402
 from lab.lr_view import EDGE_NATS, LrArm, plot, point  # noqa: E402
 
 MARKER = "<!-- Everything below is written by scripts/stability_page.py from the run dirs; edit the script, not the page. -->"
@@ -657,7 +658,10 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if not args.runs.is_dir():
         raise SystemExit(f"{args.runs} is not a directory: pass the dir holding the experiments' sweep dirs")
-    runs = Runs(args.runs)
+    try:
+        runs = Runs(args.runs)
+    except UserError as e:  # no run dirs under RUNS
+        raise SystemExit(f"stability_page.py: {e}") from None
     write(args.page, runs)
     print(f"wrote {args.page} from {len(runs.rows)} runs")
 

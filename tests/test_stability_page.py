@@ -72,3 +72,10 @@ def test_the_page_is_written_from_the_runs_with_the_sensitivity_computed_by_hand
     assert f"{statistics.fmean(curve[False][0] + shift[s] for s in shift):.3f}" in row.split("|")[2]
     assert "Not on this page: RUNS lacks one of e2_zloss" in text  # a missing sweep is said, not skipped silently
     assert (docs / "stability_loss_vs_lr.png").stat().st_size > 0
+
+
+def test_a_runs_dir_without_runs_is_one_line(tmp_path):
+    with pytest.raises(SystemExit) as e:
+        page_script().main([str(tmp_path), "--page", str(tmp_path / "page.md")])
+    assert "no metrics.jsonl under" in str(e.value) and "\n" not in str(e.value)
+    assert not (tmp_path / "page.md").exists()
