@@ -48,8 +48,10 @@ STEP_TIMEOUT = 1200  # seconds; the page promises at most 3 minutes on two idle 
 class Step:
     title: str
     command: str
-    figures: list
+    figures: list  # the bold spans the step's command prints
     text: str
+    change: str = ""  # the command of its "now change" paragraph, where that paragraph quotes bold figures
+    change_figures: list = None  # those figures: what `change` prints
 
 
 def steps_of(page: str) -> list:
@@ -64,8 +66,25 @@ def steps_of(page: str) -> list:
         assert block, f"step {section.splitlines()[0]!r}: no fenced block after the marker"
         lines = [l for l in block.group(1).splitlines() if l.strip()]
         assert len(lines) == 1, f"step {section.splitlines()[0]!r}: the command is one line, not {lines}"
-        found.append(Step(section.splitlines()[0].strip(), lines[0].strip(), FIGURE.findall(section), section))
+        command = lines[0].strip()
+        para = next((m.group() for rx in NOW_CHANGE.values() for m in [rx.search(section)] if m), "")
+        change_figures = FIGURE.findall(para)
+        figures = FIGURE.findall(section.replace(para, "")) if para else FIGURE.findall(section)
+        found.append(Step(section.splitlines()[0].strip(), command, figures, section,
+                          change_command(command, para) if change_figures else "", change_figures))
     return found
+
+
+def change_command(command: str, para: str) -> str:
+    """The command a "now change" paragraph asks for: its own (a code span starting with python), or the step's
+    command with the paragraph's settings (its code spans holding an =) added, each replacing the same key."""
+    spans = re.findall(r"(?<!\*)`([^`]+)`(?!\*)", para)
+    own = next((c for c in spans if re.match(r"(OMP_NUM_THREADS=1 )?python3? ", c)), None)
+    if own:
+        return own
+    key = lambda token: token.strip("\"'").split("=", 1)[0]  # noqa: E731
+    settings = [c for c in spans if "=" in c]
+    return " ".join([t for t in command.split() if "=" not in t or key(t) not in {key(c) for c in settings}] + settings)
 
 
 def number(text: str) -> float:
@@ -204,8 +223,9 @@ def test_both_pages_have_the_same_steps_commands_and_figures():
     en, zh = steps_of(page("en")), steps_of(page("zh"))
     assert len(en) >= 12 and len(en) == len(zh), (len(en), len(zh))
     for a, b in zip(en, zh):
-        assert a.command == b.command, (a.title, b.title)
+        assert a.command == b.command and a.change == b.change, (a.title, b.title)
         assert a.figures == b.figures, (a.title, b.title, set(a.figures) ^ set(b.figures))
+        assert a.change_figures == b.change_figures, (a.title, b.title)
 
 
 NOW_CHANGE = {"en": re.compile(r"^Now change\b.*?(?=\n\n|\Z)", re.M | re.S),
@@ -246,9 +266,10 @@ def test_ranged_figures_come_only_from_training_steps():
     """A figure with a range belongs to a step that trains (train.py) or reads a trained run; counted and
     seeded figures are quoted exactly."""
     for step in steps_of(page()):
-        ranged = [f for f in step.figures if any(r for _, r, _ in figure_items(f))]
-        if ranged:
-            assert re.search(r"train\.py|ckpt=|report\.py|--out", step.command), (step.title, ranged)
+        for command, figures in ((step.command, step.figures), (step.change, step.change_figures or [])):
+            ranged = [f for f in figures if any(r for _, r, _ in figure_items(f))]
+            if ranged:
+                assert re.search(r"train\.py|ckpt=|report\.py|--out", command), (step.title, ranged)
 
 
 # ----------------------------------------------------------------------------- the notebooks (fast)
@@ -455,13 +476,19 @@ def test_each_steps_command_runs_and_prints_the_figures_the_page_quotes(chain, w
     """In a fresh directory (its outputs/ stays out of the checkout), every command of the chain in turn."""
     wrong = []
     cwd = workdir / f"chain{chain[0] + 1}"
-    (cwd / "outputs" / "tour").mkdir(parents=True)  # as the steps before it leave it (step 4 makes it)
+    (cwd / "outputs" / "tour").mkdir(parents=True)  # as the steps before it leave it (the first step that writes there makes it)
     for i in chain:
         step = STEPS[i]
         r = subprocess.run(runnable(step.command), shell=True, cwd=cwd, capture_output=True, text=True,
                            timeout=STEP_TIMEOUT, env=cli_env())
         assert r.returncode == 0, f"step {i + 1} ({step.command}) failed:\n{r.stderr[-3000:]}"
         wrong += [f"step {i + 1}: {why}" for why in (check_figure(f, r.stdout + r.stderr) for f in step.figures) if why]
+        if step.change:  # its "now change" paragraph quotes what another command prints: run that one too
+            r = subprocess.run(runnable(step.change), shell=True, cwd=cwd, capture_output=True, text=True,
+                               timeout=STEP_TIMEOUT, env=cli_env())
+            assert r.returncode == 0, f"step {i + 1}'s change ({step.change}) failed:\n{r.stderr[-3000:]}"
+            wrong += [f"step {i + 1}, now change: {why}" for why in
+                      (check_figure(f, r.stdout + r.stderr) for f in step.change_figures) if why]
     assert not wrong, "\n".join(wrong)
 
 
