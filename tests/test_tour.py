@@ -151,8 +151,9 @@ def check_figure(span: str, output: str) -> str:
 def runnable(command: str) -> str:
     """The page's command with its script named by absolute path, so it runs from another directory
     (what it writes under outputs/ then lands there, not in the checkout)."""
-    return re.sub(r"^((?:\w+=\S*\s+)*)python3?\s+(\S+\.py)", lambda m: f"{m.group(1)}{sys.executable} {REPO / m.group(2)}",
-                  command)
+    command = re.sub(r"^((?:\w+=\S*\s+)*)python3?\s+(\S+\.py)",
+                     lambda m: f"{m.group(1)}{sys.executable} {REPO / m.group(2)}", command)
+    return re.sub(r"^python3? -c ", lambda m: f"{sys.executable} -c ", command)  # a snippet: this Python too
 
 
 def chains(steps: list) -> list:
