@@ -210,7 +210,18 @@ def sweep_note() -> str:
     return (f". docs/stability.md, {len(f['grid'])} lrs from {min(f['grid']):g} to {max(f['grid']):g}, {f['seeds']} "
             f"seeds: LR sensitivity {none[0]:.3f} ± {none[1]:.3f} nats without QK-Norm, {normed[0]:.3f} ± "
             f"{normed[1]:.3f} with it (difference {diff[0]:+.3f}, 95% {diff[1]:+.3f} to {diff[2]:+.3f}); largest logit "
-            f"{f['largest_logit']['no_qk_norm']:.3g} against {f['largest_logit']['qk_norm']:.3g}")
+            f"{f['largest_logit']['no_qk_norm']:.3g} against {f['largest_logit']['qk_norm']:.3g}" + width_note())
+
+
+def width_note() -> str:
+    """docs/practice.md's width axis in one clause: how the LR sensitivity moves with the parameters."""
+    w = stability_figures().get("width")
+    if not w:
+        return ""
+    (a, ha), (b, hb) = w["no_qk_norm"]["slope_per_decade"], w["qk_norm"]["slope_per_decade"]
+    return (f"; over widths {'/'.join(map(str, w['widths']))} (docs/practice.md (2), {len(w['lrs'])} lrs, 2 seeds) the "
+            f"sensitivity changes by {a:+.3f} ± {ha:.3f} nats per decade of parameters without QK-Norm and "
+            f"{b:+.3f} ± {hb:.3f} with it")
 
 
 TEXT_SHAPE = dict(vocab_size=128256, block_size=8192, n_layer=32, n_head=32, n_embd=4096, mlp="swiglu", d_ff=14336)

@@ -205,7 +205,22 @@ def warmup_note() -> str:
     loss = w["loss"]
     return (f"; at 8 layers and lr {w['lr']:g} ({w['seeds']} seeds) Post-LN ends at {loss['post_warmup0']:.2f} without "
             f"warmup ({w['post_no_warmup_unigram']} of {w['seeds']} at the unigram loss) and {loss['post_warmup100']:.2f} "
-            f"with 100 warmup steps, Pre-LN at {loss['pre_warmup0']:.2f} and {loss['pre_warmup100']:.2f}")
+            f"with 100 warmup steps, Pre-LN at {loss['pre_warmup0']:.2f} and {loss['pre_warmup100']:.2f}" + trend_note())
+
+
+def trend_note() -> str:
+    """docs/practice.md's warmup lengths and gradients at initialisation in one clause."""
+    f = stability_figures()
+    t, init = f.get("warmup_trend"), f.get("grad_at_init")
+    if not t:
+        return ""
+    u = t["unigram"]
+    out = (f"; with warmup 0 / 30 / 100 (docs/practice.md (3), {t['seeds']} seeds) {u['post_warmup0']} / "
+           f"{u['post_warmup30']} / {u['post_warmup100']} Post-LN runs ended at the unigram loss")
+    if init:
+        out += (f"; at initialisation the last block's gradient norm is {init['post_ln'][-1] / init['post_ln'][0]:.2g}× the "
+                f"first's in Post-LN, {init['pre_ln'][-1] / init['pre_ln'][0]:.2g}× in Pre-LN")
+    return out
 
 
 @claim("C8", "2K → 32K tokens (16×) multiplies the attention scores' compute by 256.",

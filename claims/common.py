@@ -247,13 +247,17 @@ def layer_max(run: Trained, stat: str = "logit_max") -> tuple:
 
 
 def stability_figures() -> dict:
-    """The lr sweep's figures docs/stability.md quotes (docs/stability.json, written with the page by
-    scripts/stability_page.py from its run dirs); {} where the file is missing or unreadable."""
+    """The lr sweeps' figures docs/stability.md and docs/practice.md quote (docs/stability.json and
+    docs/practice.json, written with the pages by scripts/stability_page.py and scripts/practice_page.py from
+    their run dirs); a file missing or unreadable adds nothing."""
     import json
-    try:
-        return json.loads((REPO / "docs" / "stability.json").read_text())
-    except (OSError, ValueError):
-        return {}
+    found = {}
+    for name in ("stability.json", "practice.json"):
+        try:
+            found.update(json.loads((REPO / "docs" / name).read_text()))
+        except (OSError, ValueError):
+            pass
+    return found
 
 
 def skipped(what: str) -> Result:

@@ -59,10 +59,10 @@ FIGURES = {}  # what other pages quote (docs/stability.json: tools/claims.py's A
 class Runs:
     """Every run under RUNS, each a lab/lr_view Point with its experiment (its sweep dir's name) and config."""
 
-    def __init__(self, root: Path):
-        self.root = root
+    def __init__(self, roots):
         self.rows, self.unfinished = [], []
-        for run in find_runs([root]):
+        for root, run in [(root, run) for root in ([roots] if isinstance(roots, Path) else roots)
+                          for run in find_runs([root])]:
             s = summarize(run)
             if s.config.get("train.lr") is None:
                 continue
@@ -457,8 +457,9 @@ def section_mitigations(runs: Runs) -> list:
               + "; ".join(f"{name} at {lr_name(lr)} {says(diff(at(base, lr), at(pts, lr)))}"
                           for name, pts in (("z-loss", z), ("decay", dec)) for lr in lrs)
               + ". Neither acts on attention's logits: the z-loss on the output softmax's (here beside coupled decay "
-              "0.1), independent decay of 1e-4 shrinks weights by at most 4% over 400 steps. Each where it can act "
-              "(z-loss without coupled decay, decay over longer runs) is not run yet.",
+              "0.1), independent decay of 1e-4 shrinks weights by at most 4% over 400 steps. The z-loss where it "
+              "can act, without coupled decay, is in [practice.md](practice.md) (4); decay over longer runs is not run "
+              "yet.",
               f"- The soft-cap of 50 against the baseline: {'; '.join(f'{lr_name(lr)} {says(diff(at(base, lr), at(cap, lr)))}' for lr in lrs)}; "
               f"against QK-Norm: {'; '.join(f'{lr_name(lr)} {says(diff(at(qkn, lr), at(cap, lr)))}' for lr in lrs)}. It holds "
               f"every logit at 50 (largest {g(largest_logit(cap))}), and a cap of 50 at d_k 32 still lets a head be nearly "
@@ -556,7 +557,8 @@ def section_depth(runs: Runs) -> list:
               f"- 8 layers minus 2, LR sensitivity over the three lrs: {says(sens_diff(depth[2], depth[8], lrs))}; the "
               "loss at each lr: " + "; ".join(f"{lr_name(lr)} {says(diff(at(depth[2], lr), at(depth[8], lr)))}" for lr in lrs)
               + ". Wortsman et al.'s trend, sensitivity growing with model size, comes from a range of sizes; "
-              "between 2 and 8 layers at this width it is within noise here. A width axis is not run yet.", ""]
+              "between 2 and 8 layers at this width it is within noise here. The width axis is in "
+              "[practice.md](practice.md) (2).", ""]
     return lines
 
 
@@ -610,8 +612,8 @@ def section_warmup(runs: Runs) -> list:
                   + ". Without warmup the first updates at the full lr take both placements to predicting character "
                   "frequencies within five steps, where the gradients are small; Post-LN stays there in most seeds, "
                   "Pre-LN leaves it later and ends behind its warmed-up runs. The blocks' norms are logged from step 5, "
-                  "after the damage: Xiong et al.'s argument is about the gradients at initialisation, which this table "
-                  "does not show."]
+                  "after the damage: Xiong et al.'s argument is about the gradients at initialisation, which "
+                  "[practice.md](practice.md) (3) logs from the first step."]
     post_uni = sum(p.outcome == "unigram" for p in cells["post", 0])
     lines += [f"- Post-LN without warmup ended at the unigram loss in {post_uni} of {len(cells['post', 0])} seeds; "
               f"with 100 warmup steps in {sum(p.outcome == 'unigram' for p in cells['post', 100])} of "
@@ -627,7 +629,7 @@ Their defaults as their section 2 states them, against this page's runs:
 
 | | Wortsman et al. | here | what it changes |
 |---|---|---|---|
-| size | a range of sizes (their result is a trend with size) | 0.8M parameters, one size (4 × 4 × 128); depth 2/8 in (4) | one size shows the shape of their result, not its trend |
+| size | a range of sizes (their result is a trend with size) | 0.8M parameters (4 × 4 × 128); depth 2/8 in (4), widths 64-256 in [practice.md](practice.md) (2) | one size shows the shape of their result, not its trend |
 | steps | 1e5, warmup 5e3, cosine to 1e-5 | 400, warmup 30, cosine to lr/10 | losses far from converged (the 2000-step CPU preset reaches 1.57) |
 | AdamW | β2 0.95, ε 1e-8, clip 1 | β2 0.99, ε 1e-8, clip 1 | the second moment tracks more slowly at high lr |
 | weight decay | independent of the lr, 1e-4 | coupled (lr × 0.1), the lab's default; (2) has one independent arm | decay grows with the lr swept |

@@ -32,7 +32,7 @@ PLACEHOLDERS = re.compile(r"^(\.\.\.|…|\[[\w .-]+\])$")  # `...`, `[overrides]
 PLACEHOLDER_VALUE = re.compile(r"^[A-Z][A-Z0-9_]*$")  # model.n_kv_head=K, resume=RUN_DIR: any value of the key
 ANGLE_PLACEHOLDER = re.compile(r"<([\w.-]+)>")  # outputs/runs/<time>
 ARGPARSE_TOOLS = {"tools/report.py", "tools/recall.py", "scripts/ladder_table.py", "tools/claims.py",
-                  "scripts/stability_page.py"}
+                  "scripts/stability_page.py", "scripts/practice_page.py", "scripts/bench_controls.py"}
 NO_ARGUMENTS = {"notebooks/my_attention.py"}  # run as written (tests/test_attention_check.py runs it)
 HYDRA_SWITCHES = {"-m", "--multirun", "--help", "-h", "--hydra-help", "--resolve"}
 HYDRA_OPTIONS = {"--cfg", "-c", "--package", "-p"}  # each followed by its value
