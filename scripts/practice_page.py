@@ -10,6 +10,7 @@ docs/stability.md's for the 400-step cells and width 128):
   w_dk64, w_dk128, w_dk256   (2) scale=dk at each width, one seed
   x_postln, x_preln         (3) 8 layers, lr 3e-3, warmup 0/30/100 (Post-LN) and 0/100 (Pre-LN), grads from step 1
   c_zloss, c_zloss_best, c_softcap, c_softcap_best, c_clip   (4) the mitigations where they can act
+  d_decay                   (4) independent decay 1e-3 over 2000 steps, lr 1e-2/3e-2
   m_opt_none, m_opt_qkn, m_opt_clip   (5) AdamW and Muon, each without a control, with QK-Norm, with QK-Clip
   v_e1check                 one docs/stability.md run repeated at this page's commit (its loss must be the same)
 --bench takes the output of scripts/bench_controls.py (each file one run) for the decision table's step time.
@@ -91,7 +92,7 @@ def span(vals, spec=".2f") -> str:
 
 # ----------------------------------------------------------------------------- the sections
 
-PAGE_EXPS = ("l_", "w64", "w256", "w_dk", "x_", "c_", "m_opt_", "v_")  # this page's sweeps (name prefixes)
+PAGE_EXPS = ("l_", "w64", "w256", "w_dk", "x_", "c_", "d_", "m_opt_", "v_")  # this page's sweeps (name prefixes)
 COMPARED = ("e1_noqkn", "e1_qkn", "qk_layernorm")  # docs/stability.md's sweeps this page compares with
 
 
@@ -391,8 +392,40 @@ def section_controls(runs: Runs) -> list:
                      + "; ".join(f"{label} {g(max(v for p in at(pts, 1e-3) for v in [last_value(p, 'act_max/max')] if v is not None))}"
                                  for label, pts in (("none", base), ("QK-Norm", qkn)) if at(pts, 1e-3)) + ".")
         figs["act_max_1e-1"] = acts
+    if runs.have("d_decay", "l_noqkn"):
+        decayed, coupled = runs.points("d_decay"), runs.points("l_noqkn")
+        wd = runs_value(runs, "d_decay", "train.weight_decay")
+        kept = shrink(wd, 2000)
+        d_at = {lr: diff(at(coupled, lr), at(decayed, lr)) for lr in (1e-2, 3e-2) if at(decayed, lr)}
+        lines.append(f"- Independent decay where it can act: `{SWEEP} {BASE} train.max_iters=2000 train.eval_interval=100 "
+                     f"train.weight_decay_mode=independent train.weight_decay={wd:g} train.lr=1e-2,3e-2 seed=1,2` "
+                     f"({cost_line(runs, ['d_decay'])}): over 2000 steps of this schedule it leaves a weight that no "
+                     f"gradient moves at {kept:.2f} of its size (Wortsman et al.'s 1e-4 over 1e5 steps leaves e^-10 "
+                     "before their schedule). Minus (1)'s 2000-step baseline (coupled decay 0.1, a shrink of 0.1 × lr a "
+                     "step): " + "; ".join(f"{lr_name(lr)} {says(d)}" for lr, d in d_at.items()) + ". "
+                     + " ".join(f"At {lr_name(lr)} coupled decay shrinks by {0.1 * lr:g} a step, "
+                                + ("the same as the independent arm, so the two are one run twice (a check: they match)."
+                                   if math.isclose(0.1 * lr, wd) else f"{0.1 * lr / wd:.3g}× the independent arm's.")
+                                for lr in d_at)
+                     + (" Where they differ, decoupling the decay from the lr is within noise here." if all(
+                         d["lo"] is not None and d["lo"] <= 0 <= d["hi"] for d in d_at.values()) else ""))
+        figs["independent_decay_2000"] = {"weight_decay": wd, "kept": kept,
+                                          **{lr_name(lr): d["diff"] for lr, d in d_at.items()}}
     FIGURES["controls"] = figs
     return lines + [""]
+
+
+def runs_value(runs: Runs, exp: str, key: str):
+    return next(r["config"].get(key) for r in runs.rows if r["exp"] == exp)
+
+
+def shrink(wd: float, steps: int) -> float:
+    """What independent decay leaves of a weight no gradient moves after `steps` of lr_sensitivity_cpu's
+    schedule: the product of (1 - s_t · wd), s_t = lr_t / lr (lab/optim.py's decay_factor and lr_at)."""
+    from claims.common import compose
+    from lab.optim import lr_at
+    t = compose(["experiment=lr_sensitivity_cpu", f"train.max_iters={steps}"]).train
+    return math.prod(1 - lr_at(step, t) / t.lr * wd for step in range(steps))
 
 
 def last_value(p, key):
@@ -498,6 +531,7 @@ def plot_logits(arms, lrs, out):
 
 
 BOUNDS = {  # what each control bounds, in words (the decision table's second column)
+    "1/√d_k": "the logits' spread at initialisation (≈ 1 for random q, k); nothing once ‖q‖, ‖k‖ grow",
     "QK-Norm (RMS, no gain)": "every attention logit ≤ scale·d_k = √d_k (5.66 here), by construction",
     "qk-layernorm with gain": "the logits up to the learned gains' product: a bound that can grow",
     "soft-cap 20": "every attention logit inside ±20 (tanh), but not q, k or the weights",
@@ -519,7 +553,7 @@ def read_bench(files) -> dict:
 
 
 def section_decision(runs: Runs, bench: dict) -> list:
-    title = "### (6) Which control to turn on"
+    title = "### Which control to turn on"
     if gone := missing(runs, title, "e1_noqkn", "e1_qkn", "c_softcap", "c_zloss", "c_clip"):
         return gone
     base = runs.points("e1_noqkn", model__attn__scale="sqrt_dk")
@@ -540,16 +574,22 @@ def section_decision(runs: Runs, bench: dict) -> list:
              "unstable), and at lr 1e-1 (what it saves where the baseline breaks). Step time: one training step "
              "over the baseline's, from `python scripts/bench_controls.py` (side by side in one process, 7 "
              f"rounds; {runs_of_bench} runs: the range of their medians). QK-Clip's time is with every head clipped "
-             "(its most).", "",
-             "| control | what it bounds | at lr 3e-3 | at lr 1e-1 | step time |", "|---|---|---|---|---|"]
+             "(its most). Helped: the lrs of this page's 400-step runs where its difference's interval is below 0. "
+             "The sections below hold every figure.", "",
+             "| control | what it bounds | at lr 3e-3 | at lr 1e-1 | helped at | step time |",
+             "|---|---|---|---|---|---|",
+             f"| 1/√d_k alone (the baseline) | {BOUNDS['1/√d_k']} | - | - | - | 1.00× |"]
     figs = {}
     for name, (pts, ref) in arms.items():
+        helped = [lr_name(lr) for lr in sorted({p.lr for p in pts}) if (d := diff(at(ref, lr), at(pts, lr)))["hi"] is not None
+                  and d["hi"] < 0]
         d_lo, d_hi = diff(at(ref, 3e-3), at(pts, 3e-3)), diff(at(ref, 1e-1), at(pts, 1e-1))
         t = bench.get(time_of[name], [])
         tt = (f"{min(t):.2f}×" if len(t) == 1 or min(t) == max(t) else f"{min(t):.2f}-{max(t):.2f}×") if t else "not measured"
         cell = lambda d, p: (says(d) if d["diff"] is not None else "not run") if p else "not run"  # noqa: E731
-        lines.append(f"| {name} | {BOUNDS[name]} | {cell(d_lo, at(pts, 3e-3))} | {cell(d_hi, at(pts, 1e-1))} | {tt} |")
-        figs[name] = {"at_3e-3": d_lo["diff"], "at_1e-1": d_hi["diff"], "step_time": t}
+        lines.append(f"| {name} | {BOUNDS[name]} | {cell(d_lo, at(pts, 3e-3))} | {cell(d_hi, at(pts, 1e-1))} | "
+                     f"{', '.join(helped) or 'nowhere'} | {tt} |")
+        figs[name] = {"at_3e-3": d_lo["diff"], "at_1e-1": d_hi["diff"], "step_time": t, "helped": helped}
     FIGURES["decision"] = figs
     return lines + [""]
 
@@ -578,7 +618,7 @@ def section_brief() -> list:
         if r:
             out.append(f"- Muon's largest attention logit at step 400 is {min(r):.2g}-{max(r):.2g}× AdamW's at the same "
                        "lr and seed, without a control (5).")
-    out.append("- Which control to turn on: the table in (6).")
+    out.append("- Which control to turn on: the table below.")
     return out + [""]
 
 
@@ -603,8 +643,8 @@ def write(page: Path, runs: Runs, bench: dict):
     head = text.split(MARKER)[0]
     docs = page.parent
     sections = (section_long(runs) + section_width(runs) + section_warmup(runs, docs) + section_controls(runs)
-                + section_muon(runs, docs) + section_decision(runs, bench))
-    body = header(runs) + section_brief() + sections + [GPU]
+                + section_muon(runs, docs))
+    body = header(runs) + section_brief() + section_decision(runs, bench) + sections + [GPU]
     page.write_text(head + MARKER + "\n\n" + "\n".join(body).rstrip() + "\n")
     (page.parent / "practice.json").write_text(json.dumps(FIGURES, indent=1) + "\n")
 
