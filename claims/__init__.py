@@ -51,8 +51,8 @@ def write_figures(runs: dict, out: Path) -> list:
         for name, label, color in (("scaled", "scale 1/√d_k", "C0"), ("unscaled", "no scale", "C3")):
             ex.plot(*probes(runs[name], "attn_entropy/mean"), "o-", color=color, label=label, ms=3)
             px.plot(*probes(runs[name], "attn_peak/mean"), "o-", color=color, label=label, ms=3)
-        ex.set(xlabel="step", ylabel="mean attention entropy (nats)", title="entropy collapses without 1/√d_k")
-        px.set(xlabel="step", ylabel="mean peak weight", title="the largest weight → 1 (saturation)")
+        ex.set(xlabel="step", ylabel="mean attention entropy (nats)", title="entropy falls further without 1/√d_k")
+        px.set(xlabel="step", ylabel="mean peak weight", title="the largest weight (1 would be one-hot)")
         for ax in (ex, px):
             ax.grid(alpha=0.3)
             ax.legend()
