@@ -63,6 +63,13 @@ def interruption(e: KeyboardInterrupt):
     return ("SIGTERM", 143) if isinstance(e, Terminated) else ("Ctrl-C", 130)
 
 
+def interrupted(name: str):
+    """End a command stopped by Ctrl-C or SIGTERM (`name`): one line, status 130 or 143."""
+    forget_hydra_run_dir()
+    print(f"interrupted ({name})", file=sys.stderr)
+    sys.exit(143 if name == "SIGTERM" else 130)
+
+
 entered = False  # set once Hydra has handed a command its config: errors before that are Hydra's
 
 
@@ -83,16 +90,15 @@ def cli(main):
         try:
             return main(*args, **kwargs)
         except UserError as e:
+            if received:  # a library turned the signal into an error we then worded (datasets: "An error
+                interrupted(received[-1])  # occurred while generating the dataset"): still the signal
             forget_hydra_run_dir()
             print(f"error: {e}", file=sys.stderr)
             if in_sweep():  # one job of a sweep failed: the sweep records it and goes on (lab/sweep.py)
                 raise JobFailed(str(e)) from None
             sys.exit(1)
         except KeyboardInterrupt as e:
-            forget_hydra_run_dir()
-            name, status = interruption(e)
-            print(f"interrupted ({name})", file=sys.stderr)
-            sys.exit(status)
+            interrupted(interruption(e)[0])
         except BrokenPipeError:  # `... | head`: the reader left; what it wanted was printed
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             sys.exit(0)
@@ -109,10 +115,7 @@ def cli(main):
                 raise
             # the signal landed inside a library that cleaned up and raised something else instead
             # (datasets' Arrow writer: "I/O operation on closed file"): still an interruption
-            forget_hydra_run_dir()
-            name = received[-1]
-            print(f"interrupted ({name})", file=sys.stderr)
-            sys.exit(143 if name == "SIGTERM" else 130)
+            interrupted(received[-1])
         finally:
             if main_thread:
                 signal.signal(signal.SIGTERM, previous[0])

@@ -581,6 +581,27 @@ def test_nan_from_a_bad_model_value_is_not_blamed_on_the_learning_rate(tmp_path,
     assert result["diverged_step"] == 6 and re.search(r"at step 6: .*lower train.lr \(now 0.002\)", diverged_line(result))
 
 
+@pytest.mark.parametrize("sig,status", [("SIGTERM", 143), ("SIGINT", 130)])
+def test_a_signal_a_library_turned_into_an_error_is_still_the_signal(sig, status, capsys):
+    """A signal landing inside a library that catches everything and raises its own error (datasets:
+    "An error occurred while generating the dataset"), which our code then words as a UserError: the
+    command ends as interrupted, 143 or 130, not as `error: could not load`."""
+    from lab.cli import cli
+
+    @cli
+    def command():
+        try:
+            os.kill(os.getpid(), getattr(signal, sig))
+            time.sleep(5)
+        except BaseException as e:  # the library's blanket handler
+            raise UserError("could not load big.txt split 'train': An error occurred while generating") from e
+
+    with pytest.raises(SystemExit) as e:
+        command()
+    assert e.value.code == status
+    assert capsys.readouterr().err.strip() == f"interrupted ({'Ctrl-C' if sig == 'SIGINT' else 'SIGTERM'})"
+
+
 @pytest.mark.parametrize("script,sig", [("tools/prepare.py", "SIGINT"), ("train.py", "SIGINT"), ("tools/prepare.py", "SIGTERM")])
 def test_ctrl_c_during_data_preparation_is_one_line_and_leaves_nothing(tmp_path, script, sig, cli):
     """Ctrl-C, and SIGTERM likewise, during data preparation is one line and leaves no temporary dir in
