@@ -145,7 +145,17 @@ def test_bench_sample_profile_splits_a_cached_step_into_parts_that_sum_to_it(cap
     assert abs(sum(share for _, share in rows.values()) - 100) <= 0.05 * len(rows)
     assert sum(profile["parts"].values()) == pytest.approx(profile["step_ms"])
     assert all(profile["parts"][part] > 0 for part in PROFILE_PARTS)  # the debug model runs every kind of op
-    assert re.search(r"^the one-row products alone \(.*\): [\d.]+ ms per step, \d+% of the eager step$", text, re.M)
+    products = re.search(r"^the one-row products alone \(.*\): ([\d.]+) ms per step, \d+% of the eager step; they "
+                         r"read their weights at ([\d.]+) GB/s, where a sum reads at ([\d.]+)$", text, re.M)
+    # the rate is the Linear weights' bytes over the products' time: the debug preset's, counted here
+    m = cfg.model
+    d_ff = 4 * m.n_embd
+    weight_bytes = 4 * (m.n_layer * (3 * m.n_embd * m.n_embd + m.n_embd * m.n_embd + 2 * m.n_embd * d_ff)
+                        + cfg.vocab_size * m.n_embd)
+    assert profile["products_gbs"] == pytest.approx(weight_bytes / profile["products_ms"] / 1e6)
+    assert float(products[1]) == pytest.approx(profile["products_ms"], abs=0.0006)
+    assert float(products[2]) == pytest.approx(profile["products_gbs"], abs=0.06)
+    assert float(products[3]) == pytest.approx(profile["read_gbs"], abs=0.06) and profile["read_gbs"] > 0.1
     assert re.search(r"^the bandwidth bound \(weights \+ KV at context \d+, [\d.]+ GB/s\): [\d.]+ ms per step$",
                      text, re.M)
     assert 0 < profile["bound_ms"] < profile["products_ms"] < profile["step_ms"]

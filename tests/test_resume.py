@@ -120,7 +120,7 @@ def test_sigterm_stops_a_whole_sweep_not_only_its_current_run(tmp_path, cli):
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("".join(f"line {i}: the quick brown fox jumps over the lazy dog\n" for i in range(300)))
     sweep = tmp_path / "sweep"
-    proc = cli.popen("train.py", "-m", "model=debug", "model.n_embd=32,64", "train.max_iters=1500",
+    proc = cli.popen("train.py", "-m", "model=debug", "model.n_embd=32,64", "train.max_iters=600",
                      "train.ckpt_interval=100000", "train.eval_interval=1000", "train.eval_iters=1", "device=cpu",
                      "logger.wandb.mode=disabled", "logger.plots=false", f"data.path={corpus}", f"data.cache_dir={tmp_path / 'cache'}",
                      f"hydra.sweep.dir={sweep}")
@@ -141,7 +141,7 @@ def test_sigterm_stops_a_whole_sweep_not_only_its_current_run(tmp_path, cli):
     assert r.returncode == 0, r.stderr[-2000:]
     assert "sweep done: 2 jobs: 2 finished, 0 diverged, 0 failed" in r.stderr
     done = sorted(sweep.glob("*/results.json"))
-    assert len(done) == 2 and all(json.loads(p.read_text())["steps"] == 1500 for p in done)
+    assert len(done) == 2 and all(json.loads(p.read_text())["steps"] == 600 for p in done)
 
 
 def test_a_checkpoint_from_before_an_option_existed_resumes_as_that_options_default(train_cfg, tmp_path):

@@ -102,21 +102,23 @@ class Case:
     tokens: Optional[int] = None  # new tokens per run (None: cfg.tokens)
 
 
-def memory_bandwidth(device, threads: Optional[int] = None, mib: int = 256, repeats: int = 5) -> float:
+def memory_bandwidth(device, threads: Optional[int] = None, mib: int = 256, repeats: int = 5,
+                     read_only: bool = False) -> float:
     """Bytes/s of a large copy (read + write) on `threads` CPU threads (None: as set), the best of a few:
-    about what a decode step, which streams every weight once, could read at on as many threads."""
+    about what a decode step, which streams every weight once, could read at on as many threads.
+    read_only: of a sum instead, which only reads (what a one-row product does to its weight)."""
     before = torch.get_num_threads()
     if device.type == "cpu" and threads:
         torch.set_num_threads(threads)
     src = torch.empty(mib * 2**20 // 4, dtype=torch.float32, device=device).fill_(1.0)
-    dst = torch.empty_like(src)
+    dst = torch.empty_like(src) if not read_only else None
     best = float("inf")
     for _ in range(repeats):
         with Timer(device) as t:
-            dst.copy_(src)
+            src.sum() if read_only else dst.copy_(src)
         best = min(best, t.seconds)
     torch.set_num_threads(before)
-    return 2 * src.numel() * 4 / best
+    return (1 if read_only else 2) * src.numel() * 4 / best
 
 
 def transformers_name(cache: str, compiled: bool, batch: int) -> str:
@@ -232,11 +234,16 @@ def profile_step(model, mcfg, rt, threads: int, bandwidth: float, context: int, 
     with rt.autocast():
         products = 1e3 * one_row_products(model, device)
     bound = 1e3 * decode_bytes(mcfg, 1, context) / bandwidth
+    weight_bytes = sum(m.weight.numel() * m.weight.element_size()
+                       for m in [*model.blocks.modules(), model.lm_head] if isinstance(m, torch.nn.Linear))
+    reads = memory_bandwidth(device, threads, read_only=True)
     print(f"the one-row products alone (every block Linear and the LM head, best of 7): {products:.3f} ms per step, "
-          f"{100 * products / step_ms:.0f}% of the eager step")
+          f"{100 * products / step_ms:.0f}% of the eager step; they read their weights at "
+          f"{weight_bytes / products / 1e6:.1f} GB/s, where a sum reads at {reads / 1e9:.1f}")
     print(f"the bandwidth bound (weights + KV at context {context}, {bandwidth / 1e9:.1f} GB/s): "
           f"{bound:.3f} ms per step")
-    return {"step_ms": step_ms, "profiled_ms": profiled_ms, "parts": parts, "products_ms": products, "bound_ms": bound}
+    return {"step_ms": step_ms, "profiled_ms": profiled_ms, "parts": parts, "products_ms": products, "bound_ms": bound,
+            "products_gbs": weight_bytes / products / 1e6, "read_gbs": reads / 1e9}
 
 
 def bench_sample(cfg) -> dict:
