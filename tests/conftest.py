@@ -77,6 +77,14 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if any(name in PROCESS_FIXTURES for name in getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
+    # the tests of a minute or more first: `-n auto` hands the first quarter of the tests out in turn, so each
+    # worker starts on some of them, instead of one worker running one alone at the end while the other waits
+    items.sort(key=lambda item: not item.nodeid.startswith(LONGEST))
+
+
+LONGEST = ("tests/test_tour.py::test_the_notebook_runs_from_top_to_bottom",
+           "tests/test_tour.py::test_each_steps_command_runs_and_prints_the_figures_the_page_quotes",
+           "tests/test_parallel.py::test_fsdp_under_torchrun", "tests/tools/test_claims.py::test_trained_checks")
 
 
 class Cli:

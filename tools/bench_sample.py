@@ -171,10 +171,15 @@ PROFILE_PARTS = {  # profile_step's rows: a row sums the self time of every op w
 EVERYTHING_ELSE = "everything else (views, slices, adds, Python between ops)"
 
 
+def product_weights(model) -> list:
+    """The weights a decode step multiplies its one row by: every Linear of the blocks, and the LM head."""
+    return [m.weight for m in [*model.blocks.modules(), model.lm_head] if isinstance(m, torch.nn.Linear)]
+
+
 def one_row_products(model, device, repeats: int = 7, loops: int = 10) -> float:
     """Seconds for a decode step's weight products alone: one row times every Linear weight of the blocks and
     the LM head (x (1, in) @ W.T, no bias), back to back in a tight loop, the best of `repeats`."""
-    weights = [m.weight for m in [*model.blocks.modules(), model.lm_head] if isinstance(m, torch.nn.Linear)]
+    weights = product_weights(model)
     rows = [torch.randn(1, w.size(1), device=device) for w in weights]  # (1, in)
     best = float("inf")
     with torch.inference_mode():
@@ -234,8 +239,7 @@ def profile_step(model, mcfg, rt, threads: int, bandwidth: float, context: int, 
     with rt.autocast():
         products = 1e3 * one_row_products(model, device)
     bound = 1e3 * decode_bytes(mcfg, 1, context) / bandwidth
-    weight_bytes = sum(m.weight.numel() * m.weight.element_size()
-                       for m in [*model.blocks.modules(), model.lm_head] if isinstance(m, torch.nn.Linear))
+    weight_bytes = sum(w.numel() * w.element_size() for w in product_weights(model))
     reads = memory_bandwidth(device, threads, read_only=True)
     print(f"the one-row products alone (every block Linear and the LM head, best of 7): {products:.3f} ms per step, "
           f"{100 * products / step_ms:.0f}% of the eager step; they read their weights at "
