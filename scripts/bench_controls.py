@@ -65,8 +65,8 @@ def main(argv=None):
     ap.add_argument("--iters", type=int, default=20, help="steps per control and round")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (the page's runs used 1)")
     args = ap.parse_args(argv)
-    if args.rounds < 1 or args.iters < 1:
-        raise SystemExit("--rounds and --iters must be at least 1")
+    if args.rounds < 1 or args.iters < 1 or args.threads < 1:
+        raise SystemExit("--rounds, --iters and --threads must be at least 1")
     torch.set_num_threads(args.threads)
     g = torch.Generator().manual_seed(0)
     x = torch.randint(VOCAB, (16, 64), generator=g)

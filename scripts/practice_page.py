@@ -637,10 +637,7 @@ The same questions at one GPU's size, not run yet; each line is the full grid of
 
 
 def write(page: Path, runs: Runs, bench: dict):
-    text = page.read_text()
-    if MARKER not in text:
-        raise SystemExit(f"{page} has no marker line; add this line where the measurements start:\n{MARKER}")
-    head = text.split(MARKER)[0]
+    head = sp.page_head(page, MARKER)
     docs = page.parent
     sections = (section_long(runs) + section_width(runs) + section_warmup(runs, docs) + section_controls(runs)
                 + section_muon(runs, docs))

@@ -61,16 +61,16 @@ class Runs:
 
     def __init__(self, roots):
         self.rows, self.unfinished = [], []
-        for root, run in [(root, run) for root in ([roots] if isinstance(roots, Path) else roots)
-                          for run in find_runs([root])]:
-            s = summarize(run)
-            if s.config.get("train.lr") is None:
-                continue
-            if not (run / "results.json").is_file():  # still running, or killed before its end: not a figure yet
-                self.unfinished.append(run)
-                continue
-            self.rows.append({"exp": run.relative_to(root).parts[0], "config": s.config, "point": point(s),
-                              "info": read_json(run / "run_info.json"), "seconds": wall_seconds(run)})
+        for root in [roots] if isinstance(roots, Path) else roots:
+            for run in find_runs([root]):
+                s = summarize(run)
+                if s.config.get("train.lr") is None:
+                    continue
+                if not (run / "results.json").is_file():  # still running, or killed before its end: not a figure yet
+                    self.unfinished.append(run)
+                    continue
+                self.rows.append({"exp": run.relative_to(root).parts[0], "config": s.config, "point": point(s),
+                                  "info": read_json(run / "run_info.json"), "seconds": wall_seconds(run)})
 
     def have(self, *exps) -> bool:
         return all(any(r["exp"] == e for r in self.rows) for e in exps)
@@ -642,11 +642,18 @@ Their defaults as their section 2 states them, against this page's runs:
 """
 
 
-def write(page: Path, runs: Runs):
+def page_head(page: Path, marker: str) -> str:
+    """The hand-written part of `page`, above `marker` (everything below it is the script's); one line if not there."""
+    if not page.is_file():
+        raise SystemExit(f"--page {page}: no such file (give the page whose hand-written head ends with the marker)")
     text = page.read_text()
-    if MARKER not in text:
-        raise SystemExit(f"{page} has no marker line; add this line where the measurements start:\n{MARKER}")
-    head = text.split(MARKER)[0]
+    if marker not in text:
+        raise SystemExit(f"{page} has no marker line: add `{marker}` where the measurements start")
+    return text.split(marker)[0]
+
+
+def write(page: Path, runs: Runs):
+    head = page_head(page, MARKER)
     body = header(runs) + section_lr(runs, page.parent) + section_mitigations(runs) \
         + section_norm(runs) + section_depth(runs) + section_warmup(runs) + [DEPARTURES]
     page.write_text(head + MARKER + "\n\n" + "\n".join(body).rstrip() + "\n")

@@ -129,6 +129,17 @@ def test_a_missing_runs_dir_or_bench_file_is_one_line(tmp_path):
         with pytest.raises(SystemExit) as e:
             mod.main(argv + ["--page", str(tmp_path / "page.md")])
         assert said in str(e.value) and "\n" not in str(e.value)
+    (tmp_path / "runs").mkdir()
+    make_run(tmp_path / "runs", "e1_noqkn", 0, 1e-3, 1, 2.0)
+    (tmp_path / "unmarked.md").write_text("# a page without the marker\n")
+    for page, said in ((tmp_path / "absent.md", "no such file"), (tmp_path / "unmarked.md", "has no marker line")):
+        with pytest.raises(SystemExit) as e:
+            mod.main([str(tmp_path / "runs"), "--page", str(page)])
+        assert said in str(e.value) and "\n" not in str(e.value)
+    assert (tmp_path / "unmarked.md").read_text() == "# a page without the marker\n"  # left as it was
+    assert not (tmp_path / "practice.json").exists()
+    with pytest.raises(SystemExit, match="must be at least 1"):
+        script("bench_controls").main(["--threads", "0"])
 
 
 def test_the_warmup_section_reads_each_blocks_gradient_at_the_first_step(tmp_path):
