@@ -100,7 +100,7 @@ def train(cfg, run_name=None, run_group=None, overrides=None) -> dict:
         close(run)
     result = {**summary(run.state, run.run_dir, run.compiled, run.attn_history, run.metrics, meter.tokens_per_sec,
                         stop.signal, time.perf_counter() - t_start, meter.train_s, probe_s), **results}
-    log_end(result, updated=run.updates > 0)  # where it diverged, or its val loss
+    log_end(result, updated=run.updates > 0, master=run.dist.master)  # where it diverged, or its val loss
     return result
 
 

@@ -442,3 +442,24 @@ def head_grid(stats: dict, name: str = "entropy"):
 def entropy_grid(stats: dict):
     """The layer x head matrix of attn_entropy/L{l}/H{h} values in a metrics line (list of lists)."""
     return head_grid(stats, "entropy")
+
+
+def induction_line(history: list):
+    """One line on the probes' in-context gain (`history`: their metric lines by step), or None where there is
+    none: the gain at the first and last probe, its largest rise between two probes in a row (where an induction
+    head formed, Olsson et al. 2022's phase change) and the two heads with the highest induction scores at the
+    last probe."""
+    gains = [(line["step"], line["incontext/gain"]) for line in history if "incontext/gain" in line]
+    if not gains:
+        return None
+    f = lambda x: f"{x:.3f}".replace("-0.000", "0.000")  # noqa: E731
+    (s0, g0), (s1, g1) = gains[0], gains[-1]
+    text = f"in-context gain on the probe batch {f(g1)} at step {s1} ({f(g0)} at step {s0})"
+    if len(gains) > 1:
+        (a, ga), (b, gb) = max(zip(gains, gains[1:]), key=lambda p: p[1][1] - p[0][1])
+        text += f"; its largest rise, {f(ga)} to {f(gb)}, between steps {a} and {b}"
+    last = history[-1]
+    top = sorted(((last[key], l, h) for l, h, key in head_keys([last], "induction")), reverse=True)[:2]
+    if top:
+        text += "; top induction scores " + ", ".join(f"L{l}H{h} {f(v)}" for v, l, h in top)
+    return text

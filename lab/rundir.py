@@ -22,7 +22,7 @@ import torch
 from omegaconf import OmegaConf
 
 from data.loader import TokenData
-from lab.attnstats import AttentionProbe
+from lab.attnstats import AttentionProbe, induction_line
 from lab.cli import in_sweep, new_run_dir, remove_new_run_dir
 from lab.checkpoint import TrainState, last_good_checkpoint, latest_checkpoint, prune_checkpoints, save_checkpoint
 from lab.device import Runtime, is_oom
@@ -269,10 +269,12 @@ def summary(state: TrainState, run_dir: RunDir, compiled: bool, attn: list, metr
             "train_s": train_s, "probe_s": probe_s, "attn": attn, **metrics}
 
 
-def log_end(result: dict, updated: bool):
+def log_end(result: dict, updated: bool, master: bool = True):
     """The last line of a run's log (`result`: what train() returns): where it diverged (appended to its
     train.log alone: the console gets that line once, from stability.report_divergence), or its val loss
-    and the attention probes' share of the training time (`updated`: it took an optimizer step)."""
+    and the attention probes' share of the training time (`updated`: it took an optimizer step), after a
+    warning where it ended at the unigram loss (from rank 0 alone: the other ranks log warnings too) and a line on
+    the in-context gain where the probe measured it."""
     if result["diverged"]:
         train_log = Path(result["out_dir"]) / "train.log"
         if train_log.is_file():  # rank 0's
@@ -280,6 +282,10 @@ def log_end(result: dict, updated: bool):
                 f.write(f"[{time.strftime('%Y-%m-%d %H:%M:%S')}][{log.name}][WARNING] - {diverged_line(result)}; "
                         f"run dir {result['out_dir']}\n")
         return
+    if master and result.get("outcome") == "unigram":  # trained, but only to the loss of knowing token frequencies
+        log.warning("ended at the unigram loss: %s", result["outcome_why"])
+    if induction := induction_line(result["attn"]):  # when an induction head formed (every probe measures it)
+        log.info(induction)
     probe_s, train_s = result["probe_s"], result["train_s"]
     share = f" ({100 * probe_s / train_s:.2f}% of training time)" if train_s > 0 and updated else ""
     log.info("done: val loss %.4f (best %.4f) after %d steps; run dir %s; attention probes took %.2f s%s",

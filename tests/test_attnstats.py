@@ -6,8 +6,8 @@ import torch
 
 import attention as attention_module
 from attention import repeat_kv
-from lab.attnstats import (AttentionProbe, attention_stats, causal_scores, copy_losses, reading_qk, repeated_batch,
-                       role_rows)
+from lab.attnstats import (AttentionProbe, attention_stats, causal_scores, copy_losses, induction_line, reading_qk,
+                           repeated_batch, role_rows)
 from helpers import compose_cfg, wandb_summary
 from model import GPT, GPTConfig
 from tools.report import report
@@ -294,12 +294,20 @@ def test_a_bos_probe_repeats_the_span_after_bos():
     assert stats["incontext/loss_second"] == pytest.approx(second)
 
 
-def test_training_logs_head_roles_and_writes_maps_and_figure(train_cfg, tmp_path, monkeypatch):
+def test_training_logs_head_roles_and_writes_maps_and_figure(train_cfg, tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wandb_env"))
-    train(train_cfg("logger.plots=true", "train.max_iters=10", "train.log_attn_interval=5", "logger.wandb.mode=offline"))
+    with caplog.at_level("INFO", logger="attnlab"):
+        train(train_cfg("logger.plots=true", "train.max_iters=10", "train.log_attn_interval=5",
+                        "logger.wandb.mode=offline"))
     run = tmp_path / "run"
     probes = [m for m in read_metrics(run) if "attn_entropy/mean" in m]
     assert [m["step"] for m in probes] == [0, 5, 10]
+    # the end of the log says when the gain rose most, from the metrics file's gains
+    g = [m["incontext/gain"] for m in probes]
+    rise = max(range(2), key=lambda i: g[i + 1] - g[i])
+    said = f"in-context gain on the probe batch {g[2]:.3f} at step 10 ({g[0]:.3f} at step 0); its largest rise, {g[rise]:.3f} to " \
+           f"{g[rise + 1]:.3f}, between steps {5 * rise} and {5 * rise + 5}; top induction scores "
+    assert any(r.getMessage().startswith(said) for r in caplog.records), [r.getMessage() for r in caplog.records]
     for m in probes:
         for l in range(2):
             for name in ("prev", "first", "self", "dist", "induction"):
@@ -313,6 +321,21 @@ def test_training_logs_head_roles_and_writes_maps_and_figure(train_cfg, tmp_path
     assert summary["attention/maps._type"] == "image-file" and summary["attention/viewer._type"] == "html-file"
     assert "attn_induction/L1/H1" in summary and "incontext/gain" in summary
     assert (tmp_path / "report" / "attn_heads.png") in report([str(run)], tmp_path / "report")["files"]
+
+
+def test_the_induction_line_names_the_largest_rise_and_the_two_strongest_heads():
+    def line(step, gain, scores):
+        return {"step": step, "incontext/gain": gain,
+                **{f"attn_induction/L{l}/H{h}": v for (l, h), v in scores.items()}, "attn_induction/L1": 0.9}
+
+    scores = {(0, 0): 0.01, (0, 1): 0.02, (1, 0): 0.38, (1, 1): 0.05, (1, 2): 0.44}
+    history = [line(0, 0.0, scores), line(50, -0.1, scores), line(100, 0.9, scores), line(150, 1.3, scores)]
+    assert induction_line(history) == ("in-context gain on the probe batch 1.300 at step 150 (0.000 at step 0); its largest rise, "
+                                       "-0.100 to 0.900, between steps 50 and 100; "
+                                       "top induction scores L1H2 0.440, L1H0 0.380")
+    assert induction_line([line(0, 0.25, {})]) == "in-context gain on the probe batch 0.250 at step 0 (0.250 at step 0)"
+    assert induction_line([line(0, -0.0004, {})]).endswith(" 0.000 at step 0 (0.000 at step 0)")  # no -0.000
+    assert induction_line([{"step": 0, "attn_entropy/mean": 1.0}]) is None  # no repeated spans: no line
 
 
 def test_repeated_spans_source_is_lines_of_a_span_twice():

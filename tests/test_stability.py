@@ -469,10 +469,10 @@ def test_an_lr_sweep_compares_arms_at_equal_lr_never_across_lrs(tmp_path):
 # ----------------------------------------------------------------------------- a run's one outcome
 
 @pytest.mark.slow
-def test_a_run_that_learns_only_token_frequencies_ends_as_unigram(train_cfg, tmp_path):
+def test_a_run_that_learns_only_token_frequencies_ends_as_unigram(train_cfg, tmp_path, caplog):
     """Text of independent characters (a skewed five-letter alphabet) has nothing to learn but how often each
     comes: the run ends within the margin of the val split's unigram loss, which results.json records as
-    recomputed here from the prepared token files (counts + 1, in float64), and its outcome says so."""
+    recomputed here from the prepared token files (counts + 1, in float64), and its outcome and log say so."""
     import random
     from collections import Counter
 
@@ -481,8 +481,9 @@ def test_a_run_that_learns_only_token_frequencies_ends_as_unigram(train_cfg, tmp
     from train import train
     rng = random.Random(0)
     (tmp_path / "iid.txt").write_text("".join(rng.choices("abcde", weights=[50, 20, 15, 10, 5], k=30000)))
-    train(train_cfg("data=text", f"data.path={tmp_path / 'iid.txt'}", "train.max_iters=60", "train.lr=1e-2",
-                    "train.warmup_iters=5", "train.eval_interval=30"))
+    with caplog.at_level("INFO", logger="attnlab"):
+        train(train_cfg("data=text", f"data.path={tmp_path / 'iid.txt'}", "train.max_iters=60", "train.lr=1e-2",
+                        "train.warmup_iters=5", "train.eval_interval=30"))
     res = json.loads((tmp_path / "run" / "results.json").read_text())
     prepared = next((tmp_path / "cache").rglob("meta.json")).parent
     meta = json.loads((prepared / "meta.json").read_text())
@@ -491,6 +492,8 @@ def test_a_run_that_learns_only_token_frequencies_ends_as_unigram(train_cfg, tmp
     want = -sum(math.log((counts[t] + 1) / total) for t in val_ids) / len(val_ids)
     assert res["unigram_loss"] == pytest.approx(want, rel=1e-9)
     assert res["outcome"] == "unigram" and res["outcome_step"] == 60 and "unigram loss" in res["outcome_why"]
+    said = [r for r in caplog.records if r.levelname == "WARNING" and "ended at the unigram loss" in r.getMessage()]
+    assert len(said) == 1 and f"unigram loss {want:.3f}" in said[0].getMessage()
 
 
 def test_the_sweep_counts_each_outcome_and_names_the_unigram_runs(capsys):

@@ -1,6 +1,8 @@
 """The guided tour: docs/tour.md and docs/tour.zh.md show the same steps, commands and figures; every
-step's command runs and prints the figures its page quotes; notebooks/tour.ipynb and notebooks/tour.zh.ipynb are
-what scripts/make_notebooks.py makes from the pages, and the notebook runs from top to bottom.
+step's command, and every command of a "now change" paragraph that quotes figures, runs and prints the figures
+its page quotes (the notebook test checks the steps it runs as the page writes them, the chains the rest);
+notebooks/tour.ipynb and notebooks/tour.zh.ipynb are what scripts/make_notebooks.py makes from the pages, and the
+notebook runs from top to bottom.
 
 How a page is read (the pages say it to their readers too):
 - A step is a `## ` section that holds the marker `<!-- tour:step -->`; its command is the one line of
@@ -9,9 +11,9 @@ How a page is read (the pages say it to their readers too):
   Without brackets, the span's numbers occur in the output in the span's order (after an occurrence of
   the span's leading words, where it starts with words; the output may wrap between them, as
   tools/claims.py's columns do); a span without numbers occurs as written. A number followed by
-  `[LO, HI]` is a training run's figure and the range the page states for it: right after the last
+  `[LO, HI]` is a training run's figure and the range the page states for it: right after the first
   occurrence of the span's leading words the output's next numbers are the span's, a ranged one within
-  its range, the others as written.
+  its range, the others as written (after a `…`, the first number that fits).
 """
 import ast
 import base64
@@ -23,6 +25,7 @@ import json
 import os
 import posixpath
 import re
+import shlex
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -41,6 +44,7 @@ NUMBER = re.compile(r"(?<![A-Za-z0-9_.^])[-+−]?\d+(?:,\d{3})*(?:\.\d+)?(?:e[-+
 RANGED = re.compile(r"\[\s*([-+−]?[\d.]+(?:e[-+]\d+)?)\s*,\s*([-+−]?[\d.]+(?:e[-+]\d+)?)\s*\]")  # [LO, HI]
 IMAGE = re.compile(r"!\[[^\]]*\]\(([^)\s]+)\)")
 LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s#]+)(?:#[^)]*)?\)")
+NO_WANDB = {"WANDB_MODE": "disabled"}  # for the commands the tests run: W&B's start costs seconds per run
 STEP_TIMEOUT = 1200  # seconds; the page promises at most 3 minutes on two idle cores
 
 
@@ -50,8 +54,8 @@ class Step:
     command: str
     figures: list  # the bold spans the step's command prints
     text: str
-    change: str = ""  # the command of its "now change" paragraph, where that paragraph quotes bold figures
-    change_figures: list = None  # those figures: what `change` prints
+    changes: list = None  # [(command, figures)]: the commands of its "now change" paragraph, each with the bold
+    # figures the paragraph quotes from what it prints
 
 
 def steps_of(page: str) -> list:
@@ -68,22 +72,38 @@ def steps_of(page: str) -> list:
         assert len(lines) == 1, f"step {section.splitlines()[0]!r}: the command is one line, not {lines}"
         command = lines[0].strip()
         para = next((m.group() for rx in NOW_CHANGE.values() for m in [rx.search(section)] if m), "")
-        change_figures = FIGURE.findall(para)
         figures = FIGURE.findall(section.replace(para, "")) if para else FIGURE.findall(section)
-        found.append(Step(section.splitlines()[0].strip(), command, figures, section,
-                          change_command(command, para) if change_figures else "", change_figures))
+        found.append(Step(section.splitlines()[0].strip(), command, figures, section, change_commands(command, para)))
     return found
 
 
-def change_command(command: str, para: str) -> str:
-    """The command a "now change" paragraph asks for: its own (a code span starting with python), or the step's
-    command with the paragraph's settings (its code spans holding an =) added, each replacing the same key."""
-    spans = re.findall(r"(?<!\*)`([^`]+)`(?!\*)", para)
-    own = next((c for c in spans if re.match(r"(OMP_NUM_THREADS=1 )?python3? ", c)), None)
-    if own:
-        return own
+OWN = re.compile(r"(OMP_NUM_THREADS=1 )?python3? ")
+
+
+def change_commands(command: str, para: str) -> list:
+    """[(command, figures)] of a "now change" paragraph that quotes bold figures, in the paragraph's order: each
+    command of its own (a code span starting with python), and, where settings (code spans holding an =) come
+    before the first of those, the step's command with them added, each replacing the same key. A figure is
+    what the command before it prints (the first command's, before any)."""
+    groups, settings = [], []
+    for m in re.finditer(r"\*\*`([^`]+)`\*\*|`([^`]+)`", para):
+        figure, span = m.groups()
+        if figure is not None:
+            if not groups:  # the step's command with the settings before it, or the command quoted next
+                groups.append([with_settings(command, settings) if settings else "", []])
+            groups[-1][1].append(figure)
+        elif OWN.match(span):
+            if groups and not groups[-1][0]:  # the figures quoted before any command
+                groups[-1][0] = span
+            else:
+                groups.append([span, []])
+        elif "=" in span and not groups:
+            settings.append(span)
+    return [(c, f) for c, f in groups if f]
+
+
+def with_settings(command: str, settings: list) -> str:
     key = lambda token: token.strip("\"'").split("=", 1)[0]  # noqa: E731
-    settings = [c for c in spans if "=" in c]
     return " ".join([t for t in command.split() if "=" not in t or key(t) not in {key(c) for c in settings}] + settings)
 
 
@@ -224,9 +244,8 @@ def test_both_pages_have_the_same_steps_commands_and_figures():
     en, zh = steps_of(page("en")), steps_of(page("zh"))
     assert len(en) >= 12 and len(en) == len(zh), (len(en), len(zh))
     for a, b in zip(en, zh):
-        assert a.command == b.command and a.change == b.change, (a.title, b.title)
+        assert a.command == b.command and a.changes == b.changes, (a.title, b.title)
         assert a.figures == b.figures, (a.title, b.title, set(a.figures) ^ set(b.figures))
-        assert a.change_figures == b.change_figures, (a.title, b.title)
 
 
 NOW_CHANGE = {"en": re.compile(r"^Now change\b.*?(?=\n\n|\Z)", re.M | re.S),
@@ -267,7 +286,7 @@ def test_ranged_figures_come_only_from_training_steps():
     """A figure with a range belongs to a step that trains (train.py) or reads a trained run; counted and
     seeded figures are quoted exactly."""
     for step in steps_of(page()):
-        for command, figures in ((step.command, step.figures), (step.change, step.change_figures or [])):
+        for command, figures in [(step.command, step.figures), *step.changes]:
             ranged = [f for f in figures if any(r for _, r, _ in figure_items(f))]
             if ranged:
                 assert re.search(r"train\.py|ckpt=|report\.py|--out", command), (step.title, ranged)
@@ -462,8 +481,19 @@ def test_in_a_venv_that_already_holds_torch_the_install_downloads_no_torch(tmp_p
 
 # ----------------------------------------------------------------------------- running it (slow)
 
+def as_written_in_the_notebook(command: str) -> bool:
+    """Does the notebook test (at its FAST settings, which cut training short) run this command as the page writes
+    it? Its own assertion checks this against what the notebook printed."""
+    shortened = re.search(r"\btrain\.max_iters=|\bseed=\d+,", command)
+    return not shortened and ("tools/claims.py" not in command or "--quick" in command.split())
+
+
 STEPS = steps_of(page()) if PAGES["en"].is_file() else []
-CHAINS = chains(STEPS)
+# the steps whose own command the notebook test runs as written and checks (each reads and writes nothing another
+# step uses); the chains run every other command, and every "now change" command
+IN_THE_NOTEBOOK = [i for group in chains(STEPS) if len(group) == 1 for i in group
+                   if as_written_in_the_notebook(STEPS[i].command)]
+CHAINS = [c for c in chains(STEPS) if any(i not in IN_THE_NOTEBOOK or STEPS[i].changes for i in c)]
 
 
 @pytest.fixture(scope="module")
@@ -474,33 +504,37 @@ def workdir(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.parametrize("chain", CHAINS, ids=["step" + "+".join(str(i + 1) for i in c) for c in CHAINS])
 def test_each_steps_command_runs_and_prints_the_figures_the_page_quotes(chain, workdir):
-    """In a fresh directory (its outputs/ stays out of the checkout), every command of the chain in turn."""
+    """In a fresh directory (its outputs/ stays out of the checkout), every command of the chain in turn (but the
+    steps the notebook test runs as written and checks), with W&B off (WANDB_MODE=disabled: it prints nothing the
+    page quotes, and its offline runs are tested elsewhere)."""
     wrong = []
     cwd = workdir / f"chain{chain[0] + 1}"
     (cwd / "outputs" / "tour").mkdir(parents=True)  # as the steps before it leave it (the first step that writes there makes it)
     for i in chain:
         step = STEPS[i]
-        r = subprocess.run(runnable(step.command), shell=True, cwd=cwd, capture_output=True, text=True,
-                           timeout=STEP_TIMEOUT, env=cli_env())
-        assert r.returncode == 0, f"step {i + 1} ({step.command}) failed:\n{r.stderr[-3000:]}"
-        wrong += [f"step {i + 1}: {why}" for why in (check_figure(f, r.stdout + r.stderr) for f in step.figures) if why]
-        if step.change:  # its "now change" paragraph quotes what another command prints: run that one too
-            r = subprocess.run(runnable(step.change), shell=True, cwd=cwd, capture_output=True, text=True,
-                               timeout=STEP_TIMEOUT, env=cli_env())
-            assert r.returncode == 0, f"step {i + 1}'s change ({step.change}) failed:\n{r.stderr[-3000:]}"
+        if i not in IN_THE_NOTEBOOK:  # else the notebook test runs it and checks its figures
+            r = subprocess.run(runnable(step.command), shell=True, cwd=cwd, capture_output=True, text=True,
+                               timeout=STEP_TIMEOUT, env=cli_env(NO_WANDB))
+            assert r.returncode == 0, f"step {i + 1} ({step.command}) failed:\n{r.stderr[-3000:]}"
+            wrong += [f"step {i + 1}: {why}" for why in (check_figure(f, r.stdout + r.stderr) for f in step.figures)
+                      if why]
+        for command, figures in step.changes:  # its "now change" paragraph quotes what other commands print
+            r = subprocess.run(runnable(command), shell=True, cwd=cwd, capture_output=True, text=True,
+                               timeout=STEP_TIMEOUT, env=cli_env(NO_WANDB))
+            assert r.returncode == 0, f"step {i + 1}'s change ({command}) failed:\n{r.stderr[-3000:]}"
             wrong += [f"step {i + 1}, now change: {why}" for why in
-                      (check_figure(f, r.stdout + r.stderr) for f in step.change_figures) if why]
+                      (check_figure(f, r.stdout + r.stderr) for f in figures) if why]
     assert not wrong, "\n".join(wrong)
 
 
 @pytest.mark.slow
 def test_the_notebook_runs_from_top_to_bottom(tmp_path):
     """Executed by a Jupyter kernel (nbclient) from notebooks/, as a reader opens it in a checkout (no setting
-    needed), at small settings (TOUR_FAST=1), writing under tmp_path."""
+    needed), at small settings (TOUR_FAST=1), writing under tmp_path, with W&B off."""
     nbformat = pytest.importorskip("nbformat")
     nbclient = pytest.importorskip("nbclient")
     nb = nbformat.read(NOTEBOOKS["en"], as_version=4)
-    env = {"TOUR_FAST": "1", "TOUR_OUT": str(tmp_path / "out")}
+    env = {"TOUR_FAST": "1", "TOUR_OUT": str(tmp_path / "out"), **NO_WANDB}
     old = {k: os.environ.get(k) for k in env}
     os.environ.update(env)  # the kernel inherits the test's environment
     try:
@@ -511,6 +545,15 @@ def test_the_notebook_runs_from_top_to_bottom(tmp_path):
             os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
     ran = [c for c in nb.cells if c.cell_type == "code"]
     assert all(c.execution_count for c in ran)
+    wrong = []
+    for i in IN_THE_NOTEBOOK:  # the steps it runs as the page writes them: their figures, as the chains check the rest
+        step = STEPS[i]
+        cell = next(c for c in ran if c.source.startswith(f"run({json.dumps(step.command, ensure_ascii=False)})"))
+        printed = "".join(o.get("text", "") for o in cell.outputs)
+        as_run = printed.splitlines()[0].replace(env["TOUR_OUT"], "outputs/tour")
+        assert shlex.split(as_run) == ["$", *shlex.split(step.command)], (as_run, step.command)  # as written
+        wrong += [f"step {i + 1}: {why}" for why in (check_figure(f, printed) for f in step.figures) if why]
+    assert not wrong, "\n".join(wrong)
     printed = "".join(o.get("text", "") for o in ran[0].outputs)
     assert f"attnlab at {REPO}" in printed, printed  # found the checkout, cloned nothing
     images = sum(1 for c in ran for o in c.outputs if "image/png" in o.get("data", {}))

@@ -309,12 +309,16 @@ def write_png(maps, stats, labels, path, title="", kinds=None, notes=None, effec
             if torch.isnan(maps[l, h]).all():  # a kind with no map
                 ax.set_title(f"L{l} H{h}  {kinds[l]}", fontsize=8)
                 ax.text(0.5, 0.5, "no softmax weights", transform=ax.transAxes, ha="center", va="center", fontsize=8)
-            if labelled:
-                ticks = range(T)
+            # the tokens along the outer panels' axes only (every panel's are the same; ticks on all of them
+            # took more than a second to draw for a small model's grid)
+            ticks = range(T)
+            if labelled and l == L - 1:
                 ax.set_xticks(ticks, [labels[j] for j in ticks], fontsize=font, rotation=90, family="monospace")
-                ax.set_yticks(ticks, [labels[i] for i in ticks], fontsize=font, family="monospace")
             else:
                 ax.set_xticks([])
+            if labelled and h == 0:
+                ax.set_yticks(ticks, [labels[i] for i in ticks], fontsize=font, family="monospace")
+            else:
                 ax.set_yticks([])
             if l == L - 1:
                 ax.set_xlabel("key", fontsize=7)
