@@ -173,7 +173,8 @@ def runnable(command: str) -> str:
     (what it writes under outputs/ then lands there, not in the checkout)."""
     command = re.sub(r"^((?:\w+=\S*\s+)*)python3?\s+(\S+\.py)",
                      lambda m: f"{m.group(1)}{sys.executable} {REPO / m.group(2)}", command)
-    return re.sub(r"^python3? -c ", lambda m: f"{sys.executable} -c ", command)  # a snippet: this Python too
+    # a snippet: this Python too, importing the checkout's modules as it does from the repository root
+    return re.sub(r"^python3? -c ", lambda m: f"PYTHONPATH={shlex.quote(str(REPO))} {sys.executable} -c ", command)
 
 
 def chains(steps: list) -> list:
