@@ -452,7 +452,9 @@ def induction_line(history: list):
     gains = [(line["step"], line["incontext/gain"]) for line in history if "incontext/gain" in line]
     if not gains:
         return None
-    f = lambda x: f"{x:.3f}".replace("-0.000", "0.000")  # noqa: E731
+    def f(x):
+        return f"{x:.3f}".replace("-0.000", "0.000")
+
     (s0, g0), (s1, g1) = gains[0], gains[-1]
     text = f"in-context gain on the probe batch {f(g1)} at step {s1} ({f(g0)} at step {s0})"
     if len(gains) > 1:

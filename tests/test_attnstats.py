@@ -305,8 +305,8 @@ def test_training_logs_head_roles_and_writes_maps_and_figure(train_cfg, tmp_path
     # the end of the log says when the gain rose most, from the metrics file's gains
     g = [m["incontext/gain"] for m in probes]
     rise = max(range(2), key=lambda i: g[i + 1] - g[i])
-    said = f"in-context gain on the probe batch {g[2]:.3f} at step 10 ({g[0]:.3f} at step 0); its largest rise, {g[rise]:.3f} to " \
-           f"{g[rise + 1]:.3f}, between steps {5 * rise} and {5 * rise + 5}; top induction scores "
+    said = (f"in-context gain on the probe batch {g[2]:.3f} at step 10 ({g[0]:.3f} at step 0); its largest rise, "
+            f"{g[rise]:.3f} to {g[rise + 1]:.3f}, between steps {5 * rise} and {5 * rise + 5}; top induction scores ")
     assert any(r.getMessage().startswith(said) for r in caplog.records), [r.getMessage() for r in caplog.records]
     for m in probes:
         for l in range(2):
@@ -330,12 +330,13 @@ def test_the_induction_line_names_the_largest_rise_and_the_two_strongest_heads()
 
     scores = {(0, 0): 0.01, (0, 1): 0.02, (1, 0): 0.38, (1, 1): 0.05, (1, 2): 0.44}
     history = [line(0, 0.0, scores), line(50, -0.1, scores), line(100, 0.9, scores), line(150, 1.3, scores)]
-    assert induction_line(history) == ("in-context gain on the probe batch 1.300 at step 150 (0.000 at step 0); its largest rise, "
-                                       "-0.100 to 0.900, between steps 50 and 100; "
+    assert induction_line(history) == ("in-context gain on the probe batch 1.300 at step 150 (0.000 at step 0); "
+                                       "its largest rise, -0.100 to 0.900, between steps 50 and 100; "
                                        "top induction scores L1H2 0.440, L1H0 0.380")
-    assert induction_line([line(0, 0.25, {})]) == "in-context gain on the probe batch 0.250 at step 0 (0.250 at step 0)"
+    one = "in-context gain on the probe batch 0.250 at step 0 (0.250 at step 0)"
+    assert induction_line([line(0, 0.25, {})]) == one
     assert induction_line([line(0, -0.0004, {})]).endswith(" 0.000 at step 0 (0.000 at step 0)")  # no -0.000
-    assert induction_line([{"step": 0, "attn_entropy/mean": 1.0}]) is None  # no repeated spans: no line
+    assert induction_line([{"step": 0, "attn_entropy/mean": 1.0}]) is None  # no gain measured: no line
 
 
 def test_repeated_spans_source_is_lines_of_a_span_twice():
