@@ -232,6 +232,19 @@ def test_a_figure_the_output_does_not_print_fails(span):
     assert check_figure(span, CLAIMS_LIKE) != ""
 
 
+def test_a_now_change_paragraphs_figures_belong_to_the_command_before_them():
+    para = ("Now change it: add `train.lr=1e-2` and `hydra.run.dir=outputs/tour/b` (not `d_k`), and see "
+            "**`done: val loss 2.1 [2.0, 2.2]`**. Then report, `python tools/report.py outputs/tour/b`: "
+            "**`+0.29 [0.1, 0.4]`** and **`3 runs`**. Last, `python -c \"print(1)\"` alone.")
+    step = "python train.py experiment=x train.lr=3e-3 hydra.run.dir=outputs/tour/a"
+    assert change_commands(step, para) == [
+        ("python train.py experiment=x train.lr=1e-2 hydra.run.dir=outputs/tour/b", ["done: val loss 2.1 [2.0, 2.2]"]),
+        ("python tools/report.py outputs/tour/b", ["+0.29 [0.1, 0.4]", "3 runs"])]  # the snippet quotes none
+    before = "It prints **`0.605`** when you run `python -c \"print(0.605)\"`."
+    assert change_commands(step, before) == [('python -c "print(0.605)"', ["0.605"])]
+    assert change_commands(step, "Now change the seed: add `seed=2` and look.") == []  # no figure: nothing to run
+
+
 def test_numbers_are_read_as_the_tools_print_them_and_names_are_no_numbers():
     assert [m.group() for m in NUMBER.finditer("L1H3 x10 d_k 5,120 tokens 4e-16, 0e+00 −0.035 (1/51) 91.8%")] == [
         "5,120", "4e-16", "0e+00", "−0.035", "1", "51", "91.8"]
