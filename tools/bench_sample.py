@@ -239,15 +239,15 @@ def profile_step(model, mcfg, rt, threads: int, bandwidth: float, context: int, 
     with rt.autocast():
         products = 1e3 * one_row_products(model, device)
     bound = 1e3 * decode_bytes(mcfg, 1, context) / bandwidth
-    weight_bytes = sum(w.numel() * w.element_size() for w in product_weights(model))
+    products_gbs = sum(w.numel() * w.element_size() for w in product_weights(model)) / products / 1e6  # bytes/ms
     reads = memory_bandwidth(device, threads, read_only=True)
     print(f"the one-row products alone (every block Linear and the LM head, best of 7): {products:.3f} ms per step, "
           f"{100 * products / step_ms:.0f}% of the eager step; they read their weights at "
-          f"{weight_bytes / products / 1e6:.1f} GB/s, where a sum reads at {reads / 1e9:.1f}")
+          f"{products_gbs:.1f} GB/s, where a sum reads at {reads / 1e9:.1f}")
     print(f"the bandwidth bound (weights + KV at context {context}, {bandwidth / 1e9:.1f} GB/s): "
           f"{bound:.3f} ms per step")
     return {"step_ms": step_ms, "profiled_ms": profiled_ms, "parts": parts, "products_ms": products, "bound_ms": bound,
-            "products_gbs": weight_bytes / products / 1e6, "read_gbs": reads / 1e9}
+            "products_gbs": products_gbs, "read_gbs": reads / 1e9}
 
 
 def bench_sample(cfg) -> dict:
